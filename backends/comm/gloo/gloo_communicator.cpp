@@ -1,0 +1,186 @@
+#include "comm/gloo/gloo_communicator.h"
+
+#include <ATen/ATen.h>
+
+#include "comm/work_util.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain::comm {
+namespace {
+
+/// Gloo (1.13) has no bf16 type, but moving bytes does not care: a bf16 tensor
+/// viewed as float16 arrives bit-exact.
+at::Tensor as_wire_bytes(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+}
+
+bool is_low_precision(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  return op == ReduceOp::kMax ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+class GlooWork final : public Work {
+ public:
+  GlooWork(compat::WorkHandle work, std::string description, std::chrono::milliseconds timeout,
+           std::function<void()> finalize)
+      : work_(std::move(work)), description_(std::move(description)), timeout_(timeout),
+        finalize_(std::move(finalize)) {}
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return;
+    try {
+      // Gloo's own context timeout fires first; the margin keeps ours from racing it.
+      work_->wait(timeout_ + std::chrono::seconds(5));
+    } catch (const std::exception& failure) {
+      rethrow_collective_failure(description_, timeout_, failure);
+    }
+    if (finalize_) finalize_();
+    finalize_ = nullptr;
+    done_ = true;
+  }
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_ || work_->isCompleted();
+  }
+
+ private:
+  std::mutex mutex_;
+  compat::WorkHandle work_;
+  std::string description_;
+  std::chrono::milliseconds timeout_;
+  std::function<void()> finalize_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(compat::StorePtr store, int rank, int world_size,
+                                   std::vector<int> global_ranks, CommOptions options,
+                                   std::string hostname, std::string store_prefix)
+    : Communicator(rank, world_size, std::move(global_ranks), options),
+      root_store_(std::move(store)), hostname_(std::move(hostname)),
+      store_prefix_(std::move(store_prefix)) {
+  try {
+    group_ = compat::make_gloo_group(compat::make_prefix_store(store_prefix_, root_store_), rank,
+                                     world_size, options.timeout, hostname_, /*threads=*/2);
+  } catch (const std::exception& failure) {
+    ST_THROW(TimeoutError, "rank ", rank, " of ", world_size, " waited ", options.timeout.count(),
+             " ms for all ", world_size, " ranks of the group to connect (Gloo full-mesh rendezvous, store prefix '",
+             store_prefix_, "') and some did not: check that every rank started and creates the same "
+             "groups in the same order. Backend said: ", backend_message(failure));
+  }
+}
+
+WorkPtr GlooCommunicator::wrap(compat::WorkHandle work, const CollectiveEvent& event,
+                               std::function<void()> finalize) {
+  return std::make_shared<GlooWork>(std::move(work), describe(event), options().timeout,
+                                    std::move(finalize));
+}
+
+WorkPtr GlooCommunicator::do_all_gather(const at::Tensor& output, const at::Tensor& input,
+                                        const CollectiveEvent& event) {
+  at::Tensor wire_out = as_wire_bytes(output);
+  std::vector<at::Tensor> inputs{as_wire_bytes(input)};
+  // Views into the flat output: Gloo copies each rank's chunk straight into place.
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  outputs[0] = wire_out.view({world_size(), input.numel()}).unbind(0);
+  try {
+    return wrap(group_->allgather(outputs, inputs), event, nullptr);
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                            ReduceOp op, const CollectiveEvent& event) {
+  const int64_t chunk = output.numel();
+  // Row w of `received` is rank w's copy of this rank's chunk.
+  at::Tensor received = at::empty({world_size(), chunk}, input.options());
+  at::Tensor wire_in = as_wire_bytes(input);
+  at::Tensor wire_received = as_wire_bytes(received);
+  std::vector<int64_t> equal_splits;  // empty = equal splits
+  const int world = world_size();
+  auto finalize = [output, received, op, world]() mutable {
+    const at::ScalarType accumulate_dtype =
+        is_low_precision(output.scalar_type()) ? at::kFloat : output.scalar_type();
+    // Explicit rank-order accumulation: the result does not depend on how
+    // ATen would vectorise a dim-0 reduction for this shape.
+    at::Tensor acc = received.select(0, 0).to(accumulate_dtype, /*non_blocking=*/false, /*copy=*/true);
+    for (int w = 1; w < world; ++w) {
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(acc, acc, received.select(0, w).to(accumulate_dtype));
+      } else {
+        acc.add_(received.select(0, w).to(accumulate_dtype));
+      }
+    }
+    if (op == ReduceOp::kAvg) acc.div_(world);
+    output.copy_(acc);
+  };
+  try {
+    return wrap(group_->alltoall_base(wire_received, wire_in, equal_splits, equal_splits), event,
+                std::move(finalize));
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+WorkPtr GlooCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op,
+                                        const CollectiveEvent& event) {
+  const bool widen = is_low_precision(tensor.scalar_type());
+  at::Tensor buffer = widen ? tensor.to(at::kFloat) : tensor;
+  std::vector<at::Tensor> tensors{buffer};
+  c10d::AllreduceOptions reduce_options;
+  reduce_options.reduceOp = to_c10d(op);
+  const int world = world_size();
+  std::function<void()> finalize;
+  if (widen || op == ReduceOp::kAvg) {
+    finalize = [tensor, buffer, widen, op, world]() mutable {
+      if (op == ReduceOp::kAvg) buffer.div_(world);
+      if (widen) tensor.copy_(buffer);
+    };
+  }
+  try {
+    return wrap(group_->allreduce(tensors, reduce_options), event, std::move(finalize));
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+WorkPtr GlooCommunicator::do_broadcast(const at::Tensor& tensor, int root,
+                                       const CollectiveEvent& event) {
+  std::vector<at::Tensor> tensors{as_wire_bytes(tensor)};
+  c10d::BroadcastOptions broadcast_options;
+  broadcast_options.rootRank = root;
+  try {
+    return wrap(group_->broadcast(tensors, broadcast_options), event, nullptr);
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+void GlooCommunicator::do_barrier() {
+  CollectiveEvent event{"barrier", at::kFloat, 0, 0};
+  try {
+    wrap(group_->barrier(), event, nullptr)->wait();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+std::shared_ptr<Communicator> GlooCommunicator::do_new_group(const std::vector<int>& ranks,
+                                                             int64_t group_index) {
+  std::vector<int> global;
+  global.reserve(ranks.size());
+  for (int r : ranks) global.push_back(global_ranks()[r]);
+  const int my_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+  return std::make_shared<GlooCommunicator>(root_store_, my_index, static_cast<int>(ranks.size()),
+                                            std::move(global), options(), hostname_,
+                                            store_prefix_ + "g" + std::to_string(group_index) + "/");
+}
+
+}  // namespace shardtrain::comm

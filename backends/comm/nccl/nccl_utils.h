@@ -1,0 +1,81 @@
+#pragma once
+// Error checking and device scoping for the NCCL backend (private header).
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "shardtrain/error.h"
+
+namespace shardtrain::comm::nccl_detail {
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
+  // A failed runtime call also leaves its (non-sticky) error as the thread's
+  // "last error"; clear it so the next kernel launch's cudaGetLastError check
+  // does not report this failure a second time.
+  (void)cudaGetLastError();
+  ::shardtrain::detail::throw_with_location<::shardtrain::Error>(
+      file, line, "",
+      ::shardtrain::detail::concat("CUDA call `", call, "` failed: ", cudaGetErrorName(status), " (",
+                                   cudaGetErrorString(status), ")"));
+}
+
+[[noreturn]] inline void throw_nccl_error(ncclResult_t status, const char* call, const char* file, int line) {
+  // ncclGetLastError carries the detail (which peer, which socket, which
+  // environment variable); the error code alone rarely says what to fix.
+  const char* detail = ncclGetLastError(nullptr);
+  ::shardtrain::detail::throw_with_location<::shardtrain::Error>(
+      file, line, "",
+      ::shardtrain::detail::concat("NCCL call `", call, "` failed: ", ncclGetErrorString(status),
+                                   detail != nullptr && *detail != '\0' ? "; " : "",
+                                   detail != nullptr ? detail : ""));
+}
+
+/// Makes `device` current for a scope and restores the previous device. Every
+/// entry point of the backend uses it: the caller may have any device current
+/// (one process can drive several GPUs), while NCCL, the stream and the events
+/// of a communicator all belong to its own device.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device);
+  ~CudaDeviceGuard() {
+    if (previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int previous_ = -1;
+};
+
+}  // namespace shardtrain::comm::nccl_detail
+
+/// Throws shardtrain::Error naming the call, CUDA's error name and text, and file:line.
+#define ST_CHECK_CUDA(call)                                                                   \
+  do {                                                                                        \
+    const cudaError_t st_cuda_status_ = (call);                                               \
+    if (st_cuda_status_ != cudaSuccess) {                                                     \
+      ::shardtrain::comm::nccl_detail::throw_cuda_error(st_cuda_status_, #call, __FILE__, __LINE__); \
+    }                                                                                         \
+  } while (false)
+
+/// Throws shardtrain::Error naming the call, NCCL's error text and last-error detail,
+/// and file:line. Any result but ncclSuccess is an error here, ncclInProgress
+/// included: calls on a non-blocking communicator go through
+/// NcclCommunicator's own check, which waits those out.
+#define ST_CHECK_NCCL(call)                                                                   \
+  do {                                                                                        \
+    const ncclResult_t st_nccl_status_ = (call);                                              \
+    if (st_nccl_status_ != ncclSuccess) {                                                     \
+      ::shardtrain::comm::nccl_detail::throw_nccl_error(st_nccl_status_, #call, __FILE__, __LINE__); \
+    }                                                                                         \
+  } while (false)
+
+namespace shardtrain::comm::nccl_detail {
+
+inline CudaDeviceGuard::CudaDeviceGuard(int device) : device_(device) {
+  ST_CHECK_CUDA(cudaGetDevice(&previous_));
+  if (previous_ != device_) ST_CHECK_CUDA(cudaSetDevice(device_));
+}
+
+}  // namespace shardtrain::comm::nccl_detail

@@ -1,0 +1,27 @@
+# LibTorch integration: what we link, whether LibTorch itself has CUDA, and
+# where the gloo headers that c10d's ProcessGroupGloo.hpp includes live.
+#
+# Debian's libtorch-dev (1.13.1, CPU) is the default; any other LibTorch is
+# picked up through CMAKE_PREFIX_PATH (e.g. -DCMAKE_PREFIX_PATH=/opt/libtorch).
+
+set(SHARDTRAIN_TORCH_TARGET ${TORCH_LIBRARIES})
+
+if(TARGET torch_cuda)
+  set(SHARDTRAIN_TORCH_HAS_CUDA ON)
+else()
+  set(SHARDTRAIN_TORCH_HAS_CUDA OFF)
+endif()
+
+# c10d's Gloo headers include <gloo/...>. Debian installs them from libgloo-dev
+# under /usr/include; LibTorch zips ship their own copy under include/.
+find_path(SHARDTRAIN_GLOO_INCLUDE_DIR gloo/config.h
+  HINTS ${TORCH_INCLUDE_DIRS}
+  DOC "Directory that contains gloo/config.h")
+if(NOT SHARDTRAIN_GLOO_INCLUDE_DIR)
+  message(FATAL_ERROR
+    "gloo headers not found (gloo/config.h). c10d's ProcessGroupGloo needs them.\n"
+    "On Debian: apt-get install libgloo-dev (scripts/setup does this).")
+endif()
+set(SHARDTRAIN_GLOO_INCLUDE_DIRS ${SHARDTRAIN_GLOO_INCLUDE_DIR})
+
+message(STATUS "shardtrain: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA in LibTorch: ${SHARDTRAIN_TORCH_HAS_CUDA}")

@@ -1,0 +1,77 @@
+#pragma once
+/// @file unit.h
+/// How a model marks its sharding units.
+///
+/// LibTorch's C++ modules have no forward hooks and forward() is not virtual,
+/// so an engine cannot intercept an arbitrary module's call the way Python
+/// FSDP and DeepSpeed do. Models cooperate instead: a module that may become a
+/// sharding unit (a transformer block, a decoder layer) inherits shardtrain::Unit
+/// next to torch::nn::Module, names its class, and runs its forward body
+/// through run_unit(). With no engine attached run_unit() is a plain call.
+///
+///     struct TinyBlockImpl : torch::nn::Module, shardtrain::Unit {
+///       TinyBlockImpl() : Unit("TinyBlock") { ... }
+///       at::Tensor forward(const at::Tensor& x) {
+///         return run_unit(x, [&](const at::Tensor& h) { return h + mlp(norm(h)); });
+///       }
+///     };
+///
+/// The Accelerate wrap policy (`fsdp_transformer_layer_cls_to_wrap: TinyBlock`)
+/// selects units by this class name; parameters outside every selected unit
+/// belong to the root unit, which the prepared model gathers around the whole
+/// forward.
+
+#include <string>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+namespace shardtrain {
+
+class Unit;
+
+/// The engine side of the protocol (implemented by the zero and fsdp engines).
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  /// Makes the unit's parameters usable (all-gather, wait for prefetch).
+  virtual void before_unit_forward(Unit& unit) = 0;
+  /// Receives the unit's output; may release parameters and attach backward
+  /// hooks to the output. Returns the tensor the model continues with.
+  virtual at::Tensor after_unit_forward(Unit& unit, at::Tensor output) = 0;
+};
+
+class Unit {
+ public:
+  explicit Unit(std::string class_name) : unit_class_name_(std::move(class_name)) {}
+  virtual ~Unit() = default;
+
+  /// The name wrap policies match, e.g. "LlamaDecoderLayer".
+  const std::string& unit_class_name() const { return unit_class_name_; }
+
+  /// Called by engines when they take over (nullptr detaches).
+  void attach_unit_hooks(UnitHooks* hooks, int unit_index) {
+    hooks_ = hooks;
+    unit_index_ = unit_index;
+  }
+  UnitHooks* unit_hooks() const { return hooks_; }
+  /// Index the engine gave this unit; -1 while detached.
+  int unit_index() const { return unit_index_; }
+
+ protected:
+  /// Runs `body(input)` between the engine's hooks. Call it from forward().
+  template <typename Body>
+  at::Tensor run_unit(const at::Tensor& input, Body&& body) {
+    if (hooks_ == nullptr) return body(input);
+    hooks_->before_unit_forward(*this);
+    at::Tensor output = body(input);
+    return hooks_->after_unit_forward(*this, std::move(output));
+  }
+
+ private:
+  std::string unit_class_name_;
+  UnitHooks* hooks_ = nullptr;
+  int unit_index_ = -1;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,77 @@
+#include "comm/work_util.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include <c10/util/Exception.h>
+
+#include "shardtrain/error.h"
+
+namespace shardtrain::comm {
+namespace {
+
+class CompletedWork final : public Work {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+class ThenWork final : public Work {
+ public:
+  ThenWork(WorkPtr inner, std::function<void()> then) : inner_(std::move(inner)), then_(std::move(then)) {}
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return;
+    inner_->wait();
+    if (then_) then_();
+    then_ = nullptr;
+    done_ = true;
+  }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_ || inner_->is_completed();
+  }
+
+ private:
+  std::mutex mutex_;
+  WorkPtr inner_;
+  std::function<void()> then_;
+  bool done_ = false;
+};
+
+bool looks_like_timeout(std::string message) {
+  std::transform(message.begin(), message.end(), message.begin(), ::tolower);
+  return message.find("timed out") != std::string::npos ||
+         message.find("timeout") != std::string::npos;
+}
+
+}  // namespace
+
+std::string backend_message(const std::exception& failure) {
+  // c10::Error::what() carries a full C++ backtrace; users need the first line.
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&failure)) {
+    return c10_error->what_without_backtrace();
+  }
+  return failure.what();
+}
+
+WorkPtr completed_work() { return std::make_shared<CompletedWork>(); }
+
+WorkPtr then_work(WorkPtr inner, std::function<void()> then) {
+  return std::make_shared<ThenWork>(std::move(inner), std::move(then));
+}
+
+void rethrow_collective_failure(const std::string& description, std::chrono::milliseconds timeout,
+                                const std::exception& failure) {
+  const std::string said = backend_message(failure);
+  if (looks_like_timeout(said)) {
+    ST_THROW(TimeoutError, description, " did not complete within the timeout of ", timeout.count(),
+             " ms: a peer rank did not join or died. Every rank must call the same collectives in "
+             "the same order; if the job is just slow, raise the timeout (SHARDTRAIN_COMM_TIMEOUT_S). "
+             "The communicator cannot be used after this. Backend said: ",
+             said);
+  }
+  ST_THROW(Error, description, " failed: ", said);
+}
+
+}  // namespace shardtrain::comm

@@ -1,0 +1,28 @@
+#pragma once
+// Small Work implementations shared by the backends (not a public header).
+
+#include <functional>
+#include <mutex>
+
+#include "shardtrain/comm/communicator.h"
+
+namespace shardtrain::comm {
+
+/// A collective that finished while it was issued (world size 1, empty tensors).
+WorkPtr completed_work();
+
+/// Runs `then` once, after `inner` completes, inside wait(). Used for work
+/// that must follow the transfer on the host: copying out of a padded
+/// buffer, a local reduction, a cast back to the caller's dtype.
+WorkPtr then_work(WorkPtr inner, std::function<void()> then);
+
+/// The backend's message without the C++ backtrace c10::Error appends.
+std::string backend_message(const std::exception& failure);
+
+/// Rethrows a backend failure as TimeoutError or Error, prefixed with the
+/// collective's description and followed by the usual fix.
+[[noreturn]] void rethrow_collective_failure(const std::string& description,
+                                             std::chrono::milliseconds timeout,
+                                             const std::exception& failure);
+
+}  // namespace shardtrain::comm

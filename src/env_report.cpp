@@ -1,0 +1,143 @@
+#include "shardtrain/env_report.h"
+#include "build_config.h"  // SHARDTRAIN_WITH_NCCL, SHARDTRAIN_WITH_CUDA_KERNELS
+
+#include <chrono>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include "comm/nccl_factory.h"
+#include "compat/torch_compat.h"
+#include "shardtrain/version.h"
+
+namespace shardtrain {
+namespace {
+
+std::string read_first_match(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) {
+        std::string value = line.substr(colon + 1);
+        value.erase(0, value.find_first_not_of(" \t"));
+        return value;
+      }
+    }
+  }
+  return {};
+}
+
+/// The BLAS this process actually loaded, from /proc/self/maps: Debian's
+/// libblas.so.3 is an alternatives link, so the build config cannot tell.
+std::vector<std::string> loaded_blas_libraries() {
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> found;
+  std::string line;
+  while (std::getline(maps, line)) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    if (path.find("blas") != std::string::npos || path.find("mkl") != std::string::npos ||
+        path.find("lapack") != std::string::npos) {
+      found.insert(path);
+    }
+  }
+  return {found.begin(), found.end()};
+}
+
+double gemm_gflops(at::ScalarType dtype) {
+  const int64_t n = 1024;
+  at::Tensor a = at::randn({n, n}).to(dtype);
+  at::Tensor b = at::randn({n, n}).to(dtype);
+  at::mm(a, b);  // warm-up: first call loads kernels
+  int reps = 0;
+  auto start = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  do {
+    at::mm(a, b);
+    ++reps;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  } while (elapsed < 0.4);
+  return 2.0 * n * n * n * reps / elapsed / 1e9;
+}
+
+}  // namespace
+
+EnvReport collect_env_report(bool measure_gemm) {
+  EnvReport report;
+  auto add = [&](std::string k, std::string v) { report.rows.emplace_back(std::move(k), std::move(v)); };
+  add("shardtrain", SHARDTRAIN_VERSION_STRING);
+  add("LibTorch", compat::torch_version_string());
+  add("LibTorch CUDA", compat::torch_has_cuda() ? "yes" : "no (CPU build)");
+  add("NCCL backend", comm::nccl_version_string().empty() ? "not compiled"
+                                                          : "compiled, NCCL " + comm::nccl_version_string());
+  add("NCCL usable", comm::nccl_usable() ? "yes" : "no: " + comm::nccl_unavailable_reason());
+#if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
+  add("CUDA kernels", "compiled");
+#else
+  add("CUDA kernels", "not compiled (no nvcc at configure time)");
+#endif
+  add("Gloo backend", "yes (c10d::ProcessGroupGloo)");
+  add("intra-op threads", std::to_string(at::get_num_threads()));
+  add("hardware threads", std::to_string(std::thread::hardware_concurrency()));
+  std::string cpu = read_first_match("/proc/cpuinfo", "model name");
+  add("CPU", cpu.empty() ? "unknown" : cpu);
+  std::string flags = " " + read_first_match("/proc/cpuinfo", "flags") + " ";
+  std::string features;
+  for (const char* f : {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}) {
+    if (flags.find(std::string(" ") + f + " ") != std::string::npos) features += std::string(features.empty() ? "" : " ") + f;
+  }
+  add("CPU features", features.empty() ? "none of avx2/avx512/amx" : features);
+
+  if (measure_gemm) {
+    std::ostringstream fp32;
+    fp32.precision(1);
+    fp32 << std::fixed << gemm_gflops(at::kFloat) << " GFLOP/s";
+    add("fp32 GEMM 1024^3", fp32.str());
+    std::ostringstream bf16;
+    bf16.precision(1);
+    bf16 << std::fixed << gemm_gflops(at::kBFloat16) << " GFLOP/s";
+    add("bf16 GEMM 1024^3", bf16.str());
+  } else {
+    at::mm(at::ones({8, 8}), at::ones({8, 8}));  // make sure the BLAS is loaded before reading maps
+  }
+  auto blas = loaded_blas_libraries();
+  std::string blas_text;
+  bool openblas = false;
+  for (const auto& path : blas) {
+    blas_text += (blas_text.empty() ? "" : ", ") + path;
+    if (path.find("openblas") != std::string::npos || path.find("mkl") != std::string::npos) openblas = true;
+  }
+  add("BLAS loaded", blas_text.empty() ? "none found in /proc/self/maps" : blas_text);
+  if (!openblas) {
+    report.warnings.push_back(
+        "LibTorch is using the reference BLAS: fp32 matmul runs ~30x slower. "
+        "Install an optimised one: apt-get install libopenblas0-pthread (scripts/setup does this).");
+  }
+  return report;
+}
+
+std::string EnvReport::to_text() const {
+  std::size_t width = 0;
+  for (const auto& [k, v] : rows) width = std::max(width, k.size());
+  std::ostringstream out;
+  for (const auto& [k, v] : rows) out << "- " << k << std::string(width - k.size(), ' ') << " : " << v << "\n";
+  for (const auto& w : warnings) out << "WARNING: " << w << "\n";
+  return out.str();
+}
+
+std::string EnvReport::to_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [k, v] : rows) j[k] = v;
+  j["warnings"] = warnings;
+  return j.dump(2);
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,252 @@
+#include "shardtrain/comm/rendezvous.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "comm/gloo/gloo_communicator.h"
+#include "comm/nccl_factory.h"
+#include "comm/work_util.h"
+#include "compat/torch_compat.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+
+namespace shardtrain {
+namespace {
+
+using Lookup = std::function<const char*(const char*)>;
+
+std::optional<std::string> get(const Lookup& lookup, const char* name) {
+  const char* value = lookup(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+int parse_int(const char* name, const std::string& value, const char* fix) {
+  errno = 0;
+  char* end = nullptr;
+  long parsed = std::strtol(value.c_str(), &end, 10);
+  if (end == value.c_str() || *end != '\0' || errno == ERANGE || parsed < INT32_MIN ||
+      parsed > INT32_MAX) {
+    ST_THROW(ConfigError, name, "='", value, "' is not an integer. ", fix);
+  }
+  return static_cast<int>(parsed);
+}
+
+int require_int(const Lookup& lookup, const char* name, const char* launcher, const char* fix) {
+  auto value = get(lookup, name);
+  if (!value) ST_THROW(ConfigError, name, " is not set, but this looks like a ", launcher, " launch. ", fix);
+  return parse_int(name, *value, fix);
+}
+
+/// Slurm's SLURM_TASKS_PER_NODE looks like "4(x2)" or "4,4" or "4"; every machine must run
+/// the same number of tasks, so the first count is the local world size.
+int leading_count(const std::string& text) {
+  std::size_t end = 0;
+  while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
+  if (end == 0) return -1;
+  return std::stoi(text.substr(0, end));
+}
+
+void require_master(const Lookup& lookup, DistEnv& env, const char* launcher) {
+  auto addr = get(lookup, "MASTER_ADDR");
+  auto port = get(lookup, "MASTER_PORT");
+  if (env.world_size > 1) {
+    if (!addr) {
+      ST_THROW(ConfigError, "MASTER_ADDR is not set: ", launcher,
+               " does not say where rank 0 listens. Export MASTER_ADDR=<hostname or IP of the "
+               "machine running rank 0> (and MASTER_PORT) in the job script.");
+    }
+    if (!port) {
+      ST_THROW(ConfigError, "MASTER_PORT is not set: export MASTER_PORT=<a free TCP port on the "
+               "machine of rank 0>, e.g. 29500, on every rank.");
+    }
+  }
+  if (addr) env.master_addr = *addr;
+  if (port) {
+    env.master_port = parse_int("MASTER_PORT", *port, "Set MASTER_PORT to a TCP port number (1-65535).");
+    if (env.master_port < 1 || env.master_port > 65535) {
+      ST_THROW(ConfigError, "MASTER_PORT=", env.master_port, " is not a TCP port; use 1-65535.");
+    }
+  }
+}
+
+void validate(const DistEnv& env, const char* rank_var, const char* world_var, const char* local_rank_var,
+              const char* local_world_var) {
+  if (env.world_size < 1) {
+    ST_THROW(ConfigError, world_var, "=", env.world_size, " must be at least 1.");
+  }
+  if (env.rank < 0 || env.rank >= env.world_size) {
+    ST_THROW(ConfigError, rank_var, "=", env.rank, " is outside 0..", env.world_size - 1, " (", world_var,
+             "=", env.world_size, "); every process needs a distinct rank below the world size.");
+  }
+  if (env.local_world_size < 1 || env.local_world_size > env.world_size) {
+    ST_THROW(ConfigError, local_world_var, "=", env.local_world_size, " must be between 1 and ",
+             world_var, "=", env.world_size, ".");
+  }
+  if (env.local_rank < 0 || env.local_rank >= env.local_world_size) {
+    ST_THROW(ConfigError, local_rank_var, "=", env.local_rank, " is outside 0..",
+             env.local_world_size - 1, " (", local_world_var, "=", env.local_world_size, ").");
+  }
+  if (env.world_size % env.local_world_size != 0) {
+    ST_THROW(ConfigError, world_var, "=", env.world_size, " is not a multiple of ", local_world_var, "=",
+             env.local_world_size,
+             ": every machine must run the same number of processes (num_processes = num_machines x "
+             "processes per machine).");
+  }
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
+DistEnv detect_dist_env() {
+  return detect_dist_env([](const char* name) { return std::getenv(name); });
+}
+
+DistEnv detect_dist_env(const Lookup& lookup) {
+  DistEnv env;
+  if (get(lookup, "RANK") || get(lookup, "WORLD_SIZE")) {
+    const char* fix =
+        "torchrun-style launches set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT together; use `shardtrain launch --num_processes N PROGRAM` to have them set.";
+    env.source = "torchrun";
+    env.rank = require_int(lookup, "RANK", "torchrun-style", fix);
+    env.world_size = require_int(lookup, "WORLD_SIZE", "torchrun-style", fix);
+    auto local_rank = get(lookup, "LOCAL_RANK");
+    auto local_world = get(lookup, "LOCAL_WORLD_SIZE");
+    if (local_rank && !local_world) {
+      ST_THROW(ConfigError, "LOCAL_RANK is set but LOCAL_WORLD_SIZE is not: set LOCAL_WORLD_SIZE to the "
+               "number of processes on this machine. ", fix);
+    }
+    if (local_world && !local_rank) {
+      ST_THROW(ConfigError, "LOCAL_WORLD_SIZE is set but LOCAL_RANK is not: set LOCAL_RANK to this "
+               "process's index on its machine. ", fix);
+    }
+    // Neither set: one machine holds every rank.
+    env.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank, fix) : env.rank;
+    env.local_world_size = local_world ? parse_int("LOCAL_WORLD_SIZE", *local_world, fix) : env.world_size;
+    validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    require_master(lookup, env, "the launcher");
+    return env;
+  }
+  if (get(lookup, "SLURM_PROCID")) {
+    const char* fix = "Run under srun (which sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID).";
+    env.source = "slurm";
+    env.rank = require_int(lookup, "SLURM_PROCID", "Slurm", fix);
+    env.world_size = require_int(lookup, "SLURM_NTASKS", "Slurm", fix);
+    env.local_rank = require_int(lookup, "SLURM_LOCALID", "Slurm", fix);
+    if (auto per_node = get(lookup, "SLURM_NTASKS_PER_NODE")) {
+      env.local_world_size = leading_count(*per_node);
+    } else if (auto tasks = get(lookup, "SLURM_TASKS_PER_NODE")) {
+      env.local_world_size = leading_count(*tasks);
+    } else if (auto nodes = get(lookup, "SLURM_NNODES")) {
+      int n = parse_int("SLURM_NNODES", *nodes, fix);
+      env.local_world_size = n > 0 ? env.world_size / n : -1;
+    } else {
+      ST_THROW(ConfigError, "Slurm launch without SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE or "
+               "SLURM_NNODES: cannot tell how many processes run per machine; pass --ntasks-per-node to sbatch/srun.");
+    }
+    validate(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
+    require_master(lookup, env, "Slurm");
+    return env;
+  }
+  if (get(lookup, "OMPI_COMM_WORLD_RANK")) {
+    const char* fix = "Run under Open MPI's mpirun, which sets the OMPI_COMM_WORLD_* variables.";
+    env.source = "openmpi";
+    env.rank = require_int(lookup, "OMPI_COMM_WORLD_RANK", "Open MPI", fix);
+    env.world_size = require_int(lookup, "OMPI_COMM_WORLD_SIZE", "Open MPI", fix);
+    env.local_rank = require_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI", fix);
+    auto local_world = get(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE");
+    env.local_world_size = local_world ? parse_int("OMPI_COMM_WORLD_LOCAL_SIZE", *local_world, fix) : env.world_size;
+    validate(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE");
+    require_master(lookup, env, "mpirun");
+    return env;
+  }
+  env.source = "single";
+  require_master(lookup, env, "a single process");
+  return env;
+}
+
+std::chrono::milliseconds default_comm_timeout() {
+  if (const char* text = std::getenv("SHARDTRAIN_COMM_TIMEOUT_S"); text && *text) {
+    char* end = nullptr;
+    double seconds = std::strtod(text, &end);
+    if (end == text || *end != '\0' || !(seconds > 0)) {
+      ST_THROW(ConfigError, "SHARDTRAIN_COMM_TIMEOUT_S='", text,
+               "' is not a positive number of seconds (e.g. 600).");
+    }
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  }
+  return std::chrono::minutes(10);
+}
+
+comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& options) {
+  set_log_rank(env.rank);
+  comm::CommOptions comm_options;
+  comm_options.timeout = options.timeout ? *options.timeout : default_comm_timeout();
+  if (options.inject_max_delay_ms) {
+    comm_options.inject_max_delay_ms = *options.inject_max_delay_ms;
+  } else if (const char* delay = std::getenv("SHARDTRAIN_COMM_INJECT_DELAY_MS"); delay && *delay) {
+    comm_options.inject_max_delay_ms =
+        parse_int("SHARDTRAIN_COMM_INJECT_DELAY_MS", delay, "Use a whole number of milliseconds.");
+  }
+
+  std::string backend = options.backend;
+  if (backend == "auto") backend = comm::nccl_usable() ? "nccl" : "gloo";
+  if (backend != "gloo" && backend != "nccl") {
+    ST_THROW(ConfigError, "unknown communication backend '", options.backend, "'; use auto, gloo or nccl");
+  }
+  if (backend == "nccl" && !comm::nccl_usable()) {
+    ST_THROW(ConfigError, "backend 'nccl' requested, but ", comm::nccl_unavailable_reason(),
+             "; use backend 'gloo' for CPU training");
+  }
+
+  compat::StorePtr store;
+  if (env.world_size == 1) {
+    store = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    const bool is_server = env.rank == 0;
+    try {
+      store = compat::make_tcp_store(env.master_addr, env.master_port, is_server, env.world_size,
+                                     comm_options.timeout);
+    } catch (const std::exception& failure) {
+      std::string what = comm::backend_message(failure);
+      if (is_server && (what.find("in use") != std::string::npos || what.find("bind") != std::string::npos)) {
+        ST_THROW(Error, "rank 0 could not listen on ", env.master_addr, ":", env.master_port, " (",
+                 what, "): the port is taken; choose another MASTER_PORT / --main_process_port");
+      }
+      if (is_server) {
+        ST_THROW(TimeoutError, "rank 0 waited ", comm_options.timeout.count(), " ms at ", env.master_addr, ":",
+                 env.master_port, " for all ", env.world_size,
+                 " ranks to arrive and some did not: check that every machine started its processes "
+                 "(num_machines, machine_rank, num_processes). Store said: ", what);
+      }
+      ST_THROW(TimeoutError, "rank ", env.rank, " could not join the rendezvous at ", env.master_addr, ":",
+               env.master_port, " within ", comm_options.timeout.count(),
+               " ms: is rank 0 running, and is MASTER_ADDR reachable from this machine? Store said: ", what);
+    }
+  }
+
+  std::vector<int> global_ranks(env.world_size);
+  for (int r = 0; r < env.world_size; ++r) global_ranks[r] = r;
+  if (backend == "nccl") {
+    return comm::make_nccl_communicator(store, env.rank, env.world_size, global_ranks, comm_options,
+                                        env.local_rank);
+  }
+  std::string device_host = is_loopback(env.master_addr) ? "127.0.0.1" : "";
+  if (env.world_size == 1) device_host = "127.0.0.1";
+  auto communicator = std::make_shared<comm::GlooCommunicator>(
+      store, env.rank, env.world_size, std::move(global_ranks), comm_options, device_host, "shardtrain/");
+  ST_LOG_INFO("initialised {} communicator: {} ranks ({} machines x {}), rendezvous {}:{} via {}",
+              backend, env.world_size, env.num_machines(), env.local_world_size, env.master_addr,
+              env.master_port, env.source);
+  return communicator;
+}
+
+}  // namespace shardtrain

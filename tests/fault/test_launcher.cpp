@@ -1,0 +1,304 @@
+// `shardtrain launch` end to end: the job stops as a whole (worker failure,
+// SIGTERM to the launcher), output is prefixed per rank, workers get the
+// right environment, and two launchers form one job.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/multirank.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using shardtrain::testing::CommandResult;
+using shardtrain::testing::pick_free_port;
+using shardtrain::testing::run_command;
+
+const std::string kShardtrain = std::string(SHARDTRAIN_BIN_DIR) + "/shardtrain";
+const std::string kSmokeJob = std::string(SHARDTRAIN_BIN_DIR) + "/smoke_collectives";
+
+/// A scratch directory for pid files and logs, removed at the end of a test.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    char path_template[] = "/tmp/shardtrain-launcher-test-XXXXXX";
+    const char* made = mkdtemp(path_template);
+    if (made == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = made;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+/// A worker script that records its own pid and the pid of a child it keeps
+/// running in the background (so the test can check that the whole process
+/// group is stopped, not just the worker), then runs `then`.
+std::string recording_worker(const std::string& pid_file, const std::string& then) {
+  return "/bin/sh -c 'echo $$ >> " + pid_file + "; sleep 60 & echo $! >> " + pid_file + "; " + then + "'";
+}
+
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<pid_t> pids;
+  pid_t pid = 0;
+  while (in >> pid) pids.push_back(pid);
+  return pids;
+}
+
+/// Alive and not a zombie (a zombie is dead; it only waits to be reaped).
+bool process_alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno != ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto name_end = text.rfind(')');
+  if (name_end == std::string::npos || name_end + 2 >= text.size()) return false;  // gone meanwhile
+  return text[name_end + 2] != 'Z';
+}
+
+/// Processes are reaped asynchronously by whoever adopted them: allow a moment.
+std::vector<pid_t> still_alive_after_settling(const std::vector<pid_t>& pids) {
+  std::vector<pid_t> alive;
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  do {
+    alive.clear();
+    for (pid_t pid : pids) {
+      if (process_alive(pid)) alive.push_back(pid);
+    }
+    if (alive.empty()) break;
+    ::usleep(50 * 1000);
+  } while (std::chrono::steady_clock::now() < deadline);
+  for (pid_t pid : alive) ::kill(pid, SIGKILL);  // do not leave them behind the test either
+  return alive;
+}
+
+std::string join(const std::vector<pid_t>& pids) {
+  std::ostringstream out;
+  for (pid_t pid : pids) out << pid << " ";
+  return out.str();
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+/// Waits (in the shell) until `file` has `lines` lines, at most ~10 s.
+std::string wait_for_lines(const std::string& file, int lines) {
+  return "n=0; while [ \"$(wc -l < " + file + ")\" -lt " + std::to_string(lines) +
+         " ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; ";
+}
+
+TEST(FaultLauncher, FailingWorkerStopsTheWholeJob) {
+  ScratchDir dir;
+  const std::string pids = dir.file("pids");
+  // Rank 1 waits until both workers have recorded their pids, then fails.
+  const std::string worker = recording_worker(
+      pids, "if [ \"$RANK\" = 1 ]; then " + wait_for_lines(pids, 4) + "exit 3; fi; wait");
+  const std::string command = "touch " + pids + "; " + kShardtrain + " launch --num_processes 2 --main_process_port " +
+                              std::to_string(pick_free_port()) + " " + worker;
+  const CommandResult result = run_command(command, 30s);
+
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_LT(result.seconds, 10.0) << "stopping the job took too long:\n" << result.output;
+  EXPECT_TRUE(contains(result.output, "shardtrain launch: rank 1 (pid ")) << result.output;
+  EXPECT_TRUE(contains(result.output, "exited with status 3")) << result.output;
+  const std::vector<pid_t> recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u) << result.output;
+  const std::vector<pid_t> alive = still_alive_after_settling(recorded);
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+}
+
+TEST(FaultLauncher, WorkerKilledBySignalIsNamed) {
+  const std::string command = kShardtrain + " launch --num_processes 2 --grace_period 1 /bin/sh -c " +
+                              "'if [ \"$RANK\" = 0 ]; then kill -SEGV $$; fi; sleep 60'";
+  const CommandResult result = run_command(command, 30s);
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_LT(result.seconds, 10.0) << result.output;
+  EXPECT_TRUE(contains(result.output, "rank 0 (pid ")) << result.output;
+  EXPECT_TRUE(contains(result.output, "was killed by signal SIGSEGV (11)")) << result.output;
+}
+
+TEST(FaultLauncher, SigtermToLauncherStopsEveryWorker) {
+  ScratchDir dir;
+  const std::string pids = dir.file("pids");
+  const std::string launcher_pid = dir.file("launcher.pid");
+  const std::string command = "touch " + pids + "; " + kShardtrain + " launch --num_processes 2 " +
+                              recording_worker(pids, "echo started; wait") + " & L=$!; echo $L > " + launcher_pid +
+                              "; " + wait_for_lines(pids, 4) + "kill -TERM $L; wait $L; echo \"launcher exit status: $?\"";
+  const CommandResult result = run_command(command, 30s);
+
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_LT(result.seconds, 10.0) << result.output;
+  EXPECT_TRUE(contains(result.output, "received SIGTERM")) << result.output;
+  EXPECT_TRUE(contains(result.output, "launcher exit status: 143")) << "expected 128 + SIGTERM:\n" << result.output;
+  std::vector<pid_t> recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u) << result.output;
+  recorded.push_back(read_pids(launcher_pid).at(0));
+  const std::vector<pid_t> alive = still_alive_after_settling(recorded);
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+}
+
+TEST(FaultLauncher, WorkersDieWithAKilledLauncher) {
+  ScratchDir dir;
+  const std::string pids = dir.file("pids");
+  // SIGKILL cannot be forwarded; the workers must still not outlive the launcher.
+  const std::string command = "touch " + pids + "; " + kShardtrain + " launch --num_processes 2 /bin/sh -c 'echo $$ >> " +
+                              pids + "; exec sleep 60' & L=$!; " + wait_for_lines(pids, 2) +
+                              "kill -KILL $L; wait $L; echo \"launcher exit status: $?\"";
+  const CommandResult result = run_command(command, 30s);
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_TRUE(contains(result.output, "launcher exit status: 137")) << result.output;
+  const std::vector<pid_t> recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 2u) << result.output;
+  const std::vector<pid_t> alive = still_alive_after_settling(recorded);
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+}
+
+TEST(FaultLauncher, SigkillAfterGracePeriodForWorkersIgnoringSigterm) {
+  ScratchDir dir;
+  const std::string pids = dir.file("pids");
+  // The worker and its child ignore SIGTERM: only SIGKILL after the grace period stops them.
+  const std::string worker = "/bin/sh -c 'trap \"\" TERM; echo $$ >> " + pids + "; sleep 60 & echo $! >> " + pids +
+                             "; if [ \"$RANK\" = 1 ]; then " + wait_for_lines(pids, 4) + "exit 4; fi; wait'";
+  const std::string command =
+      "touch " + pids + "; " + kShardtrain + " launch --num_processes 2 --grace_period 1 " + worker;
+  const CommandResult result = run_command(command, 30s);
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_GE(result.seconds, 1.0) << "SIGKILL came before the grace period ended:\n" << result.output;
+  EXPECT_LT(result.seconds, 6.0) << result.output;
+  EXPECT_TRUE(contains(result.output, "exited with status 4")) << result.output;
+  EXPECT_TRUE(contains(result.output, "needed SIGKILL")) << result.output;
+  const std::vector<pid_t> alive = still_alive_after_settling(read_pids(pids));
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+}
+
+TEST(FaultLauncher, OutputLinesArePrefixedWithRank) {
+  const std::string worker =
+      "/bin/sh -c 'echo \"out line $RANK\"; echo \"err line $RANK\" >&2; echo \"second $RANK\"; printf \"tail $RANK\"'";
+  const std::string launch = kShardtrain + " launch --num_processes 2 " + worker;
+
+  const CommandResult both = run_command(launch, 30s);
+  ASSERT_EQ(both.exit_code, 0) << both.output;
+  for (int rank : {0, 1}) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+    const std::string id = std::to_string(rank);
+    EXPECT_TRUE(contains(both.output, prefix + "out line " + id + "\n")) << both.output;
+    EXPECT_TRUE(contains(both.output, prefix + "err line " + id + "\n")) << both.output;
+    EXPECT_TRUE(contains(both.output, prefix + "second " + id + "\n")) << both.output;
+    // The unterminated last line is flushed at exit, as a line of its own.
+    EXPECT_TRUE(contains(both.output, prefix + "tail " + id + "\n")) << both.output;
+  }
+  std::istringstream lines(both.output);
+  std::string line;
+  while (std::getline(lines, line)) {
+    EXPECT_TRUE(line.rfind("[rank ", 0) == 0) << "unprefixed line: " << line << "\n" << both.output;
+  }
+
+  // stdout stays stdout and stderr stays stderr.
+  const CommandResult out_only = run_command(launch + " 2>/dev/null", 30s);
+  EXPECT_TRUE(contains(out_only.output, "[rank 1] out line 1")) << out_only.output;
+  EXPECT_FALSE(contains(out_only.output, "err line")) << out_only.output;
+  const CommandResult err_only = run_command(launch + " >/dev/null", 30s);
+  EXPECT_TRUE(contains(err_only.output, "[rank 1] err line 1")) << err_only.output;
+  EXPECT_FALSE(contains(err_only.output, "out line")) << err_only.output;
+}
+
+TEST(FaultLauncher, WorkerEnvironmentOnTwoMachines) {
+  const int port = pick_free_port();
+  const std::string worker =
+      "/bin/sh -c 'echo \"env RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK "
+      "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT\"'";
+  std::string output;
+  for (int machine_rank : {0, 1}) {
+    const CommandResult result = run_command(
+        kShardtrain + " launch --num_processes 4 --num_machines 2 --machine_rank " + std::to_string(machine_rank) +
+            " --main_process_ip 127.0.0.1 --main_process_port " + std::to_string(port) + " " + worker,
+        30s);
+    EXPECT_EQ(result.exit_code, 0) << result.output;
+    output += result.output;
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    std::ostringstream expected;
+    expected << "[rank " << rank << "] env RANK=" << rank << " WORLD_SIZE=4 LOCAL_RANK=" << rank % 2
+             << " LOCAL_WORLD_SIZE=2 GROUP_RANK=" << rank / 2 << " MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port
+             << "\n";
+    EXPECT_TRUE(contains(output, expected.str())) << "missing: " << expected.str() << "in:\n" << output;
+  }
+}
+
+TEST(FaultLauncher, WorkerEnvironmentCarriesRunSettings) {
+  ScratchDir dir;
+  const std::string config = dir.file("accelerate.yaml");
+  std::ofstream(config) << "distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n";
+  const std::string worker =
+      "/bin/sh -c 'echo \"settings $SHARDTRAIN_MIXED_PRECISION $SHARDTRAIN_DISTRIBUTED_TYPE $SHARDTRAIN_CONFIG_FILE "
+      "$ACCELERATE_MIXED_PRECISION $ACCELERATE_USE_DEEPSPEED $ACCELERATE_USE_FSDP\"'";
+  const CommandResult result = run_command(
+      "cd " + dir.file("") + " && " + kShardtrain + " launch --config_file accelerate.yaml --mixed_precision bf16 --use_fsdp " + worker, 30s);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const std::string expected = "settings bf16 FSDP " + config + " bf16 false true\n";
+  EXPECT_TRUE(contains(result.output, "[rank 0] " + expected)) << result.output;
+  EXPECT_TRUE(contains(result.output, "[rank 1] " + expected)) << result.output;
+}
+
+TEST(FaultLauncher, MissingProgramIsAClearError) {
+  const CommandResult missing = run_command(kShardtrain + " launch --num_processes 2 no-such-program-xyz", 30s);
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(contains(missing.output, "no-such-program-xyz was not found in PATH")) << missing.output;
+  ScratchDir dir;
+  const std::string script = dir.file("train.sh");
+  std::ofstream(script) << "#!/bin/sh\necho should not run\n";  // created without execute permission
+  const CommandResult not_executable = run_command(kShardtrain + " launch " + script, 30s);
+  EXPECT_EQ(not_executable.exit_code, 2) << not_executable.output;
+  EXPECT_TRUE(contains(not_executable.output, "is not executable")) << not_executable.output;
+}
+
+TEST(FaultLauncher, HelpListsEveryOption) {
+  const CommandResult help = run_command(kShardtrain + " launch --help", 30s);
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  for (const char* option :
+       {"--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",
+        "--config_file", "--mixed_precision", "--use_deepspeed", "--use_fsdp", "--deepspeed_config_file",
+        "--deepspeed_config", "--grace_period", "PROGRAM [ARGS...]"}) {
+    EXPECT_TRUE(contains(help.output, option)) << option << " missing from:\n" << help.output;
+  }
+}
+
+TEST(FaultLauncher, TwoLaunchersFormOneFourRankJob) {
+  ScratchDir dir;
+  const std::string port = std::to_string(pick_free_port());
+  auto launch = [&](int machine_rank) {
+    return "OMP_NUM_THREADS=1 SHARDTRAIN_COMM_TIMEOUT_S=60 " + kShardtrain +
+           " launch --num_processes 4 --num_machines 2 --machine_rank " + std::to_string(machine_rank) +
+           " --main_process_ip 127.0.0.1 --main_process_port " + port + " " + kSmokeJob;
+  };
+  const std::string log1 = dir.file("machine1.log");
+  const std::string command = launch(1) + " > " + log1 + " 2>&1 & M1=$!; " + launch(0) +
+                              "; echo \"machine 0 exit status: $?\"; wait $M1; echo \"machine 1 exit status: $?\"; "
+                              "cat " + log1;
+  const CommandResult result = run_command(command, 90s);
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_TRUE(contains(result.output, "machine 0 exit status: 0")) << result.output;
+  EXPECT_TRUE(contains(result.output, "machine 1 exit status: 0")) << result.output;
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string expected = "[rank " + std::to_string(rank) + "] smoke job: rank " + std::to_string(rank) +
+                                 " of 4 (torchrun), all checks passed";
+    EXPECT_TRUE(contains(result.output, expected)) << "missing: " << expected << "\n" << result.output;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,264 @@
+#include "support/multirank.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "shardtrain/error.h"
+
+extern char** environ;
+
+namespace shardtrain::testing {
+namespace {
+
+/// Calls of run_on_ranks are numbered per test, so a child (which runs only
+/// its own test) and the parent (which may have run other tests before) agree.
+int next_call_index(const std::string& test_name) {
+  static std::string current_test;
+  static int counter = 0;
+  if (test_name != current_test) {
+    current_test = test_name;
+    counter = 0;
+  }
+  return counter++;
+}
+
+std::string self_exe() {
+  char buffer[4096];
+  ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
+  ST_CHECK(n > 0, "cannot read /proc/self/exe");
+  buffer[n] = '\0';
+  return buffer;
+}
+
+std::string current_test_filter() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  ST_CHECK(info != nullptr, "run_on_ranks must be called from inside a TEST body");
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string tail(const std::string& text, std::size_t max_chars) {
+  return text.size() <= max_chars ? text : "...\n" + text.substr(text.size() - max_chars);
+}
+
+pid_t spawn(const std::vector<std::string>& args, const std::map<std::string, std::string>& extra_env,
+            const std::string& output_path) {
+  pid_t pid = fork();
+  ST_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
+  if (pid == 0) {
+    // Only async-signal-safe work until exec.
+    int fd = open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    setpgid(0, 0);
+    for (const auto& [k, v] : extra_env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+int decode_status(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+void run_child(int world_size, const std::function<void(RankContext&)>& body,
+               const MultiRankOptions& options) {
+  RankContext context;
+  int code = 0;
+  try {
+    context.env = detect_dist_env();
+    ST_CHECK(context.env.world_size == world_size, "child world size mismatch");
+    if (!options.skip_init) {
+      InitOptions init;
+      init.backend = "gloo";
+      init.timeout = options.comm_timeout;
+      context.comm = init_distributed(context.env, init);
+    }
+    body(context);
+    if (::testing::Test::HasFailure()) code = 1;
+    mark_rank_body_ran();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d threw: %s\n", context.env.rank, e.what());
+    code = 2;
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  // Skip static destructors and the rest of the gtest run: the parent owns the verdict.
+  std::_Exit(code);
+}
+
+}  // namespace
+
+void mark_rank_body_ran() {
+  // Proof for the parent that this rank really ran the body (a mismatched
+  // call index would otherwise pass silently).
+  if (const char* marker = std::getenv("SHARDTRAIN_TEST_RAN_MARKER")) {
+    std::ofstream(marker) << "ran\n";
+  }
+}
+
+bool is_rank_process() { return std::getenv("SHARDTRAIN_TEST_RANK_CALL") != nullptr; }
+
+int pick_free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ST_CHECK(fd >= 0, "socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ST_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "bind() failed");
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  close(fd);
+  return port;
+}
+
+void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
+                  const MultiRankOptions& options) {
+  const std::string filter = current_test_filter();
+  const int call = next_call_index(filter);
+  if (const char* which = std::getenv("SHARDTRAIN_TEST_RANK_CALL")) {
+    if (std::atoi(which) == call) run_child(world_size, body, options);
+    return;  // another call of the same test body: not ours
+  }
+
+  const std::string exe = self_exe();
+  const int port = pick_free_port();
+  const int local_world = options.local_world_size > 0 ? options.local_world_size : world_size;
+  char dir_template[] = "/tmp/shardtrain-test-XXXXXX";
+  ST_CHECK(mkdtemp(dir_template) != nullptr, "mkdtemp failed");
+  const std::string dir = dir_template;
+
+  std::vector<pid_t> pids(world_size);
+  std::vector<std::string> logs(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    std::map<std::string, std::string> env = options.env;
+    env["SHARDTRAIN_TEST_RANK_CALL"] = std::to_string(call);
+    env["RANK"] = std::to_string(r);
+    env["WORLD_SIZE"] = std::to_string(world_size);
+    env["LOCAL_RANK"] = std::to_string(r % local_world);
+    env["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
+    env["MASTER_ADDR"] = "127.0.0.1";
+    env["MASTER_PORT"] = std::to_string(port);
+    env["OMP_NUM_THREADS"] = "1";
+    logs[r] = dir + "/rank" + std::to_string(r) + ".log";
+    env["SHARDTRAIN_TEST_RAN_MARKER"] = dir + "/rank" + std::to_string(r) + ".ran";
+    pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_brief=1"}, env, logs[r]);
+  }
+
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::vector<int> codes(world_size, -1);
+  int remaining = world_size;
+  bool timed_out = false;
+  while (remaining > 0) {
+    for (int r = 0; r < world_size; ++r) {
+      if (codes[r] != -1) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        codes[r] = decode_status(status);
+        --remaining;
+      }
+    }
+    if (remaining == 0) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      timed_out = true;
+      for (int r = 0; r < world_size; ++r) {
+        if (codes[r] == -1) kill(-pids[r], SIGKILL);
+      }
+      for (int r = 0; r < world_size; ++r) {
+        if (codes[r] == -1) {
+          int status = 0;
+          waitpid(pids[r], &status, 0);
+          codes[r] = 1000;  // marker: killed by the harness
+        }
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+
+  for (int r = 0; r < world_size; ++r) {
+    const std::string marker = dir + "/rank" + std::to_string(r) + ".ran";
+    if (codes[r] == 0) {
+      if (!std::ifstream(marker).good()) {
+        ADD_FAILURE() << "rank " << r << " exited 0 without running the test body; its output:\n"
+                      << tail(read_file(logs[r]), 3000);
+      }
+      std::remove(marker.c_str());
+      continue;
+    }
+    std::remove(marker.c_str());
+    std::string why = codes[r] == 1000 ? "was still running after the " +
+                                              std::to_string(options.timeout.count()) + " s test timeout"
+                                        : "exited with status " + std::to_string(codes[r]);
+    ADD_FAILURE() << "rank " << r << " of " << world_size << " " << why << "; its output:\n"
+                  << tail(read_file(logs[r]), 6000);
+  }
+  (void)timed_out;
+  for (const auto& log : logs) std::remove(log.c_str());
+  rmdir(dir.c_str());
+}
+
+CommandResult run_command(const std::string& command, std::chrono::seconds timeout) {
+  CommandResult result;
+  char path_template[] = "/tmp/shardtrain-cmd-XXXXXX";
+  int fd = mkstemp(path_template);
+  ST_CHECK(fd >= 0, "mkstemp failed");
+  close(fd);
+  const std::string output_path = path_template;
+  auto start = std::chrono::steady_clock::now();
+  pid_t pid = spawn({"/bin/sh", "-c", command}, {}, output_path);
+  const auto deadline = start + timeout;
+  int status = 0;
+  while (true) {
+    pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) {
+      result.exit_code = decode_status(status);
+      break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      result.timed_out = true;
+      result.exit_code = decode_status(status);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.output = read_file(output_path);
+  std::remove(output_path.c_str());
+  return result;
+}
+
+}  // namespace shardtrain::testing

@@ -1,0 +1,305 @@
+// `shardtrain launch` options: flag parsing, Accelerate YAML defaults,
+// precedence, and the validation messages users see.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <gtest/gtest.h>
+
+#include "launcher/launch_options.h"
+#include "shardtrain/error.h"
+
+namespace {
+
+using shardtrain::ConfigError;
+using shardtrain::launcher::LaunchOptions;
+using shardtrain::launcher::parse_launch_options;
+namespace fs = std::filesystem;
+
+/// A scratch directory removed with everything in it at the end of a test.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    char path_template[] = "/tmp/shardtrain-launch-options-XXXXXX";
+    const char* made = mkdtemp(path_template);
+    if (made == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = made;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  std::string write(const std::string& name, const std::string& text) const {
+    const std::string file = path_ + "/" + name;
+    std::ofstream(file) << text;
+    return file;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+/// The message of the ConfigError that parsing `args` throws ("" if none).
+std::string config_error_of(const std::vector<std::string>& args) {
+  try {
+    parse_launch_options(args);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(UnitLaunchOptions, DefaultsWithOnlyProgram) {
+  const LaunchOptions options = parse_launch_options({"./train"});
+  EXPECT_EQ(options.num_processes, 1);
+  EXPECT_EQ(options.num_machines, 1);
+  EXPECT_EQ(options.machine_rank, 0);
+  EXPECT_EQ(options.main_process_ip, "127.0.0.1");
+  EXPECT_EQ(options.main_process_port, 29500);
+  EXPECT_EQ(options.mixed_precision, "no");
+  EXPECT_EQ(options.distributed_type, "NO");
+  EXPECT_FALSE(options.use_deepspeed);
+  EXPECT_FALSE(options.use_fsdp);
+  EXPECT_TRUE(options.config_file.empty());
+  EXPECT_DOUBLE_EQ(options.grace_period_s, 5.0);
+  EXPECT_EQ(options.program, "./train");
+  EXPECT_TRUE(options.program_args.empty());
+  EXPECT_EQ(options.processes_per_machine(), 1);
+}
+
+TEST(UnitLaunchOptions, FlagsAreParsed) {
+  const LaunchOptions options = parse_launch_options(
+      {"--num_processes", "8", "--num_machines=2", "--machine_rank", "1", "--main_process_ip", "10.0.0.7",
+       "--main_process_port", "31000", "--mixed_precision", "bf16", "--use_fsdp", "--grace_period", "0.5",
+       "./train"});
+  EXPECT_EQ(options.num_processes, 8);
+  EXPECT_EQ(options.num_machines, 2);
+  EXPECT_EQ(options.machine_rank, 1);
+  EXPECT_EQ(options.processes_per_machine(), 4);
+  EXPECT_EQ(options.main_process_ip, "10.0.0.7");
+  EXPECT_EQ(options.main_process_port, 31000);
+  EXPECT_EQ(options.mixed_precision, "bf16");
+  EXPECT_TRUE(options.use_fsdp);
+  EXPECT_FALSE(options.use_deepspeed);
+  EXPECT_EQ(options.distributed_type, "FSDP");
+  EXPECT_DOUBLE_EQ(options.grace_period_s, 0.5);
+}
+
+TEST(UnitLaunchOptions, ProgramArgumentsPassThroughUntouched) {
+  // ARGS may reuse the launcher's own flag names; they belong to PROGRAM.
+  const LaunchOptions options = parse_launch_options(
+      {"--num_processes", "2", "./train", "--num_processes", "7", "--help", "-x", "--", "plain"});
+  EXPECT_EQ(options.num_processes, 2);
+  EXPECT_EQ(options.program, "./train");
+  EXPECT_EQ(options.program_args,
+            (std::vector<std::string>{"--num_processes", "7", "--help", "-x", "--", "plain"}));
+}
+
+TEST(UnitLaunchOptions, DoubleDashSeparatesProgram) {
+  const LaunchOptions options = parse_launch_options({"--num_processes", "2", "--", "./train", "--lr", "1"});
+  EXPECT_EQ(options.program, "./train");
+  EXPECT_EQ(options.program_args, (std::vector<std::string>{"--lr", "1"}));
+  EXPECT_EQ(options.distributed_type, "MULTI_CPU");
+}
+
+TEST(UnitLaunchOptions, DeepspeedConfigAliasAndAbsolutePath) {
+  ScratchDir dir;
+  const std::string json = dir.write("ds.json", "{\"zero_optimization\": {\"stage\": 2}}");
+  for (const std::string flag : {"--deepspeed_config_file", "--deepspeed_config"}) {
+    SCOPED_TRACE(flag);
+    const LaunchOptions options = parse_launch_options({flag, json, "./train"});
+    EXPECT_EQ(options.deepspeed_config_file, json);
+    EXPECT_TRUE(options.use_deepspeed) << "a DeepSpeed config selects the ZeRO engine";
+    EXPECT_EQ(options.distributed_type, "DEEPSPEED");
+  }
+  // A relative path is resolved against the working directory and made absolute.
+  const fs::path previous = fs::current_path();
+  fs::current_path(dir.path());
+  const LaunchOptions relative = parse_launch_options({"--use_deepspeed", "--deepspeed_config", "ds.json", "./t"});
+  fs::current_path(previous);
+  EXPECT_TRUE(fs::path(relative.deepspeed_config_file).is_absolute());
+  EXPECT_EQ(fs::canonical(relative.deepspeed_config_file), fs::canonical(json));
+}
+
+TEST(UnitLaunchOptions, YamlValuesAreDefaults) {
+  ScratchDir dir;
+  // A name that cannot exist in the working directory, so it is found next to the YAML.
+  const std::string json_name = "ds_" + fs::path(dir.path()).filename().string() + ".json";
+  const std::string json = dir.write(json_name, "{}");
+  // As `accelerate config` writes it, including keys shardtrain ignores and nulls.
+  const std::string config = dir.write("accelerate.yaml",
+                                       "compute_environment: LOCAL_MACHINE\n"
+                                       "debug: false\n"
+                                       "distributed_type: DEEPSPEED\n"
+                                       "deepspeed_config:\n"
+                                       "  deepspeed_config_file: " + json_name + "\n"
+                                       "  zero3_init_flag: false\n"
+                                       "downcast_bf16: 'no'\n"
+                                       "machine_rank: 1\n"
+                                       "main_process_ip: 192.168.1.10\n"
+                                       "main_process_port: 29600\n"
+                                       "main_training_function: main\n"
+                                       "mixed_precision: bf16\n"
+                                       "num_machines: 2\n"
+                                       "num_processes: 4\n"
+                                       "rdzv_backend: static\n"
+                                       "same_network: true\n"
+                                       "tpu_env: []\n"
+                                       "use_cpu: false\n");
+  const LaunchOptions options = parse_launch_options({"--config_file", config, "./train"});
+  EXPECT_EQ(options.num_processes, 4);
+  EXPECT_EQ(options.num_machines, 2);
+  EXPECT_EQ(options.machine_rank, 1);
+  EXPECT_EQ(options.processes_per_machine(), 2);
+  EXPECT_EQ(options.main_process_ip, "192.168.1.10");
+  EXPECT_EQ(options.main_process_port, 29600);
+  EXPECT_EQ(options.mixed_precision, "bf16");
+  EXPECT_EQ(options.distributed_type, "DEEPSPEED");
+  EXPECT_TRUE(options.use_deepspeed);
+  EXPECT_EQ(options.config_file, config);
+  EXPECT_EQ(fs::canonical(options.deepspeed_config_file), fs::canonical(json));
+}
+
+TEST(UnitLaunchOptions, FlagsOverrideYaml) {
+  ScratchDir dir;
+  const std::string config = dir.write("accelerate.yaml",
+                                       "distributed_type: MULTI_GPU\n"
+                                       "mixed_precision: fp16\n"
+                                       "num_machines: 2\n"
+                                       "machine_rank: 1\n"
+                                       "main_process_ip: 10.1.1.1\n"
+                                       "main_process_port: 29600\n"
+                                       "num_processes: 4\n");
+  const LaunchOptions options = parse_launch_options(
+      {"--config_file", config, "--num_processes", "8", "--machine_rank", "0", "--main_process_port", "30001",
+       "--mixed_precision", "no", "--use_fsdp", "./train"});
+  EXPECT_EQ(options.num_processes, 8);
+  EXPECT_EQ(options.num_machines, 2);  // from the file
+  EXPECT_EQ(options.machine_rank, 0);
+  EXPECT_EQ(options.main_process_ip, "10.1.1.1");  // from the file
+  EXPECT_EQ(options.main_process_port, 30001);
+  EXPECT_EQ(options.mixed_precision, "no");
+  EXPECT_EQ(options.distributed_type, "FSDP");
+  EXPECT_TRUE(options.use_fsdp);
+}
+
+TEST(UnitLaunchOptions, YamlDistributedTypes) {
+  ScratchDir dir;
+  const std::string fsdp = dir.write("fsdp.yaml", "distributed_type: FSDP\nnum_processes: 2\n");
+  EXPECT_TRUE(parse_launch_options({"--config_file", fsdp, "./t"}).use_fsdp);
+  const std::string gpu = dir.write("gpu.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\n");
+  EXPECT_EQ(parse_launch_options({"--config_file", gpu, "./t"}).distributed_type, "MULTI_CPU");
+  const std::string no = dir.write("no.yaml", "distributed_type: 'NO'\nmixed_precision: no\nnum_processes: 1\n");
+  const LaunchOptions single = parse_launch_options({"--config_file", no, "./t"});
+  EXPECT_EQ(single.distributed_type, "NO");
+  EXPECT_EQ(single.mixed_precision, "no");
+  const std::string xla = dir.write("xla.yaml", "distributed_type: XLA\n");
+  const std::string message = config_error_of({"--config_file", xla, "./t"});
+  EXPECT_NE(message.find("distributed_type: XLA"), std::string::npos) << message;
+  EXPECT_NE(message.find("DEEPSPEED, FSDP"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorNotAMultipleOfMachines) {
+  const std::string message =
+      config_error_of({"--num_processes", "5", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "./t"});
+  EXPECT_NE(message.find("--num_processes 5 is not a multiple of --num_machines 2: every machine runs the "
+                         "same number of processes"),
+            std::string::npos)
+      << message;
+}
+
+TEST(UnitLaunchOptions, ErrorMachineRankOutOfRange) {
+  std::string message = config_error_of(
+      {"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "10.0.0.1", "./t"});
+  EXPECT_NE(message.find("--machine_rank 2 is out of range"), std::string::npos) << message;
+  EXPECT_NE(message.find("0 .. 1"), std::string::npos) << message;
+  message = config_error_of({"--machine_rank", "-1", "./t"});
+  EXPECT_NE(message.find("--machine_rank -1 is out of range"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorSeveralMachinesNeedMainProcessIp) {
+  const std::string message = config_error_of({"--num_processes", "4", "--num_machines", "2", "./t"});
+  EXPECT_NE(message.find("--num_machines 2 needs --main_process_ip"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorMissingProgram) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{}, {"--num_processes", "2"}, {"--num_processes", "2", "--"}}) {
+    const std::string message = config_error_of(args);
+    EXPECT_NE(message.find("missing PROGRAM"), std::string::npos) << message;
+  }
+}
+
+TEST(UnitLaunchOptions, ErrorUnknownOptionBeforeProgram) {
+  const std::string message = config_error_of({"--num_procs", "2", "./t"});
+  EXPECT_NE(message.find("unknown option --num_procs"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorMixedPrecisionNamesAllowedValues) {
+  const std::string message = config_error_of({"--mixed_precision", "fp8", "./t"});
+  EXPECT_NE(message.find("--mixed_precision fp8"), std::string::npos) << message;
+  EXPECT_NE(message.find("allowed values: no, fp16, bf16"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorDeepspeedAndFsdpTogether) {
+  const std::string message = config_error_of({"--use_deepspeed", "--use_fsdp", "./t"});
+  EXPECT_NE(message.find("--use_deepspeed and --use_fsdp are mutually exclusive"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorDeepspeedConfigFileMissing) {
+  const std::string message = config_error_of({"--deepspeed_config", "/nonexistent/ds.json", "./t"});
+  EXPECT_NE(message.find("/nonexistent/ds.json"), std::string::npos) << message;
+  EXPECT_NE(message.find("not found"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorConfigFileNotFound) {
+  const std::string message = config_error_of({"--config_file", "/nonexistent/accelerate.yaml", "./t"});
+  EXPECT_NE(message.find("--config_file /nonexistent/accelerate.yaml: file not found"), std::string::npos)
+      << message;
+}
+
+TEST(UnitLaunchOptions, ErrorMalformedYamlNamesFileAndLine) {
+  ScratchDir dir;
+  const std::string config = dir.write("broken.yaml", "num_processes: 2\nnum_machines: [1\nmachine_rank: 0\n");
+  const std::string message = config_error_of({"--config_file", config, "./t"});
+  EXPECT_NE(message.find(config), std::string::npos) << message;
+  EXPECT_NE(message.find("malformed YAML at line"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorBadYamlValueNamesKeyAndLine) {
+  ScratchDir dir;
+  const std::string config = dir.write("typo.yaml", "mixed_precision: bf16\nnum_processes: two\n");
+  const std::string message = config_error_of({"--config_file", config, "./t"});
+  EXPECT_NE(message.find("num_processes: two"), std::string::npos) << message;
+  EXPECT_NE(message.find("line 2"), std::string::npos) << message;
+}
+
+TEST(UnitLaunchOptions, ErrorFromYamlNamesTheFile) {
+  ScratchDir dir;
+  const std::string config = dir.write("odd.yaml", "num_processes: 3\nnum_machines: 2\nmain_process_ip: 1.2.3.4\n");
+  const std::string message = config_error_of({"--config_file", config, "./t"});
+  EXPECT_NE(message.find("num_processes: 3 (in " + config + ", line 1) is not a multiple of num_machines: 2"),
+            std::string::npos)
+      << message;
+}
+
+TEST(UnitLaunchOptions, ErrorPortAndCountsOutOfRange) {
+  EXPECT_NE(config_error_of({"--main_process_port", "70000", "./t"}).find("--main_process_port 70000"),
+            std::string::npos);
+  EXPECT_NE(config_error_of({"--num_processes", "0", "./t"}).find("--num_processes 0 must be at least 1"),
+            std::string::npos);
+  EXPECT_NE(config_error_of({"--grace_period", "-1", "./t"}).find("--grace_period -1"), std::string::npos);
+}
+
+TEST(UnitLaunchOptions, MalformedFlagValueIsAParseError) {
+  EXPECT_THROW(parse_launch_options({"--num_processes", "abc", "./t"}), CLI::ParseError);
+}
+
+}  // namespace
