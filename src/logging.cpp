@@ -35,7 +35,11 @@ LoggerState& state() {
 
 void configure(LoggerState& s, int rank) {
   s.rank = rank;
-  s.logger->set_pattern("[rank " + std::to_string(rank) + "] [%^%l%$] %v");
+  // Under `shardtrain launch` every line already arrives prefixed with the rank.
+  const char* prefixed = std::getenv("SHARDTRAIN_OUTPUT_PREFIXED");
+  const bool launcher_prefixes = prefixed != nullptr && std::string(prefixed) == "1";
+  s.logger->set_pattern(launcher_prefixes ? std::string("[%^%l%$] %v")
+                                          : "[rank " + std::to_string(rank) + "] [%^%l%$] %v");
   spdlog::level::level_enum level = rank == 0 ? spdlog::level::info : spdlog::level::warn;
   if (const char* env = std::getenv("SHARDTRAIN_LOG_LEVEL"); env && *env) {
     level = parse_log_level(env);

@@ -2,6 +2,7 @@
 // costs ~20 s per translation unit on a 2-core machine.
 #pragma once
 #include <ATen/ATen.h>
+#include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <spdlog/spdlog.h>

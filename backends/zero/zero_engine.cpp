@@ -1,6 +1,7 @@
 #include "zero/zero_engine.h"
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <sstream>
 #include <unordered_set>
@@ -9,6 +10,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "comm/work_util.h"
 #include "compat/torch_compat.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "shardtrain/error.h"
@@ -73,6 +75,10 @@ struct ZeroEngine::State {
 
   int world() const { return comm->world_size(); }
   int rank() const { return comm->rank(); }
+  // Stage 0 (plain data parallel) keeps everything on every rank: its layout
+  // has one shard holding all of a unit.
+  int layout_world() const { return options.stage == 0 ? 1 : world(); }
+  int layout_rank() const { return options.stage == 0 ? 0 : rank(); }
   bool release_after_use(const ZeroUnitState& u) const { return options.stage == 3 && !u.persistent; }
 
   void add_gathered(int64_t delta) {
@@ -86,6 +92,11 @@ struct ZeroEngine::State {
     const int64_t full_bytes = u.layout->full_numel() * static_cast<int64_t>(c10::elementSize(options.compute_dtype));
     compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes));
     add_gathered(full_bytes);
+    if (options.stage == 0) {
+      u.gather_buffer = u.lp_shard;  // already complete on every rank
+      u.gather_work = comm::completed_work();
+      return;
+    }
     u.gather_buffer = at::empty({u.layout->gathered_numel()}, u.lp_shard.options());
     add_gathered(bytes_of(u.gather_buffer));
     u.gather_work = comm->all_gather_async(u.gather_buffer, u.lp_shard);
@@ -97,7 +108,7 @@ struct ZeroEngine::State {
     u.gather_work->wait();
     u.gather_work.reset();
     u.layout->unpack(u.gather_buffer, u.full);
-    add_gathered(-bytes_of(u.gather_buffer));
+    if (options.stage != 0) add_gathered(-bytes_of(u.gather_buffer));
     u.gather_buffer = at::Tensor();
     u.gathered = true;
   }
@@ -146,8 +157,13 @@ struct ZeroEngine::State {
       finish_reduce(u);  // a unit reduced twice per backward (reentrant use) completes the first
       u.reduce_input = at::empty({u.layout->gathered_numel()}, u.full.options().dtype(options.reduce_dtype));
       u.layout->pack(u.pending_grads, u.reduce_input);
-      u.reduce_output = at::empty({u.layout->shard_numel()}, u.reduce_input.options());
-      u.reduce_work = comm->reduce_scatter_async(u.reduce_output, u.reduce_input, ReduceOp::kAvg);
+      if (options.stage == 0) {
+        u.reduce_output = u.reduce_input;
+        u.reduce_work = comm->all_reduce_async(u.reduce_output, ReduceOp::kAvg);
+      } else {
+        u.reduce_output = at::empty({u.layout->shard_numel()}, u.reduce_input.options());
+        u.reduce_work = comm->reduce_scatter_async(u.reduce_output, u.reduce_input, ReduceOp::kAvg);
+      }
       if (!options.overlap_comm) finish_reduce(u);
     }
     for (auto& g : u.pending_grads) g = at::Tensor();
@@ -199,8 +215,8 @@ std::string join_path(const std::string& prefix, const std::string& name) {
 ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr comm, ZeroOptions options)
     : state_(std::make_unique<State>(std::move(model), std::move(comm), std::move(options))) {
   State& s = *state_;
-  ST_CHECK(s.options.stage >= 1 && s.options.stage <= 3, "ZeRO stage must be 1, 2 or 3, got ",
-           s.options.stage, " (stage 0 is plain data parallel)");
+  ST_CHECK(s.options.stage >= 0 && s.options.stage <= 3, "ZeRO stage must be 0 (plain data parallel), 1, 2 or 3, got ",
+           s.options.stage);
   const int W = s.world();
 
   // ---- find the units: outermost modules that are shardtrain::Unit --------
@@ -249,7 +265,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::Communica
   for (auto& u : s.units) {
     std::vector<int64_t> numels;
     for (const auto& p : u.params) numels.push_back(p.numel());
-    u.layout = std::make_unique<UnitLayout>(UnitLayout::Kind::kPerParam, numels, W);
+    u.layout = std::make_unique<UnitLayout>(UnitLayout::Kind::kPerParam, numels, s.layout_world());
     u.shard_offset = total_shard;
     total_shard += u.layout->shard_numel();
     u.persistent = s.options.stage != 3 || u.layout->total_param_numel() < s.options.param_persistence_threshold;
@@ -305,7 +321,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::Communica
       values.push_back(v);
     }
     at::Tensor master_init = at::empty({S}, fp32.device(u.params.empty() ? device : u.params[0].device()));
-    u.layout->pack_shard(values, s.rank(), master_init);
+    u.layout->pack_shard(values, s.layout_rank(), master_init);
     u.master.copy_(master_init);
     if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(u.master);
     // The module's parameters become views into one compute-dtype buffer.
@@ -336,6 +352,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::Communica
     if (s.options.stage == 3 && !u.persistent) s.release(u);
   }
 
+  // Set-up held every unit at once; the working-set peak counts from here.
+  s.gathered_peak = s.gathered_bytes;
+
   if (s.options.optimizer.custom_factory) {
     // The escape hatch steps on the master shard directly; its .grad is the
     // reduced gradient partition, unscaled and clipped by step().
@@ -361,7 +380,9 @@ ZeroEngine::~ZeroEngine() {
   }
 }
 
-std::string ZeroEngine::name() const { return "zero-" + std::to_string(state_->options.stage); }
+std::string ZeroEngine::name() const {
+  return state_->options.stage == 0 ? "ddp (zero-0)" : "zero-" + std::to_string(state_->options.stage);
+}
 
 void ZeroEngine::begin_forward() {
   State& s = *state_;
@@ -544,8 +565,11 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroEngine::full_state_dict() {
   State& s = *state_;
   std::vector<std::pair<std::string, at::Tensor>> result;
   for (auto& u : s.units) {
-    at::Tensor gathered = at::empty({u.layout->gathered_numel()}, u.master.options());
-    s.comm->all_gather(gathered, u.master.contiguous());
+    at::Tensor gathered = u.master.contiguous();
+    if (s.options.stage != 0) {
+      gathered = at::empty({u.layout->gathered_numel()}, u.master.options());
+      s.comm->all_gather(gathered, u.master.contiguous());
+    }
     at::Tensor full = at::empty({u.layout->full_numel()}, u.master.options());
     u.layout->unpack(gathered, full);
     for (std::size_t k = 0; k < u.params.size(); ++k) {
@@ -579,7 +603,7 @@ int ZeroEngine::num_units() const { return static_cast<int>(state_->units.size()
 std::vector<ZeroEngine::OwnedRange> ZeroEngine::owned_ranges() const {
   std::vector<OwnedRange> ranges;
   for (const auto& u : state_->units) {
-    for (const auto& seg : u.layout->segments_of_rank(state_->rank())) {
+    for (const auto& seg : u.layout->segments_of_rank(state_->layout_rank())) {
       ranges.push_back({u.names[seg.param_index], seg.param_offset, seg.length, u.shard_offset + seg.shard_offset});
     }
   }

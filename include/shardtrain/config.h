@@ -102,6 +102,9 @@ struct ZeroConfig {
   OffloadDevice offload_optimizer = OffloadDevice::kNone;
   OffloadDevice offload_param = OffloadDevice::kNone;
   bool offload_pin_memory = true;
+  /// offload_optimizer.nvme_path / offload_param.nvme_path (required with device nvme).
+  std::string offload_optimizer_nvme_path;
+  std::string offload_param_nvme_path;
   bool round_robin_gradients = false;
   /// data_types.grad_accum_dtype; default fp32.
   DType grad_accum_dtype = DType::kFp32;
@@ -167,6 +170,13 @@ struct TrainingConfig {
   std::vector<std::string> sources;
   /// Warnings collected while reading (unknown keys, not-implemented keys, ...).
   std::vector<std::string> warnings;
+  /// DeepSpeed keys (dotted, e.g. "zero_optimization.reduce_bucket_size") the
+  /// files set to "auto". Where "auto" and "absent" mean different things
+  /// (gradient_clipping: 1.0 vs off; the hidden-size bucket formulas vs
+  /// DeepSpeed's fixed defaults; scheduler warmup: the run's vs DeepSpeed's
+  /// 1000) resolve_auto reads this; it empties the list once everything is resolved.
+  std::vector<std::string> auto_keys;
+  bool is_auto(const std::string& key) const;
 
   /// The ZeRO stage the run uses: zero.stage under DEEPSPEED; 0 otherwise.
   int zero_stage() const;
@@ -180,6 +190,8 @@ struct AutoContext {
   std::optional<int64_t> micro_batch_size;   ///< from the data loader
   std::optional<int64_t> hidden_size;        ///< model hidden size H
   std::optional<int64_t> total_steps;        ///< optimizer steps of the run
+  std::optional<int64_t> warmup_steps;       ///< the run's warmup (scheduler warmup_num_steps "auto"); else 0
+  std::optional<double> max_grad_norm;       ///< the run's clipping norm (gradient_clipping "auto"); else 1.0
 };
 
 /// Reads a config file: `.yaml`/`.yml` as Accelerate YAML, `.json` as DeepSpeed
@@ -194,6 +206,8 @@ TrainingConfig parse_config(const std::string& text, const std::string& format,
 
 /// Fills every "auto"/unset value and checks consistency (batch triple,
 /// fp16 and bf16 both on, ...). Throws ConfigError naming the keys.
+/// Also records context.world_size as num_processes (the world the batch
+/// triple was checked against), so a printed resolved config reads back.
 TrainingConfig resolve_auto(TrainingConfig config, const AutoContext& context);
 
 /// The resolved config as YAML text (for `shardtrain config check`, checkpoints).

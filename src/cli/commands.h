@@ -10,5 +10,7 @@ namespace shardtrain::cli {
 void register_launch_command(CLI::App& app, int& exit_code);
 /// `shardtrain env [--json] [--no-bench]`.
 void register_env_command(CLI::App& app, int& exit_code);
+/// `shardtrain config check FILE [...]` and `shardtrain config convert FILE --to fsdp|deepspeed`.
+void register_config_command(CLI::App& app, int& exit_code);
 
 }  // namespace shardtrain::cli

@@ -61,6 +61,10 @@ struct ConfigFileValues {
   std::optional<Setting<int>> main_process_port;
   std::optional<Setting<std::string>> mixed_precision;
   std::optional<Setting<std::string>> distributed_type;
+  /// The file has a deepspeed_config / fsdp_config section (Accelerate files
+  /// from articles sometimes leave distributed_type out).
+  bool has_deepspeed_section = false;
+  bool has_fsdp_section = false;
   std::optional<Setting<std::string>> deepspeed_config_file;
 };
 
@@ -136,6 +140,8 @@ ConfigFileValues read_config_file(const std::string& given_path) {
   values.distributed_type =
       read_yaml_value<std::string>(root, "distributed_type", "distributed_type", path);
   const YAML::Node deepspeed = root["deepspeed_config"];
+  values.has_deepspeed_section = deepspeed.IsDefined() && deepspeed.IsMap();
+  values.has_fsdp_section = root["fsdp_config"].IsDefined() && root["fsdp_config"].IsMap();
   if (deepspeed.IsDefined() && deepspeed.IsMap()) {
     values.deepspeed_config_file = read_yaml_value<std::string>(
         deepspeed, "deepspeed_config_file", "deepspeed_config.deepspeed_config_file", path);
@@ -331,6 +337,10 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
       ST_THROW(ConfigError, file.distributed_type->describe(),
                " is not supported by shardtrain; use one of NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP");
     }
+  } else if (file.has_deepspeed_section) {
+    distributed_type = "DEEPSPEED";  // as the config reader infers it
+  } else if (file.has_fsdp_section) {
+    distributed_type = "FSDP";
   } else {
     distributed_type = "NO";
   }

@@ -1,16 +1,22 @@
 // CPU versions of the shared kernels (see cpu_kernels.h for the contract).
 //
-// Each kernel walks its buffers once, a Vectorized<float> at a time, inside
-// at::parallel_for chunks. The per-element arithmetic lives in one inline
-// function per kernel that the full-width and the tail paths both call, so the
-// two cannot drift apart and the result of an element never depends on where
-// the chunk boundaries fell.
+// Each optimizer kernel walks its buffers once, one vector of floats at a
+// time, inside at::parallel_for chunks. The per-element arithmetic is written
+// once (adam_update, sgd_update) against a small vector-ops policy:
+//  * GenericOps: at::vec::Vectorized<float>, compiled for the baseline ISA,
+//    with every multiply-add rounded twice, as LibTorch's DEFAULT kernels do;
+//  * Avx2Ops (x86): raw AVX2 registers with the multiply-adds LibTorch's
+//    AVX2/AVX-512 kernels fuse done as fma, chosen at run time where ATen
+//    dispatches those kernels.
+// Either way an element's result depends only on its inputs, never on where
+// chunk or vector boundaries fell.
 
 #include "kernels/cpu/cpu_kernels.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -22,11 +28,31 @@
 
 #include "shardtrain/error.h"
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define ST_HAVE_AVX2_PATH 1
+#else
+#define ST_HAVE_AVX2_PATH 0
+#endif
+
+#if defined(__GNUC__)
+#define ST_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ST_ALWAYS_INLINE inline
+#endif
+
+#if defined(__GNUC__)
+// The element loops are templates compiled for the baseline target but
+// instantiated with Avx2Ops, whose functions pass __m256 by value; GCC warns
+// about that ABI on the template body. The body is always_inline and only
+// ever lands inside an ST_AVX2_TARGET function, so no call with the baseline
+// ABI is emitted.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace shardtrain::kernels::cpu {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
 // ~32K elements per task: big enough that the pool's dispatch cost is noise
 // next to streaming 4-5 buffers, small enough to spread a 1M-element shard
 // over every core.
@@ -35,32 +61,177 @@ constexpr int64_t kGrain = 32768;
 template <typename T>
 constexpr bool kIsLowPrecision = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
-template <typename T>
-inline Vec load(const T* src, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    return count == kLanes ? Vec::loadu(src) : Vec::loadu(src, count);
-  } else {
-    alignas(64) float tmp[kLanes] = {};
-    for (int64_t k = 0; k < count; ++k) tmp[k] = static_cast<float>(src[k]);
-    return Vec::loadu(tmp);
-  }
-}
+// ---- vector-ops policies ----------------------------------------------------------
+//
+// Why two: LibTorch's AVX2/AVX-512 kernels are compiled with FMA enabled and
+// GCC contracts their multiply-adds (add_(x, alpha) is vec::fmadd(x, alpha,
+// self); addcmul_'s self + value*t1*t2 becomes fma(value*t1, t2, self)),
+// while its DEFAULT kernels round every product. madd() reproduces whichever
+// applies, so the steps below match torch::optim bit for bit.
+// mul_then_add() is a product that LibTorch rounds on its own (a separate
+// mul_ pass); the empty asm keeps GCC, whose C++ default is
+// -ffp-contract=fast, from contracting it into an fma where FMA exists.
 
-// The c10::BFloat16 / c10::Half constructors round to nearest even, the same
-// conversion at::Tensor::to applies, so the compute copy equals master.to(dtype).
-template <typename T>
-inline void store(T* dst, const Vec& v, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (count == kLanes) {
-      v.store(dst);
-    } else {
-      v.store(dst, static_cast<int>(count));
-    }
-  } else {
-    alignas(64) float tmp[kLanes];
-    v.store(tmp);
-    for (int64_t k = 0; k < count; ++k) dst[k] = T(tmp[k]);
+struct GenericOps {
+  using V = at::vec::Vectorized<float>;
+  static constexpr int64_t kWidth = V::size();
+
+  static V set1(float x) { return V(x); }
+  static V add(const V& a, const V& b) { return a + b; }
+  static V mul(const V& a, const V& b) { return a * b; }
+  static V div(const V& a, const V& b) { return a / b; }
+  static V mul_then_add(const V& a, const V& b, const V& c) {
+    V product = a * b;
+#if defined(__GNUC__)
+    asm volatile("" : "+m"(product));
+#endif
+    return product + c;
   }
+  static V madd(const V& a, const V& b, const V& c) { return mul_then_add(a, b, c); }
+  static V sqrt(const V& a) {
+#if ST_HAVE_AVX2_PATH
+    // Vectorized's generic sqrt() maps std::sqrt, which with errno semantics
+    // compiles to scalar roots and branches; SSE (baseline x86-64) has the
+    // packed, equally correctly rounded instruction.
+    alignas(64) float x[kWidth];
+    a.store(x);
+    for (int64_t k = 0; k < kWidth; k += 4) _mm_store_ps(x + k, _mm_sqrt_ps(_mm_load_ps(x + k)));
+    return V::loadu(x);
+#else
+    return a.sqrt();
+#endif
+  }
+
+  template <typename T>
+  static V load(const T* src, int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+      return count == kWidth ? V::loadu(src) : V::loadu(src, count);
+    } else {
+      alignas(64) float tmp[kWidth] = {};
+      for (int64_t k = 0; k < count; ++k) tmp[k] = static_cast<float>(src[k]);
+      return V::loadu(tmp);
+    }
+  }
+
+  // The c10::BFloat16 / c10::Half constructors round to nearest even, the same
+  // conversion at::Tensor::to applies, so a compute copy equals master.to(dtype).
+  template <typename T>
+  static void store(T* dst, const V& v, int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (count == kWidth) {
+        v.store(dst);
+      } else {
+        v.store(dst, static_cast<int>(count));
+      }
+    } else {
+      alignas(64) float tmp[kWidth];
+      v.store(tmp);
+      for (int64_t k = 0; k < count; ++k) dst[k] = T(tmp[k]);
+    }
+  }
+};
+
+#if ST_HAVE_AVX2_PATH
+// Every Avx2Ops function and every function that instantiates the element
+// loops with it carries this target, so the library itself still builds for
+// baseline x86-64; they only run where fuses_multiply_add() found the ISA.
+#define ST_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+struct Avx2Ops {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+
+  ST_AVX2_TARGET static V set1(float x) { return _mm256_set1_ps(x); }
+  ST_AVX2_TARGET static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  ST_AVX2_TARGET static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  ST_AVX2_TARGET static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  ST_AVX2_TARGET static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  ST_AVX2_TARGET static V madd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  ST_AVX2_TARGET static V mul_then_add(V a, V b, V c) {
+    V product = _mm256_mul_ps(a, b);
+    asm volatile("" : "+x"(product));
+    return _mm256_add_ps(product, c);
+  }
+
+  template <typename T>
+  ST_AVX2_TARGET static V load(const T* src, int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (count == kWidth) return _mm256_loadu_ps(src);
+      alignas(32) float tmp[kWidth] = {};
+      std::memcpy(tmp, src, static_cast<size_t>(count) * sizeof(float));
+      return _mm256_load_ps(tmp);
+    } else {
+      __m128i bits;
+      if (count == kWidth) {
+        bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      } else {
+        alignas(16) uint16_t tmp[kWidth] = {};
+        std::memcpy(tmp, src, static_cast<size_t>(count) * sizeof(uint16_t));
+        bits = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      // Both widenings are exact: bf16 is the top half of an fp32, and every
+      // fp16 value is representable in fp32.
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm256_cvtph_ps(bits);
+      }
+    }
+  }
+
+  template <typename T>
+  ST_AVX2_TARGET static void store(T* dst, V v, int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (count == kWidth) {
+        _mm256_storeu_ps(dst, v);
+        return;
+      }
+      alignas(32) float tmp[kWidth];
+      _mm256_store_ps(tmp, v);
+      std::memcpy(dst, tmp, static_cast<size_t>(count) * sizeof(float));
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // c10::detail::round_to_nearest_even, eight lanes at once:
+      // (bits + 0x7fff + lsb) >> 16, NaN -> 0x7fc0.
+      const __m256i bits = _mm256_castps_si256(v);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+      __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+      // packus works per 128-bit half: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather qwords 0 and 2.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+      const __m128i out = _mm256_castsi256_si128(packed);
+      if (count == kWidth) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), out);
+      } else {
+        alignas(16) uint16_t tmp[kWidth];
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), out);
+        std::memcpy(dst, tmp, static_cast<size_t>(count) * sizeof(uint16_t));
+      }
+    } else {
+      // fp16 copies go through c10::Half so NaN encodings match at::Tensor::to too.
+      alignas(32) float tmp[kWidth];
+      _mm256_store_ps(tmp, v);
+      for (int64_t k = 0; k < count; ++k) dst[k] = c10::Half(tmp[k]);
+    }
+  }
+};
+#endif  // ST_HAVE_AVX2_PATH
+
+bool detect_torch_fuses_multiply_add() {
+#if ST_HAVE_AVX2_PATH
+  // LibTorch's own rule (DispatchStub.cpp, compute_cpu_capability):
+  // ATEN_CPU_CAPABILITY=default forces the DEFAULT kernels; otherwise AVX2 (or
+  // AVX-512) runs when the CPU has AVX2 and FMA3. F16C (present on every such
+  // CPU) is required too, for Avx2Ops' fp16 loads.
+  if (const char* forced = std::getenv("ATEN_CPU_CAPABILITY")) {
+    if (std::strcmp(forced, "default") == 0) return false;
+  }
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
 }
 
 /// Calls f with a value of the C++ type behind `type` (fp32, bf16 or fp16).
@@ -104,22 +275,22 @@ void check_low_precision_out(const at::Tensor* out, int64_t numel) {
 
 /// Per-step constants, each rounded to float from a double expression exactly
 /// where torch::optim rounds its Scalar arguments.
-struct AdamCoefficients {
-  Vec grad_scale;
-  Vec l2;             ///< wd, Adam mode only
-  Vec decay;          ///< 1 - lr*wd, AdamW mode only
-  Vec beta1, one_minus_beta1;
-  Vec beta2, one_minus_beta2;
-  Vec sqrt_bc2;       ///< sqrt(1 - beta2^step)
-  Vec eps;
-  Vec neg_step_size;  ///< -lr / (1 - beta1^step)
+struct AdamScalars {
+  float grad_scale;
+  float l2;             ///< wd, Adam mode only
+  float decay;          ///< 1 - lr*wd, AdamW mode only
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float sqrt_bc2;       ///< sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  ///< -lr / (1 - beta1^step)
   // torch skips these terms when wd == 0; skipping too keeps 0*inf from
   // turning an inf parameter into NaN where torch would not.
-  bool use_l2 = false;
-  bool use_decay = false;
+  bool use_l2;
+  bool use_decay;
 };
 
-AdamCoefficients adam_coefficients(const AdamParams& p) {
+AdamScalars adam_scalars(const AdamParams& p) {
   ST_CHECK(p.step >= 1, "Adam step must be >= 1 (1-based, after the increment), got ", p.step);
   ST_CHECK(std::isfinite(p.lr) && std::isfinite(p.eps) && std::isfinite(p.weight_decay) &&
                std::isfinite(p.grad_scale),
@@ -131,94 +302,171 @@ AdamCoefficients adam_coefficients(const AdamParams& p) {
   // std::pow in double, as torch computes bias_correction = 1 - std::pow(beta, step).
   const double bc1 = p.bias_correction ? 1.0 - std::pow(p.beta1, step) : 1.0;
   const double bc2 = p.bias_correction ? 1.0 - std::pow(p.beta2, step) : 1.0;
-  AdamCoefficients c;
-  c.grad_scale = Vec(static_cast<float>(p.grad_scale));
+  AdamScalars c{};
+  c.grad_scale = static_cast<float>(p.grad_scale);
   c.use_l2 = !p.adam_w_mode && p.weight_decay != 0.0;
   c.use_decay = p.adam_w_mode && p.weight_decay != 0.0;
-  c.l2 = Vec(static_cast<float>(p.weight_decay));
-  c.decay = Vec(static_cast<float>(1.0 - p.lr * p.weight_decay));
-  c.beta1 = Vec(static_cast<float>(p.beta1));
-  c.one_minus_beta1 = Vec(static_cast<float>(1.0 - p.beta1));
-  c.beta2 = Vec(static_cast<float>(p.beta2));
-  c.one_minus_beta2 = Vec(static_cast<float>(1.0 - p.beta2));
-  c.sqrt_bc2 = Vec(static_cast<float>(std::sqrt(bc2)));
-  c.eps = Vec(static_cast<float>(p.eps));
-  c.neg_step_size = Vec(static_cast<float>(-(p.lr / bc1)));
+  c.l2 = static_cast<float>(p.weight_decay);
+  c.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  c.beta1 = static_cast<float>(p.beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - p.beta1);
+  c.beta2 = static_cast<float>(p.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
+  c.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(p.eps);
+  c.neg_step_size = static_cast<float>(-(p.lr / bc1));
   return c;
 }
 
-/// One Adam(W) element update in torch::optim's operation order:
-///   AdamW: p.mul_(1 - lr*wd)          Adam: grad = grad.add(p, wd)
-///   m.mul_(b1).add_(g, 1 - b1)        -> (m*b1) + (1-b1)*g
-///   v.mul_(b2).addcmul_(g, g, 1 - b2) -> (v*b2) + ((1-b2)*g)*g
+/// One Adam(W) update of a vector of elements, in torch::optim's order:
+///   AdamW: p.mul_(1 - lr*wd)          Adam: grad = grad.add(p, wd)  -> madd(p, wd, g)
+///   m.mul_(b1).add_(g, 1 - b1)        -> madd(g, 1-b1, m*b1)
+///   v.mul_(b2).addcmul_(g, g, 1 - b2) -> madd((1-b2)*g, g, v*b2)
 ///   denom = (v.sqrt() / sqrt(bc2)).add_(eps)
-///   p.addcdiv_(m, denom, -step_size)  -> p + ((-step_size)*m)/denom
-inline void adam_update(Vec& p, Vec& m, Vec& v, Vec g, const AdamCoefficients& c) {
-  g = g * c.grad_scale;
-  if (c.use_l2) g = g + c.l2 * p;
-  if (c.use_decay) p = p * c.decay;
-  m = m * c.beta1 + c.one_minus_beta1 * g;
-  v = v * c.beta2 + c.one_minus_beta2 * g * g;
-  const Vec denom = v.sqrt() / c.sqrt_bc2 + c.eps;
-  p = p + c.neg_step_size * m / denom;
+///   p.addcdiv_(m, denom, -step_size)  -> p + ((-step_size)*m) / denom
+/// (the constant broadcasts are loop-invariant and hoisted by the compiler).
+template <class Ops>
+ST_ALWAYS_INLINE void adam_update(typename Ops::V& p, typename Ops::V& m, typename Ops::V& v,
+                                  const typename Ops::V& grad, const AdamScalars& c) {
+  using V = typename Ops::V;
+  V g = Ops::mul(grad, Ops::set1(c.grad_scale));
+  if (c.use_l2) g = Ops::madd(p, Ops::set1(c.l2), g);
+  if (c.use_decay) p = Ops::mul(p, Ops::set1(c.decay));
+  m = Ops::madd(g, Ops::set1(c.one_minus_beta1), Ops::mul(m, Ops::set1(c.beta1)));
+  v = Ops::madd(Ops::mul(Ops::set1(c.one_minus_beta2), g), g, Ops::mul(v, Ops::set1(c.beta2)));
+  const V denom = Ops::add(Ops::div(Ops::sqrt(v), Ops::set1(c.sqrt_bc2)), Ops::set1(c.eps));
+  p = Ops::add(p, Ops::div(Ops::mul(Ops::set1(c.neg_step_size), m), denom));
 }
 
-/// StateT: the type param/m/v are stored in (float, or bf16/fp16 in pure low
-/// precision mode). OutT: the optional compute copy's type (ignored unless kWriteOut).
-template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
-void adam_range(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
-                int64_t begin, int64_t end, const AdamCoefficients& c) {
-  for (int64_t i = begin; i < end; i += kLanes) {
-    const int64_t count = std::min(kLanes, end - i);
-    Vec p = load(param + i, count);
-    Vec m = load(exp_avg + i, count);
-    Vec v = load(exp_avg_sq + i, count);
-    adam_update(p, m, v, load(grad + i, count), c);
-    store(param + i, p, count);
-    store(exp_avg + i, m, count);
-    store(exp_avg_sq + i, v, count);
-    if constexpr (kWriteOut) store(out + i, p, count);
+/// StateT: what param/m/v are stored in (float, or bf16/fp16 in pure low
+/// precision mode). OutT: the optional compute copy's type (unused unless kWriteOut).
+template <class Ops, typename StateT, typename GradT, typename OutT, bool kWriteOut>
+ST_ALWAYS_INLINE void adam_range(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
+                                 OutT* out, int64_t begin, int64_t end, const AdamScalars& c) {
+  using V = typename Ops::V;
+  for (int64_t i = begin; i < end; i += Ops::kWidth) {
+    const int64_t count = std::min(Ops::kWidth, end - i);
+    V p = Ops::load(param + i, count);
+    V m = Ops::load(exp_avg + i, count);
+    V v = Ops::load(exp_avg_sq + i, count);
+    adam_update<Ops>(p, m, v, Ops::load(grad + i, count), c);
+    Ops::store(param + i, p, count);
+    Ops::store(exp_avg + i, m, count);
+    Ops::store(exp_avg_sq + i, v, count);
+    if constexpr (kWriteOut) Ops::store(out + i, p, count);
   }
+}
+
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+void adam_range_generic(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
+                        int64_t begin, int64_t end, const AdamScalars& c) {
+  adam_range<GenericOps, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end,
+                                                         c);
+}
+
+#if ST_HAVE_AVX2_PATH
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+ST_AVX2_TARGET void adam_range_avx2(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
+                                    OutT* out, int64_t begin, int64_t end, const AdamScalars& c) {
+  adam_range<Avx2Ops, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+}
+#endif
+
+/// Runs the Adam element loop over [0, n) on the intra-op pool, with the
+/// multiply-add flavour LibTorch uses on this machine.
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+void adam_parallel(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
+                   int64_t n, const AdamScalars& c) {
+#if ST_HAVE_AVX2_PATH
+  if (fuses_multiply_add()) {
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      adam_range_avx2<StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    adam_range_generic<StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+  });
 }
 
 // ---- SGD ----------------------------------------------------------------------
 
-struct SgdCoefficients {
-  Vec grad_scale;
-  Vec weight_decay;
-  Vec momentum;
-  Vec neg_lr;  ///< -1 * lr, torch's add_(d_p, -1 * lr)
-  bool use_wd = false;
-  bool use_momentum = false;
-  bool nesterov = false;
-  bool first_step = false;
+struct SgdScalars {
+  float grad_scale;
+  float weight_decay;
+  float momentum;
+  float neg_lr;  ///< -1 * lr, torch's add_(d_p, -1 * lr)
+  bool use_wd;
+  bool use_momentum;
+  bool nesterov;
+  bool first_step;
 };
 
-/// torch::optim::SGD's order: d = grad.add(p, wd); buf = clone(d) on the first
-/// step, else buf.mul_(mom).add_(d, 1 - 0) -> (buf*mom) + d; nesterov:
-/// d = d.add(buf, mom) -> d + mom*buf, else d = buf; p.add_(d, -lr) -> p + (-lr)*d.
-inline void sgd_update(Vec& p, Vec& buf, Vec d, const SgdCoefficients& c) {
-  d = d * c.grad_scale;
-  if (c.use_wd) d = d + c.weight_decay * p;
+/// torch::optim::SGD's order (dampening 0):
+///   d = grad.add(p, wd)                     -> madd(p, wd, g)
+///   buf = clone(d) on the first step, else buf.mul_(mom).add_(d, 1)
+///                                           -> round(buf*mom) + d (d*1 is exact,
+///                                              so fused or not it rounds twice)
+///   nesterov: d = d.add(buf, mom)           -> madd(buf, mom, d); else d = buf
+///   p.add_(d, -lr)                          -> madd(d, -lr, p)
+template <class Ops>
+ST_ALWAYS_INLINE void sgd_update(typename Ops::V& p, typename Ops::V& buf, const typename Ops::V& grad,
+                                 const SgdScalars& c) {
+  using V = typename Ops::V;
+  V d = Ops::mul(grad, Ops::set1(c.grad_scale));
+  if (c.use_wd) d = Ops::madd(p, Ops::set1(c.weight_decay), d);
   if (c.use_momentum) {
-    buf = c.first_step ? d : buf * c.momentum + d;
-    d = c.nesterov ? d + c.momentum * buf : buf;
+    buf = c.first_step ? d : Ops::mul_then_add(buf, Ops::set1(c.momentum), d);
+    d = c.nesterov ? Ops::madd(buf, Ops::set1(c.momentum), d) : buf;
   }
-  p = p + c.neg_lr * d;
+  p = Ops::madd(d, Ops::set1(c.neg_lr), p);
+}
+
+template <class Ops, typename GradT, typename OutT, bool kWriteOut>
+ST_ALWAYS_INLINE void sgd_range(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
+                                int64_t end, const SgdScalars& c) {
+  using V = typename Ops::V;
+  const bool read_buffer = c.use_momentum && !c.first_step;
+  for (int64_t i = begin; i < end; i += Ops::kWidth) {
+    const int64_t count = std::min(Ops::kWidth, end - i);
+    V p = Ops::load(param + i, count);
+    V buf = read_buffer ? Ops::load(buffer + i, count) : Ops::set1(0.0f);
+    sgd_update<Ops>(p, buf, Ops::load(grad + i, count), c);
+    Ops::store(param + i, p, count);
+    if (c.use_momentum) Ops::store(buffer + i, buf, count);
+    if constexpr (kWriteOut) Ops::store(out + i, p, count);
+  }
 }
 
 template <typename GradT, typename OutT, bool kWriteOut>
-void sgd_range(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin, int64_t end,
-               const SgdCoefficients& c) {
-  for (int64_t i = begin; i < end; i += kLanes) {
-    const int64_t count = std::min(kLanes, end - i);
-    Vec p = load(param + i, count);
-    Vec buf = (c.use_momentum && !c.first_step) ? load(buffer + i, count) : Vec(0.0f);
-    sgd_update(p, buf, load(grad + i, count), c);
-    store(param + i, p, count);
-    if (c.use_momentum) store(buffer + i, buf, count);
-    if constexpr (kWriteOut) store(out + i, p, count);
+void sgd_range_generic(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
+                       int64_t end, const SgdScalars& c) {
+  sgd_range<GenericOps, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+}
+
+#if ST_HAVE_AVX2_PATH
+template <typename GradT, typename OutT, bool kWriteOut>
+ST_AVX2_TARGET void sgd_range_avx2(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
+                                   int64_t end, const SgdScalars& c) {
+  sgd_range<Avx2Ops, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+}
+#endif
+
+template <typename GradT, typename OutT, bool kWriteOut>
+void sgd_parallel(float* param, float* buffer, const GradT* grad, OutT* out, int64_t n,
+                  const SgdScalars& c) {
+#if ST_HAVE_AVX2_PATH
+  if (fuses_multiply_add()) {
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      sgd_range_avx2<GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+    });
+    return;
   }
+#endif
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    sgd_range_generic<GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+  });
 }
 
 // ---- reductions -----------------------------------------------------------------
@@ -247,16 +495,46 @@ double block_sum_of_squares(const T* x, int64_t n) {
 }
 
 // Inf and NaN are the values whose exponent bits are all ones, in every IEEE
-// format; testing the bits avoids converting 16-bit values to float.
-inline bool non_finite_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x7f800000u) == 0x7f800000u;
+// format, so the check works on the raw bits (no conversion of 16-bit values)
+// and counts matches in integer lanes, which the compiler vectorises.
+template <typename T>
+struct ExponentMask;
+template <>
+struct ExponentMask<float> {
+  using Bits = uint32_t;
+  static constexpr Bits kMask = 0x7f800000u;
+};
+template <>
+struct ExponentMask<c10::BFloat16> {
+  using Bits = uint16_t;
+  static constexpr Bits kMask = 0x7f80u;
+};
+template <>
+struct ExponentMask<c10::Half> {
+  using Bits = uint16_t;
+  static constexpr Bits kMask = 0x7c00u;
+};
+
+template <typename T>
+int64_t count_non_finite(const T* data, int64_t n) {
+  using Bits = typename ExponentMask<T>::Bits;
+  constexpr Bits kMask = ExponentMask<T>::kMask;
+  static_assert(sizeof(Bits) == sizeof(T), "the mask must cover the whole value");
+  Bits count = 0;  // at most kPiece (4096) per call: no overflow even in 16 bits
+  for (int64_t i = 0; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, data + i, sizeof(Bits));  // well-defined type punning; compiles to a load
+    count += static_cast<Bits>((bits & kMask) == kMask);
+  }
+  return count;
 }
-inline bool non_finite_bits(c10::BFloat16 x) { return (x.x & 0x7f80u) == 0x7f80u; }
-inline bool non_finite_bits(c10::Half x) { return (x.x & 0x7c00u) == 0x7c00u; }
 
 }  // namespace
+
+bool fuses_multiply_add() {
+  static const bool fused = detect_torch_fuses_multiply_add();
+  return fused;
+}
 
 void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                 const at::Tensor& grad, at::Tensor* low_precision_out, const AdamParams& p) {
@@ -274,7 +552,7 @@ void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
   check_same_numel(exp_avg_sq, "exp_avg_sq", n);
   check_same_numel(grad, "grad", n);
   check_low_precision_out(low_precision_out, n);
-  const AdamCoefficients c = adam_coefficients(p);
+  const AdamScalars c = adam_scalars(p);
   if (n == 0) return;
 
   float* param_ptr = master.data_ptr<float>();
@@ -284,17 +562,13 @@ void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
     using GradT = decltype(grad_tag);
     const GradT* g_ptr = grad.data_ptr<GradT>();
     if (low_precision_out == nullptr) {
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        adam_range<float, GradT, float, false>(param_ptr, m_ptr, v_ptr, g_ptr, nullptr, begin, end, c);
-      });
+      adam_parallel<float, GradT, float, false>(param_ptr, m_ptr, v_ptr, g_ptr, nullptr, n, c);
       return;
     }
     dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
       using OutT = decltype(out_tag);
-      OutT* out_ptr = low_precision_out->data_ptr<OutT>();
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        adam_range<float, GradT, OutT, true>(param_ptr, m_ptr, v_ptr, g_ptr, out_ptr, begin, end, c);
-      });
+      adam_parallel<float, GradT, OutT, true>(param_ptr, m_ptr, v_ptr, g_ptr,
+                                              low_precision_out->data_ptr<OutT>(), n, c);
     });
   });
 }
@@ -318,7 +592,7 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
   check_same_numel(exp_avg, "exp_avg", n);
   check_same_numel(exp_avg_sq, "exp_avg_sq", n);
   check_same_numel(grad, "grad", n);
-  const AdamCoefficients c = adam_coefficients(p);
+  const AdamScalars c = adam_scalars(p);
   if (n == 0) return;
 
   dispatch_float_types(type, "param", [&](auto state_tag) {
@@ -329,11 +603,8 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
       StateT* v_ptr = exp_avg_sq.data_ptr<StateT>();
       dispatch_float_types(grad.scalar_type(), "grad", [&](auto grad_tag) {
         using GradT = decltype(grad_tag);
-        const GradT* g_ptr = grad.data_ptr<GradT>();
-        at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-          adam_range<StateT, GradT, float, false>(param_ptr, m_ptr, v_ptr, g_ptr, nullptr, begin, end,
-                                                  c);
-        });
+        adam_parallel<StateT, GradT, float, false>(param_ptr, m_ptr, v_ptr, grad.data_ptr<GradT>(),
+                                                   nullptr, n, c);
       });
     }
   });
@@ -354,15 +625,15 @@ void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor
            "SGD hyper-parameters must be finite (lr=", lr, ", momentum=", momentum,
            ", weight_decay=", weight_decay, ", grad_scale=", grad_scale, ")");
   ST_CHECK(!nesterov || momentum > 0.0, "Nesterov momentum requires momentum > 0, got ", momentum);
-  SgdCoefficients c;
+  SgdScalars c{};
   c.use_momentum = momentum != 0.0;
   c.use_wd = weight_decay != 0.0;
   c.nesterov = nesterov;
   c.first_step = first_step;
-  c.grad_scale = Vec(static_cast<float>(grad_scale));
-  c.weight_decay = Vec(static_cast<float>(weight_decay));
-  c.momentum = Vec(static_cast<float>(momentum));
-  c.neg_lr = Vec(static_cast<float>(-1 * lr));
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.momentum = static_cast<float>(momentum);
+  c.neg_lr = static_cast<float>(-1 * lr);
   float* buffer_ptr = nullptr;
   if (c.use_momentum) {
     ST_CHECK(momentum_buffer != nullptr, "fused_sgd with momentum ", momentum,
@@ -380,17 +651,13 @@ void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor
     using GradT = decltype(grad_tag);
     const GradT* g_ptr = grad.data_ptr<GradT>();
     if (low_precision_out == nullptr) {
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        sgd_range<GradT, float, false>(param_ptr, buffer_ptr, g_ptr, nullptr, begin, end, c);
-      });
+      sgd_parallel<GradT, float, false>(param_ptr, buffer_ptr, g_ptr, nullptr, n, c);
       return;
     }
     dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
       using OutT = decltype(out_tag);
-      OutT* out_ptr = low_precision_out->data_ptr<OutT>();
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        sgd_range<GradT, OutT, true>(param_ptr, buffer_ptr, g_ptr, out_ptr, begin, end, c);
-      });
+      sgd_parallel<GradT, OutT, true>(param_ptr, buffer_ptr, g_ptr, low_precision_out->data_ptr<OutT>(),
+                                      n, c);
     });
   });
 }
@@ -427,15 +694,12 @@ bool has_inf_or_nan(const at::Tensor& t) {
     using T = decltype(tag);
     const T* data = t.data_ptr<T>();
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      // Branch-free inner loops over 4K-element pieces (they vectorise), with
-      // an early exit between pieces once any task has found one.
+      // Branch-free inner loops over 4K-element pieces, with an early exit
+      // between pieces once any task has found one.
       constexpr int64_t kPiece = 4096;
       for (int64_t i = begin; i < end; i += kPiece) {
         if (found.load(std::memory_order_relaxed)) return;
-        const int64_t stop = std::min(end, i + kPiece);
-        bool bad = false;
-        for (int64_t j = i; j < stop; ++j) bad |= non_finite_bits(data[j]);
-        if (bad) {
+        if (count_non_finite(data + i, std::min(end, i + kPiece) - i) != 0) {
           found.store(true, std::memory_order_relaxed);
           return;
         }

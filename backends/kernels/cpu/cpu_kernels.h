@@ -9,11 +9,12 @@
 // so the kernels use the intra-op thread pool (at::set_num_threads).
 //
 // Numerics: the fp32 Adam/AdamW and SGD steps evaluate each element with the
-// same operations, in the same order and with the same float-rounded scalar
-// coefficients as LibTorch 1.13's torch::optim::{AdamW, Adam, SGD}, so an
-// engine's FP32 run can be compared with a plain LibTorch loop at ~1e-7
-// relative per step (the only difference: LibTorch's AVX2/AVX-512 kernels
-// fuse some multiply-adds, these do not).
+// same operations, in the same order, with the same float-rounded scalar
+// coefficients and the same fused multiply-adds as LibTorch 1.13's
+// torch::optim::{AdamW, Adam, SGD} running on the kernels ATen dispatches on
+// this machine (see fuses_multiply_add), so an engine's FP32 run reproduces a
+// plain LibTorch loop bit for bit on GCC-built LibTorch (Debian's, PyPI's).
+// Elsewhere the difference stays at rounding level (~1e-7 relative per step).
 
 #include <cstdint>
 
@@ -72,6 +73,12 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
 void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
                at::Tensor* low_precision_out, double lr, double momentum, double weight_decay,
                bool nesterov, double grad_scale, bool first_step);
+
+/// Whether the optimizer kernels fuse the multiply-adds that LibTorch's own
+/// CPU kernels fuse here: true where ATen dispatches its AVX2/AVX-512 kernels
+/// (x86 with AVX2 and FMA, unless ATEN_CPU_CAPABILITY=default), false where it
+/// runs its DEFAULT ones. Decided once per process.
+bool fuses_multiply_add();
 
 /// Sum of x^2 over an fp32, bf16 or fp16 tensor, accumulated in fp64. The
 /// result is bitwise reproducible: fixed-size blocks are summed independently

@@ -1,0 +1,204 @@
+#include "tiny/tiny_train.h"
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/lr_scheduler.h"
+#include "shardtrain/error.h"
+
+namespace tiny {
+namespace {
+
+uint64_t mix(uint64_t x) {
+  // splitmix64: a fixed, platform-independent hash for the synthetic data.
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/// Samples of one micro-batch: global step `step`, micro-batch `micro` of the
+/// accumulation window, data-parallel rank `rank` of `world`.
+at::Tensor batch_of(uint64_t seed, const TinyConfig& config, int64_t step, int64_t micro, int rank, int world,
+                    int64_t micro_batch, int64_t accumulation) {
+  const int64_t global = static_cast<int64_t>(world) * micro_batch * accumulation;
+  const int64_t first = step * global + (micro * world + rank) * micro_batch;
+  std::vector<at::Tensor> rows;
+  for (int64_t i = 0; i < micro_batch; ++i) rows.push_back(synthetic_sample(seed, first + i, config));
+  return at::stack(rows);
+}
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& tokens) {
+  const int64_t V = logits.size(-1);
+  at::Tensor inputs = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V});
+  at::Tensor targets = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
+  return at::cross_entropy_loss(inputs, targets);
+}
+
+shardtrain::TrainingConfig load(const TinyRunOptions& options) {
+  if (options.config) return *options.config;
+  if (options.config_path) return shardtrain::load_config(*options.config_path);
+  if (auto env = shardtrain::config_from_environment()) return *env;
+  return {};
+}
+
+}  // namespace
+
+at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& config) {
+  const uint64_t h = mix(seed * 1000003ull + static_cast<uint64_t>(index));
+  const int64_t start = static_cast<int64_t>(h % static_cast<uint64_t>(config.vocab));
+  const int64_t stride = 1 + static_cast<int64_t>((h >> 20) % 7);
+  return (at::arange(config.seq_len, at::kLong) * stride + start).remainder(config.vocab);
+}
+
+TinyRunResult run_tiny(const TinyRunOptions& options) {
+  shardtrain::AcceleratorOptions accelerator_options;
+  accelerator_options.config = load(options);
+  accelerator_options.communicator = options.communicator;
+  shardtrain::Accelerator accelerator(accelerator_options);
+
+  torch::manual_seed(options.seed);
+  TinyModel model(options.model);
+  if (options.load_dtype == "bf16") model->to(at::kBFloat16);
+  shardtrain::OptimizerOptions optimizer;
+  optimizer.lr = options.lr;
+  shardtrain::RunInfo run;
+  run.hidden_size = options.model.hidden;
+  run.micro_batch_size = options.micro_batch;
+  run.total_steps = options.steps;
+  run.load_dtype = options.load_dtype;
+  auto prepared = accelerator.prepare(model, optimizer, run);
+  accelerator.prepare_scheduler(options.steps);
+
+  const int64_t accumulation = accelerator.gradient_accumulation_steps();
+  const int rank = accelerator.process_index();
+  const int world = accelerator.num_processes();
+  std::ofstream metrics;
+  if (!options.metrics_out.empty() && accelerator.is_main_process()) {
+    metrics.open(options.metrics_out);
+    ST_CHECK(metrics.good(), "cannot write the metrics file '", options.metrics_out, "'");
+  }
+  TinyRunResult result;
+  result.plan = accelerator.precision_plan();
+  for (int step = 0; step < options.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      at::Tensor tokens = batch_of(options.seed, options.model, step, micro, rank, world, options.micro_batch,
+                                   accumulation);
+      at::Tensor loss = next_token_loss(prepared(tokens), tokens);
+      accelerator.backward(loss);
+      loss_sum += loss.item<double>();
+    }
+    accelerator.step();
+    accelerator.zero_grad();
+    at::Tensor mean_loss = accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto& info = accelerator.last_step();
+    result.losses.push_back(mean_loss.item<double>());
+    result.grad_norms.push_back(info.grad_norm);
+    if (metrics.is_open()) {
+      const shardtrain::MemoryReport mem = accelerator.memory();
+      const int64_t tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
+      nlohmann::json line = {{"step", step + 1},
+                             {"loss", result.losses.back()},
+                             {"lr", info.lr},
+                             {"grad_norm", info.grad_norm},
+                             {"loss_scale", info.loss_scale},
+                             {"skipped", info.skipped},
+                             {"tokens", tokens},
+                             {"tokens_per_s", tokens / seconds},
+                             {"step_time_s", seconds},
+                             {"mem",
+                              {{"params", mem.params},
+                               {"grads", mem.grads},
+                               {"master", mem.master},
+                               {"optimizer", mem.optimizer},
+                               {"gathered", mem.gathered_peak},
+                               {"peak_rss", mem.peak_rss}}}};
+      metrics << line.dump() << "\n" << std::flush;
+    }
+    if (!options.quiet && accelerator.is_main_process() &&
+        (step == 0 || (step + 1) % std::max(1, accelerator.config().steps_per_print) == 0 || step + 1 == options.steps)) {
+      std::cout << "step " << step + 1 << "/" << options.steps << "  loss " << result.losses.back() << "  lr "
+                << info.lr << "  grad_norm " << info.grad_norm << (info.skipped ? "  (skipped: fp16 overflow)" : "")
+                << std::endl;
+    }
+  }
+  result.skipped_steps = accelerator.last_step().skipped_total;
+  result.memory = accelerator.memory();
+  result.final_params = accelerator.full_state_dict();
+  return result;
+}
+
+TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) {
+  shardtrain::AutoContext context;
+  context.world_size = world_size;
+  context.micro_batch_size = options.micro_batch;
+  context.hidden_size = options.model.hidden;
+  context.total_steps = options.steps;
+  const shardtrain::TrainingConfig config = shardtrain::resolve_auto(load(options), context);
+  const int64_t accumulation = config.gradient_accumulation_steps.value_or(1);
+
+  torch::manual_seed(options.seed);
+  TinyModel model(options.model);
+  if (options.load_dtype == "bf16") {
+    // Same starting values as the engine run, which loads bf16 and upcasts its master.
+    model->to(at::kBFloat16);
+    model->to(at::kFloat);
+  }
+  const auto& oc = config.optimizer;
+  const double lr = options.lr.value_or(oc.lr.value_or(1e-3));
+  const auto betas = oc.betas.value_or(std::array<double, 2>{0.9, 0.999});
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::string type = oc.type;
+  if (type == "Adam" && oc.adam_w_mode.value_or(false)) type = "AdamW";
+  if (type == "AdamW") {
+    optimizer = std::make_unique<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
+                                 .weight_decay(oc.weight_decay.value_or(0.01)));
+  } else if (type == "Adam") {
+    optimizer = std::make_unique<torch::optim::Adam>(
+        model->parameters(), torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
+                                 .weight_decay(oc.weight_decay.value_or(0.0)));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(
+        model->parameters(),
+        torch::optim::SGDOptions(lr).momentum(oc.momentum).weight_decay(oc.weight_decay.value_or(0.0)).nesterov(oc.nesterov));
+  }
+  shardtrain::SchedulerConfig schedule = config.scheduler;
+  if (!schedule.total_num_steps) schedule.total_num_steps = options.steps;
+  if (!schedule.warmup_max_lr) schedule.warmup_max_lr = lr;
+  if (!schedule.warmup_min_lr) schedule.warmup_min_lr = 0.0;
+  shardtrain::engine::LRScheduler scheduler(schedule, lr);
+  const double clip = config.gradient_clipping.value_or(0.0);
+
+  TinyRunResult result;
+  for (int step = 0; step < options.steps; ++step) {
+    std::vector<at::Tensor> rows;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      for (int r = 0; r < world_size; ++r) {
+        rows.push_back(batch_of(options.seed, options.model, step, micro, r, world_size, options.micro_batch, accumulation));
+      }
+    }
+    at::Tensor tokens = at::cat(rows);
+    optimizer->zero_grad();
+    at::Tensor loss = next_token_loss(model->forward(tokens), tokens);
+    loss.backward();
+    double norm = -1;
+    if (clip > 0) norm = torch::nn::utils::clip_grad_norm_(model->parameters(), clip);
+    for (auto& group : optimizer->param_groups()) group.options().set_lr(scheduler.lr_at(step));
+    optimizer->step();
+    result.losses.push_back(loss.item<double>());
+    result.grad_norms.push_back(norm);
+  }
+  for (const auto& item : model->named_parameters()) {
+    result.final_params.emplace_back(item.key(), item.value().detach().to(at::kFloat).clone());
+  }
+  return result;
+}
+
+}  // namespace tiny

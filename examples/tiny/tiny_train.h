@@ -1,0 +1,55 @@
+#pragma once
+// The train_tiny run as a function, shared by the example program and the
+// tests (which run it on several ranks inside the multi-rank harness and
+// compare it with the plain-LibTorch reference in the same process).
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardtrain/accelerator.h"
+#include "tiny/tiny_model.h"
+
+namespace tiny {
+
+struct TinyRunOptions {
+  std::optional<std::string> config_path;
+  std::optional<shardtrain::TrainingConfig> config;
+  int steps = 30;
+  uint64_t seed = 0;
+  std::optional<double> lr;   ///< overrides the config's optimizer lr
+  int micro_batch = 4;
+  std::string metrics_out;    ///< JSON lines, one object per optimizer step (rank 0)
+  TinyConfig model;
+  /// Load dtype of the model ("fp32", "bf16").
+  std::string load_dtype = "fp32";
+  /// Run inside an existing job (tests); otherwise connect from the environment.
+  shardtrain::comm::CommunicatorPtr communicator;
+  bool quiet = false;
+};
+
+struct TinyRunResult {
+  std::vector<double> losses;      ///< global mean loss of each optimizer step
+  std::vector<double> grad_norms;  ///< -1 where not computed
+  std::vector<std::pair<std::string, at::Tensor>> final_params;  ///< fp32, by name
+  shardtrain::MemoryReport memory;
+  shardtrain::PrecisionPlan plan;
+  int64_t skipped_steps = 0;
+};
+
+/// Tokens of global sample `index` of the synthetic task: arithmetic
+/// progressions mod vocab with a per-sample start and stride, so the next
+/// token is predictable from context (attention has to find the stride).
+at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& config);
+
+/// The engine run (zero / fsdp per the config) on the current job.
+TinyRunResult run_tiny(const TinyRunOptions& options);
+
+/// The plain LibTorch loop: one process, same init, same global batch
+/// (world_size x micro_batch x accumulation samples per step), the same
+/// optimizer formula, schedule and clipping, no shardtrain engine.
+TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size);
+
+}  // namespace tiny

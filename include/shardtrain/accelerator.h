@@ -1,0 +1,201 @@
+#pragma once
+/// @file accelerator.h
+/// The front end users train with, modelled on Hugging Face Accelerate:
+///
+///     shardtrain::Accelerator accelerator;                 // config + ranks from the launcher
+///     auto model = accelerator.prepare(MyModel(...), {}, {.hidden_size = 64, .micro_batch_size = 8});
+///     accelerator.prepare_scheduler(total_steps);
+///     for (...) {
+///       at::Tensor loss = compute_loss(model(x), y);
+///       accelerator.backward(loss);
+///       if (accelerator.sync_gradients()) accelerator.clip_grad_norm(1.0);
+///       accelerator.step();                                  // optimizer + scheduler
+///       accelerator.zero_grad();
+///     }
+///
+/// The engine (zero stages 0-3 today; fsdp) is chosen by the config's
+/// distributed_type; the optimizer is engine-owned because it steps the
+/// sharded FP32 master. At prepare time rank 0 prints the precision plan.
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/comm/rendezvous.h"
+#include "shardtrain/config.h"
+#include "shardtrain/data.h"
+#include "shardtrain/precision_plan.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace shardtrain {
+
+namespace engine {
+class Engine;
+class LRScheduler;
+}  // namespace engine
+
+struct AcceleratorOptions {
+  /// Config file (Accelerate YAML or DeepSpeed JSON). Unset: the launcher's
+  /// environment (SHARDTRAIN_CONFIG_FILE, ...), else a plain run.
+  std::optional<std::string> config_path;
+  /// A config built in code (wins over config_path).
+  std::optional<TrainingConfig> config;
+  /// Overrides mixed_precision ("no", "fp16", "bf16").
+  std::optional<std::string> mixed_precision;
+  std::optional<int64_t> gradient_accumulation_steps;
+  InitOptions init;
+  /// Use this communicator instead of connecting from the environment (tests, embedding).
+  comm::CommunicatorPtr communicator;
+};
+
+/// Facts about the run that "auto" config values and the precision plan need.
+struct RunInfo {
+  std::optional<int64_t> hidden_size;       ///< H for reduce_bucket_size = H^2 etc.
+  std::optional<int64_t> micro_batch_size;  ///< the data loader's batch size
+  std::optional<int64_t> total_steps;       ///< optimizer steps (scheduler "auto")
+  std::string load_dtype = "fp32";
+};
+
+/// Optimizer settings given in code; unset fields come from the config's optimizer block.
+struct OptimizerOptions {
+  std::optional<std::string> type;  ///< AdamW | Adam | SGD
+  std::optional<double> lr, weight_decay, eps, momentum;
+  std::optional<std::array<double, 2>> betas;
+  /// Escape hatch: any torch::optim optimizer over the fp32 master shards.
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> custom_factory;
+};
+
+/// What the last optimizer step did (also written to the metrics file).
+struct StepInfo {
+  int64_t step = 0;        ///< optimizer steps taken so far (not counting skipped ones)
+  double lr = 0;
+  double grad_norm = -1;   ///< -1 when not computed
+  double loss_scale = 1;
+  bool skipped = false;
+  int64_t skipped_total = 0;
+};
+
+/// Bytes of model state on this rank (see PrecisionPlan for the prediction).
+struct MemoryReport {
+  int64_t params = 0, grads = 0, master = 0, optimizer = 0, gathered = 0, gathered_peak = 0, peak_rss = 0;
+};
+
+class Accelerator;
+
+/// A model whose forward runs the engine's hooks around the module's forward.
+template <typename ModuleHolder>
+class PreparedModel {
+ public:
+  PreparedModel(ModuleHolder module, Accelerator* accelerator) : module_(std::move(module)), accelerator_(accelerator) {}
+  template <typename... Args>
+  at::Tensor operator()(Args&&... args);
+  ModuleHolder& module() { return module_; }
+  ModuleHolder& operator->() { return module_; }
+
+ private:
+  ModuleHolder module_;
+  Accelerator* accelerator_;
+};
+
+class Accelerator {
+ public:
+  explicit Accelerator(AcceleratorOptions options = {});
+  ~Accelerator();
+  Accelerator(const Accelerator&) = delete;
+  Accelerator& operator=(const Accelerator&) = delete;
+
+  // ---- processes
+  int process_index() const;
+  int local_process_index() const;
+  int num_processes() const;
+  bool is_main_process() const { return process_index() == 0; }
+  bool is_local_main_process() const { return local_process_index() == 0; }
+  comm::Communicator& communicator();
+  /// The resolved config (after prepare(); before it, as read).
+  const TrainingConfig& config() const;
+
+  // ---- prepare
+  /// Takes over a model (a TORCH_MODULE holder): shards it per the config and
+  /// creates the engine-owned optimizer. Call once.
+  template <typename ModuleHolder>
+  PreparedModel<ModuleHolder> prepare(ModuleHolder module, const OptimizerOptions& optimizer = {},
+                                      const RunInfo& run = {}) {
+    prepare_module(module.ptr(), optimizer, run);
+    return PreparedModel<ModuleHolder>(std::move(module), this);
+  }
+  /// The non-template form.
+  void prepare_module(std::shared_ptr<torch::nn::Module> module, const OptimizerOptions& optimizer,
+                      const RunInfo& run);
+  /// LR schedule from the config's scheduler block (or `override`), over `total_steps`.
+  void prepare_scheduler(int64_t total_steps, std::optional<SchedulerConfig> override_config = std::nullopt);
+  /// This rank's distinct, seed-determined slice of a dataset of `dataset_size` items.
+  DistributedSampler prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true,
+                                     bool drop_last = false) const;
+  const PrecisionPlan& precision_plan() const;
+
+  // ---- training step
+  /// Backward with loss scaling (fp16) and division by the accumulation steps.
+  void backward(const at::Tensor& loss);
+  /// True when the next step() applies the optimizer (end of an accumulation window).
+  bool sync_gradients() const;
+  int64_t gradient_accumulation_steps() const;
+  /// Global gradient norm over the sharded gradients (fp64), clipping to
+  /// max_norm at the next step(); only at an accumulation boundary. Returns the norm.
+  double clip_grad_norm(double max_norm);
+  /// Optimizer + scheduler step at an accumulation boundary; otherwise a no-op.
+  void step();
+  void zero_grad();
+  double current_lr() const;
+  const StepInfo& last_step() const;
+
+  // ---- collectives for metrics
+  /// Concatenates every rank's tensor along dim 0 (same shape on every rank).
+  at::Tensor gather_for_metrics(const at::Tensor& tensor);
+  /// All-reduces a copy ("sum", "mean" or "max").
+  at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "mean");
+  void wait_for_everyone();
+  /// Prints on the main process only.
+  void print(const std::string& text) const;
+
+  // ---- state
+  /// Every parameter's full fp32 value by name (collective; rank 0 gets all, so do others).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  MemoryReport memory() const;
+  void reset_memory_peaks();
+  engine::Engine& engine();
+
+  // Used by PreparedModel.
+  void begin_forward();
+  at::Tensor end_forward(at::Tensor output);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+template <typename ModuleHolder>
+template <typename... Args>
+at::Tensor PreparedModel<ModuleHolder>::operator()(Args&&... args) {
+  accelerator_->begin_forward();
+  at::Tensor output = module_->forward(std::forward<Args>(args)...);
+  return accelerator_->end_forward(std::move(output));
+}
+
+/// Peak resident set size of this process (VmHWM), bytes.
+int64_t peak_rss_bytes();
+
+}  // namespace shardtrain

@@ -1,0 +1,43 @@
+#pragma once
+/// @file precision_plan.h
+/// Which dtype each stage of a run uses and what it costs per parameter — the
+/// table of DESIGN.md, resolved for one config, model size and world size.
+/// Rank 0 prints it at start; tests compare the engines' measured memory to it.
+
+#include <cstdint>
+#include <string>
+
+#include "shardtrain/config.h"
+
+namespace shardtrain {
+
+struct PrecisionPlan {
+  std::string engine;           ///< "zero-3", "fsdp standard", "fsdp pure", ...
+  std::string load_dtype;       ///< dtype the model arrives in
+  std::string compute_dtype;    ///< dtype forward/backward run in
+  std::string shard_dtype;      ///< dtype of the sharded parameters at rest (and the all-gather)
+  std::string reduce_dtype;     ///< dtype of the gradient reduction
+  std::string master_dtype;     ///< "fp32" or "none"
+  std::string optimizer_dtype;  ///< dtype of m, v
+  /// Bytes per model parameter held by ONE rank, by kind (already divided by the world size).
+  double params_bytes = 0, grads_bytes = 0, master_bytes = 0, optimizer_bytes = 0;
+  /// Bytes per parameter of the parameters kept gathered at rest (stages 1/2, NO_SHARD), per rank.
+  double gathered_at_rest_bytes = 0;
+  /// fp32 runs: the fp32 shard is the master (counted once, under params).
+  bool master_is_params = false;
+  int64_t num_params = 0;
+  int world_size = 1;
+  std::string notes;  ///< e.g. fp16 on CPU computes in fp32; pure mode loses small updates
+
+  /// Optimizer bytes per parameter over the whole job (master + state), DESIGN.md's last column.
+  double optimizer_bytes_per_param_total() const;
+  int64_t predicted_bytes(double per_param) const { return static_cast<int64_t>(per_param * num_params); }
+  /// The table rank 0 prints.
+  std::string to_string() const;
+};
+
+/// `on_cuda`: compute happens on a GPU (fp16 then computes in fp16; on CPU in fp32).
+PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
+                             const std::string& load_dtype = "fp32");
+
+}  // namespace shardtrain

@@ -1,0 +1,304 @@
+#include "shardtrain/accelerator.h"
+
+#include <fstream>
+#include <iostream>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "engine/engine.h"
+#include "engine/lr_scheduler.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+#include "zero/zero_engine.h"
+
+namespace shardtrain {
+namespace {
+
+at::ScalarType to_scalar(DType d) {
+  switch (d) {
+    case DType::kFp32: return at::kFloat;
+    case DType::kBf16: return at::kBFloat16;
+    case DType::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+MixedPrecision parse_mixed_precision(const std::string& text) {
+  if (text == "no") return MixedPrecision::kNo;
+  if (text == "fp16") return MixedPrecision::kFp16;
+  if (text == "bf16") return MixedPrecision::kBf16;
+  ST_THROW(ConfigError, "mixed_precision '", text, "' is not one of no, fp16, bf16");
+}
+
+}  // namespace
+
+int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+struct Accelerator::State {
+  AcceleratorOptions options;
+  TrainingConfig config;
+  DistEnv env;
+  comm::CommunicatorPtr comm;
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<engine::LRScheduler> scheduler;
+  PrecisionPlan plan;
+  double base_lr = 1e-3;
+  int64_t accumulation = 1;
+  int64_t micro_in_window = 0;  // backward() calls since the last boundary
+  bool clipped_this_window = false;
+  StepInfo last;
+  bool prepared = false;
+};
+
+Accelerator::Accelerator(AcceleratorOptions options) : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.options = std::move(options);
+  if (s.options.config) {
+    s.config = *s.options.config;
+  } else if (s.options.config_path) {
+    s.config = load_config(*s.options.config_path);
+  } else if (auto from_env = config_from_environment()) {
+    s.config = *from_env;
+  }
+  if (s.options.mixed_precision) {
+    s.config.mixed_precision = parse_mixed_precision(*s.options.mixed_precision);
+  }
+  if (s.options.gradient_accumulation_steps) s.config.gradient_accumulation_steps = s.options.gradient_accumulation_steps;
+  if (s.options.communicator) {
+    s.comm = s.options.communicator;
+    s.env.rank = s.comm->rank();
+    s.env.world_size = s.comm->world_size();
+    s.env.local_world_size = s.comm->world_size();
+    s.env.local_rank = s.comm->rank();
+  } else {
+    s.env = detect_dist_env();
+    s.comm = init_distributed(s.env, s.options.init);
+  }
+  set_log_rank(s.comm->rank());
+  if (s.comm->rank() == 0) {
+    for (const auto& warning : s.config.warnings) ST_LOG_WARN("config: {}", warning);
+  }
+}
+
+Accelerator::~Accelerator() = default;
+
+int Accelerator::process_index() const { return state_->comm->rank(); }
+int Accelerator::local_process_index() const { return state_->env.local_rank; }
+int Accelerator::num_processes() const { return state_->comm->world_size(); }
+comm::Communicator& Accelerator::communicator() { return *state_->comm; }
+const TrainingConfig& Accelerator::config() const { return state_->config; }
+const PrecisionPlan& Accelerator::precision_plan() const { return state_->plan; }
+
+engine::Engine& Accelerator::engine() {
+  ST_CHECK(state_->engine != nullptr, "no engine yet: call accelerator.prepare(model) first");
+  return *state_->engine;
+}
+
+void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, const OptimizerOptions& optimizer,
+                                 const RunInfo& run) {
+  State& s = *state_;
+  ST_CHECK(!s.prepared, "prepare() was already called: one Accelerator drives one model");
+  ST_CHECK(module != nullptr, "prepare(): the model is null");
+  s.module = std::move(module);
+
+  AutoContext context;
+  context.world_size = num_processes();
+  context.micro_batch_size = run.micro_batch_size;
+  context.hidden_size = run.hidden_size;
+  context.total_steps = run.total_steps;
+  s.config = resolve_auto(s.config, context);
+  s.accumulation = s.config.gradient_accumulation_steps.value_or(1);
+
+  int64_t num_params = 0;
+  bool on_cuda = false;
+  for (const auto& p : s.module->parameters()) {
+    if (p.requires_grad()) num_params += p.numel();
+    on_cuda = on_cuda || p.is_cuda();
+  }
+
+  // ---- optimizer: config block, overridden by code
+  engine::OptimizerSpec spec;
+  const OptimizerConfig& oc = s.config.optimizer;
+  spec.type = optimizer.type.value_or(oc.type);
+  s.base_lr = optimizer.lr.value_or(oc.lr.value_or(1e-3));
+  const auto betas = optimizer.betas.value_or(oc.betas.value_or(std::array<double, 2>{0.9, 0.999}));
+  spec.beta1 = betas[0];
+  spec.beta2 = betas[1];
+  spec.eps = optimizer.eps.value_or(oc.eps.value_or(1e-8));
+  spec.weight_decay = optimizer.weight_decay.value_or(oc.weight_decay.value_or(spec.type == "AdamW" ? 0.01 : 0.0));
+  spec.momentum = optimizer.momentum.value_or(oc.momentum);
+  spec.nesterov = oc.nesterov;
+  spec.custom_factory = optimizer.custom_factory;
+  if (spec.type == "Adam" && oc.adam_w_mode.value_or(false)) spec.type = "AdamW";
+  s.config.optimizer.type = spec.type;
+  s.config.optimizer.momentum = spec.momentum;
+
+  // ---- dtypes
+  const DType low = s.config.compute_dtype();
+  const at::ScalarType low_scalar = to_scalar(low);
+  const at::ScalarType reduce = to_scalar(s.config.communication_data_type.value_or(low));
+  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
+  const at::ScalarType compute = (low == DType::kFp16 && !on_cuda) ? at::kFloat : low_scalar;
+
+  switch (s.config.distributed_type) {
+    case DistributedType::kDeepSpeed:
+    case DistributedType::kNo:
+    case DistributedType::kMultiCpu:
+    case DistributedType::kMultiGpu: {
+      zero::ZeroOptions zo;
+      zo.stage = s.config.distributed_type == DistributedType::kDeepSpeed ? s.config.zero.stage : 0;
+      zo.compute_dtype = compute;
+      zo.param_dtype = low_scalar;
+      zo.reduce_dtype = reduce;
+      zo.overlap_comm = s.config.zero.overlap_comm.value_or(zo.stage == 3);
+      zo.sub_group_size = s.config.zero.sub_group_size;
+      zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(50000000);
+      zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(100000);
+      zo.max_live_parameters = s.config.zero.stage3_max_live_parameters;
+      zo.offload_optimizer = s.config.zero.offload_optimizer == OffloadDevice::kCpu;
+      zo.loss_scale = s.config.fp16;
+      zo.fp16 = low == DType::kFp16;
+      zo.optimizer = spec;
+      s.engine = std::make_unique<zero::ZeroEngine>(s.module, s.comm, zo);
+      break;
+    }
+    case DistributedType::kFsdp:
+      ST_THROW(ConfigError, "distributed_type FSDP: the fsdp engine is not in this build yet; use "
+               "distributed_type DEEPSPEED (zero stage 3 is numerically the same as fsdp standard mode)");
+  }
+
+  s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, run.load_dtype);
+  if (is_main_process()) {
+    std::cout << s.plan.to_string() << std::flush;
+  }
+  s.prepared = true;
+}
+
+void Accelerator::prepare_scheduler(int64_t total_steps, std::optional<SchedulerConfig> override_config) {
+  State& s = *state_;
+  SchedulerConfig config = override_config ? *override_config : s.config.scheduler;
+  if (!config.total_num_steps) config.total_num_steps = total_steps;
+  if (!config.warmup_max_lr) config.warmup_max_lr = s.base_lr;
+  if (!config.warmup_min_lr) config.warmup_min_lr = 0.0;
+  s.scheduler = std::make_unique<engine::LRScheduler>(config, s.base_lr);
+}
+
+DistributedSampler Accelerator::prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle,
+                                                bool drop_last) const {
+  return DistributedSampler(dataset_size, num_processes(), process_index(), seed, shuffle, drop_last);
+}
+
+void Accelerator::begin_forward() { engine().begin_forward(); }
+at::Tensor Accelerator::end_forward(at::Tensor output) { return engine().end_forward(std::move(output)); }
+
+void Accelerator::backward(const at::Tensor& loss) {
+  State& s = *state_;
+  if (s.micro_in_window == s.accumulation) {  // step() was not called: start a new window anyway
+    s.micro_in_window = 0;
+  }
+  const bool sync = s.micro_in_window + 1 == s.accumulation;
+  at::Tensor scaled = s.accumulation == 1 ? loss : loss / static_cast<double>(s.accumulation);
+  engine().backward(scaled, sync);
+  ++s.micro_in_window;
+}
+
+bool Accelerator::sync_gradients() const { return state_->micro_in_window == state_->accumulation; }
+int64_t Accelerator::gradient_accumulation_steps() const { return state_->accumulation; }
+
+double Accelerator::clip_grad_norm(double max_norm) {
+  State& s = *state_;
+  if (!sync_gradients()) return -1.0;  // gradients are incomplete until the window ends
+  s.clipped_this_window = true;
+  return engine().clip_grad_norm(max_norm);
+}
+
+double Accelerator::current_lr() const {
+  const State& s = *state_;
+  return s.scheduler ? s.scheduler->lr_at(s.last.step) : s.base_lr;
+}
+
+void Accelerator::step() {
+  State& s = *state_;
+  if (!sync_gradients()) return;
+  const double clip = s.config.gradient_clipping.value_or(0.0);
+  double norm = -1;
+  if (!s.clipped_this_window && clip > 0) norm = engine().clip_grad_norm(clip);
+  const double lr = current_lr();
+  engine::StepResult result = engine().step(lr);
+  s.last.lr = lr;
+  s.last.grad_norm = result.grad_norm >= 0 ? result.grad_norm : norm;
+  s.last.loss_scale = result.loss_scale;
+  s.last.skipped = result.skipped;
+  if (result.skipped) {
+    ++s.last.skipped_total;
+  } else {
+    ++s.last.step;
+  }
+  s.micro_in_window = 0;
+  s.clipped_this_window = false;
+}
+
+void Accelerator::zero_grad() {
+  if (sync_gradients() || state_->micro_in_window == 0) engine().zero_grad();
+}
+
+const StepInfo& Accelerator::last_step() const { return state_->last; }
+
+at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
+  at::Tensor input = tensor.contiguous();
+  const bool widen = !comm::is_supported_dtype(input.scalar_type());
+  if (widen) input = input.to(at::isFloatingType(input.scalar_type()) ? at::kFloat : at::kLong);
+  std::vector<int64_t> shape = input.sizes().vec();
+  if (shape.empty()) shape = {1};
+  shape[0] *= num_processes();
+  at::Tensor output = at::empty(shape, input.options());
+  communicator().all_gather(output, input);
+  return widen ? output.to(tensor.scalar_type()) : output;
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& op) {
+  at::Tensor copy = tensor.clone().contiguous();
+  if (op == "sum") communicator().all_reduce(copy, comm::ReduceOp::kSum);
+  else if (op == "mean") communicator().all_reduce(copy, comm::ReduceOp::kAvg);
+  else if (op == "max") communicator().all_reduce(copy, comm::ReduceOp::kMax);
+  else ST_THROW(ConfigError, "reduce: op '", op, "' is not one of sum, mean, max");
+  return copy;
+}
+
+void Accelerator::wait_for_everyone() { communicator().barrier(); }
+
+void Accelerator::print(const std::string& text) const {
+  if (is_main_process()) std::cout << text << std::endl;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Accelerator::full_state_dict() { return engine().full_state_dict(); }
+
+MemoryReport Accelerator::memory() const {
+  MemoryReport report;
+  if (state_->engine) {
+    engine::MemoryStats m = state_->engine->memory();
+    report.params = m.params;
+    report.grads = m.grads;
+    report.master = m.master;
+    report.optimizer = m.optimizer;
+    report.gathered = m.gathered;
+    report.gathered_peak = m.gathered_peak;
+  }
+  report.peak_rss = peak_rss_bytes();
+  return report;
+}
+
+void Accelerator::reset_memory_peaks() {
+  if (state_->engine) state_->engine->reset_gathered_peak();
+}
+
+}  // namespace shardtrain

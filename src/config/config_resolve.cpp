@@ -1,0 +1,222 @@
+// resolve_auto: fills "auto" and unset values from the run, following
+// Transformers' HfTrainerDeepSpeedConfig and Accelerate's _prepare_deepspeed
+// (reference/deepspeed.md §3), and checks what only the run can check.
+#include <string>
+
+#include "config/config_internal.h"
+#include "shardtrain/config.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain {
+namespace {
+
+using config_detail::format_double;
+
+/// DeepSpeed's `train_batch_size = micro x accumulation x world`, with any
+/// one of the three derived from the other two.
+void resolve_batch_triple(TrainingConfig& config, const AutoContext& context) {
+  const int64_t world = context.world_size;
+  auto& micro = config.train_micro_batch_size_per_gpu;
+  auto& accumulation = config.gradient_accumulation_steps;
+  auto& total = config.train_batch_size;
+  // Accelerate takes "auto" micro batches from the data loader before DeepSpeed
+  // checks the triple, so the loader's size counts as given.
+  if (!micro && context.micro_batch_size) {
+    if (*context.micro_batch_size < 1) {
+      ST_THROW(ConfigError, "the data loader's micro batch size must be at least 1, got ",
+               *context.micro_batch_size);
+    }
+    micro = context.micro_batch_size;
+  }
+
+  auto derive = [&](int64_t numerator, int64_t denominator, const std::string& derived,
+                    const std::string& denominator_text) {
+    if (numerator % denominator != 0 || numerator / denominator < 1) {
+      ST_THROW(ConfigError, "train_batch_size ", numerator, " is not a multiple of ", denominator_text, " = ",
+               denominator, ", so ", derived,
+               " cannot be derived; make train_batch_size = train_micro_batch_size_per_gpu * "
+               "gradient_accumulation_steps * world size");
+    }
+    return numerator / denominator;
+  };
+
+  if (total && micro && accumulation) {
+    const int64_t product = *micro * *accumulation * world;
+    if (*total != product) {
+      ST_THROW(ConfigError, "train_batch_size ", *total, " != train_micro_batch_size_per_gpu ", *micro,
+               " * gradient_accumulation_steps ", *accumulation, " * world size ", world, " = ", product,
+               "; fix one of them or set it to \"auto\"");
+    }
+  } else if (total && micro) {
+    accumulation = derive(*total, *micro * world, "gradient_accumulation_steps",
+                          "train_micro_batch_size_per_gpu " + std::to_string(*micro) + " * world size " +
+                              std::to_string(world));
+  } else if (total && accumulation) {
+    micro = derive(*total, *accumulation * world, "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps " + std::to_string(*accumulation) + " * world size " +
+                       std::to_string(world));
+  } else if (micro) {
+    if (!accumulation) accumulation = 1;
+    total = *micro * *accumulation * world;
+  } else if (total) {
+    accumulation = 1;
+    micro = derive(*total, world, "train_micro_batch_size_per_gpu", "world size");
+  } else {
+    ST_THROW(ConfigError,
+             "train_micro_batch_size_per_gpu is \"auto\" (or unset) and the run gave no micro batch size: set it "
+             "(or train_batch_size) in the config, or pass the data loader's batch size "
+             "(AutoContext::micro_batch_size; `shardtrain config check --micro-batch B`)");
+  }
+}
+
+void resolve_zero(TrainingConfig& config, const AutoContext& context) {
+  ZeroConfig& zero = config.zero;
+  const std::optional<int64_t>& hidden = context.hidden_size;
+  if (hidden && *hidden < 1) ST_THROW(ConfigError, "the model's hidden size must be at least 1, got ", *hidden);
+  // Transformers' trainer_config_finalize: only an "auto" follows the model;
+  // an absent key keeps DeepSpeed's fixed default.
+  if (!zero.reduce_bucket_size) {
+    zero.reduce_bucket_size = config.is_auto(config_detail::kReduceBucketKey) && hidden
+                                  ? *hidden * *hidden
+                                  : config_detail::kDeepSpeedReduceBucketSize;
+  }
+  if (!zero.stage3_prefetch_bucket_size) {
+    zero.stage3_prefetch_bucket_size = config.is_auto(config_detail::kPrefetchBucketKey) && hidden
+                                           ? (9 * *hidden * *hidden) / 10
+                                           : config_detail::kDeepSpeedPrefetchBucketSize;
+  }
+  if (!zero.stage3_param_persistence_threshold) {
+    zero.stage3_param_persistence_threshold = config.is_auto(config_detail::kPersistenceKey) && hidden
+                                                  ? 10 * *hidden
+                                                  : config_detail::kDeepSpeedParamPersistenceThreshold;
+  }
+  if (!zero.overlap_comm) zero.overlap_comm = zero.stage == 3;
+}
+
+void resolve_optimizer(OptimizerConfig& optimizer) {
+  if (!optimizer.lr) optimizer.lr = 1e-3;
+  if (!optimizer.betas) optimizer.betas = std::array<double, 2>{0.9, 0.999};
+  if (!optimizer.eps) optimizer.eps = 1e-8;
+  // torch.optim.AdamW's default decay; DeepSpeed's FusedAdam and SGD default to none.
+  if (!optimizer.weight_decay) optimizer.weight_decay = optimizer.type == "AdamW" ? 0.01 : 0.0;
+  // DeepSpeed's "Adam" is AdamW unless adam_w_mode says otherwise
+  // (ADAM_W_MODE_DEFAULT = True); its "AdamW" always decouples the decay.
+  if (optimizer.type == "AdamW") {
+    optimizer.adam_w_mode = true;
+  } else if (optimizer.type == "Adam" && !optimizer.adam_w_mode) {
+    optimizer.adam_w_mode = true;
+  }
+  if (optimizer.nesterov && optimizer.momentum <= 0) {
+    ST_THROW(ConfigError, "optimizer.params.nesterov: true needs optimizer.params.momentum > 0, got ",
+             format_double(optimizer.momentum));
+  }
+}
+
+void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
+  SchedulerConfig& scheduler = config.scheduler;
+  if (!scheduler.warmup_min_lr) scheduler.warmup_min_lr = 0.0;
+  if (!scheduler.warmup_max_lr) scheduler.warmup_max_lr = config.optimizer.lr;
+  if (!scheduler.warmup_num_steps) {
+    // "auto" is the run's warmup (Transformers: warmup_steps / warmup_ratio,
+    // 0 unless asked); an absent key is DeepSpeed's default for its schedulers.
+    scheduler.warmup_num_steps = config.is_auto(config_detail::kWarmupStepsKey)
+                                     ? context.warmup_steps.value_or(0)
+                                     : config_detail::default_warmup_steps(scheduler.type);
+  }
+  if (*scheduler.warmup_num_steps < 0) {
+    ST_THROW(ConfigError, "scheduler.params.warmup_num_steps must be an integer >= 0, got ",
+             *scheduler.warmup_num_steps);
+  }
+  if (!scheduler.total_num_steps) scheduler.total_num_steps = context.total_steps;
+  if (scheduler.specified && config_detail::scheduler_needs_total_steps(scheduler.type)) {
+    if (!scheduler.total_num_steps) {
+      ST_THROW(ConfigError, "scheduler ", scheduler.type,
+               " needs scheduler.params.total_num_steps, which is \"auto\" (or unset) and the run length is "
+               "unknown: set it in the config or pass the run's optimizer steps (AutoContext::total_steps; "
+               "`shardtrain config check --steps S`)");
+    }
+    if (*scheduler.total_num_steps < 1) {
+      ST_THROW(ConfigError, "scheduler.params.total_num_steps must be an integer >= 1, got ",
+               *scheduler.total_num_steps);
+    }
+    if (*scheduler.warmup_num_steps > *scheduler.total_num_steps) {
+      config.warnings.push_back("scheduler.params.warmup_num_steps " + std::to_string(*scheduler.warmup_num_steps) +
+                                " is larger than total_num_steps " + std::to_string(*scheduler.total_num_steps) +
+                                "; the run ends during warmup");
+    }
+  }
+}
+
+void resolve_fsdp_dtypes(TrainingConfig& config) {
+  FsdpConfig& fsdp = config.fsdp;
+  // With mixed_precision: no nothing is cast: an unset dtype stays unset and
+  // means "the dtype the model was loaded in" (bf16 for pure low precision).
+  if (config.mixed_precision == MixedPrecision::kNo) return;
+  const DType precision = config.mixed_precision == MixedPrecision::kBf16 ? DType::kBf16 : DType::kFp16;
+  if (!fsdp.param_dtype) fsdp.param_dtype = precision;
+  // FSDP's MixedPrecision: reduce_dtype falls back to param_dtype.
+  if (!fsdp.reduce_dtype) fsdp.reduce_dtype = fsdp.param_dtype;
+  if (!fsdp.buffer_dtype) fsdp.buffer_dtype = precision;
+}
+
+void check_values(const TrainingConfig& config) {
+  const LossScaleConfig& fp16 = config.fp16;
+  if (fp16.loss_scale_window <= 0) {
+    ST_THROW(ConfigError, "fp16.loss_scale_window must be a positive integer, got ", fp16.loss_scale_window);
+  }
+  if (!(fp16.min_loss_scale > 0)) {
+    ST_THROW(ConfigError, "fp16.min_loss_scale must be a number > 0, got ", format_double(fp16.min_loss_scale));
+  }
+  if (fp16.hysteresis < 1) ST_THROW(ConfigError, "fp16.hysteresis must be a positive integer, got ", fp16.hysteresis);
+  if (fp16.loss_scale < 0) {
+    ST_THROW(ConfigError, "fp16.loss_scale must be a number >= 0 (0 = dynamic loss scaling), got ",
+             format_double(fp16.loss_scale));
+  }
+  if (config.zero.stage < 0 || config.zero.stage > 3) {
+    ST_THROW(ConfigError, "zero_optimization.stage must be an integer 0-3, got ", config.zero.stage);
+  }
+  if (config.gradient_clipping && *config.gradient_clipping < 0) {
+    ST_THROW(ConfigError, "gradient_clipping must be a number >= 0 (0 = off), got ",
+             format_double(*config.gradient_clipping));
+  }
+  auto at_least_one = [](const std::optional<int64_t>& value, const char* key) {
+    if (value && *value < 1) ST_THROW(ConfigError, key, " must be an integer >= 1, got ", *value);
+  };
+  at_least_one(config.train_batch_size, "train_batch_size");
+  at_least_one(config.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu");
+  at_least_one(config.gradient_accumulation_steps, "gradient_accumulation_steps");
+}
+
+}  // namespace
+
+TrainingConfig resolve_auto(TrainingConfig config, const AutoContext& context) {
+  if (context.world_size < 1) ST_THROW(ConfigError, "world size must be at least 1, got ", context.world_size);
+  config_detail::check_precision_flags(config, "resolve_auto");
+  // Keep the three precision fields in step for configs built in code.
+  if (config.fp16.enabled) config.mixed_precision = MixedPrecision::kFp16;
+  if (config.bf16) config.mixed_precision = MixedPrecision::kBf16;
+  config.fp16.enabled = config.mixed_precision == MixedPrecision::kFp16;
+  config.bf16 = config.mixed_precision == MixedPrecision::kBf16;
+  check_values(config);
+
+  resolve_batch_triple(config, context);
+  // The run's world is what train_batch_size was checked against; a printed
+  // resolved config then reads back and resolves to the same numbers.
+  config.num_processes = context.world_size;
+  if (!config.gradient_clipping) {
+    // Accelerate's "auto" is 1.0 (Transformers: max_grad_norm, default 1.0);
+    // an absent key means no clipping.
+    config.gradient_clipping = config.is_auto(config_detail::kGradientClippingKey)
+                                   ? context.max_grad_norm.value_or(1.0)
+                                   : 0.0;
+  }
+  resolve_zero(config, context);
+  resolve_optimizer(config.optimizer);
+  resolve_scheduler(config, context);
+  resolve_fsdp_dtypes(config);
+  config.auto_keys.clear();
+  check_values(config);
+  return config;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,73 @@
+#pragma once
+// A format-neutral document tree for configuration files. YAML and JSON are
+// both read into it, so one reader serves Accelerate YAML, Accelerate JSON and
+// DeepSpeed JSON alike; and both are written from it, so to_yaml and to_json
+// print the same fields in the same order. Private to src/config.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace shardtrain::config_detail {
+
+struct Node {
+  enum class Kind { kNull, kBool, kInteger, kFloat, kString, kMap, kList };
+
+  Kind kind = Kind::kNull;
+  bool boolean = false;
+  int64_t integer = 0;
+  double number = 0.0;  ///< also set for kInteger
+  /// A scalar as the file wrote it; for kString the string itself.
+  std::string text;
+  /// Map members in file order (duplicates are rejected by the parsers).
+  std::vector<std::pair<std::string, Node>> members;
+  std::vector<Node> items;
+  /// 1-based line in the source file; 0 where the parser does not report
+  /// positions (nlohmann::json reports them only for syntax errors).
+  int line = 0;
+
+  static Node null();
+  static Node of(bool value);
+  static Node of(int value) { return of(static_cast<int64_t>(value)); }
+  static Node of(int64_t value);
+  static Node of(double value);
+  static Node of(std::string value);
+  static Node of(const char* value) { return of(std::string(value)); }
+  static Node map();
+  static Node list();
+
+  /// Appends a member (maps) and returns *this so trees read like the file they print.
+  Node& add(std::string key, Node value);
+  Node& push(Node value);
+  const Node* find(std::string_view key) const;
+  bool is_scalar() const { return kind != Kind::kMap && kind != Kind::kList; }
+};
+
+/// Throws ConfigError "<source>: malformed YAML at line L, column C: ..." on syntax errors.
+Node parse_yaml_document(const std::string& text, const std::string& source);
+/// Throws ConfigError "<source>: malformed JSON at line L, column C: ..." on
+/// syntax errors and on duplicate keys (DeepSpeed rejects those too).
+/// Comments are allowed: DeepSpeed reads its config with hjson.
+Node parse_json_document(const std::string& text, const std::string& source);
+
+std::string emit_yaml(const Node& root);
+std::string emit_json(const Node& root);
+
+// ---- small text helpers shared by the config sources
+std::string lowercase(std::string text);
+std::string uppercase(std::string text);
+std::string join(const std::vector<std::string>& parts, const std::string& separator);
+std::size_t edit_distance(std::string_view a, std::string_view b);
+/// The candidate a misspelt `word` most likely meant: the nearest by edit
+/// distance (case-insensitive) when close enough for its length, else one that
+/// `word` is a prefix of or that is a prefix of `word`; nullopt when none fits.
+std::optional<std::string> nearest(const std::string& word, const std::vector<std::string>& candidates);
+/// Shortest text that reads back as the same double ("0.001", "5e-05").
+std::string format_double(double value);
+/// A value as an error message quotes it: strings in double quotes, others as written.
+std::string describe(const Node& node);
+
+}  // namespace shardtrain::config_detail
