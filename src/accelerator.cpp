@@ -161,10 +161,19 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       zo.reduce_dtype = reduce;
       zo.overlap_comm = s.config.zero.overlap_comm.value_or(zo.stage == 3);
       zo.sub_group_size = s.config.zero.sub_group_size;
+      zo.reduce_bucket_size = s.config.zero.reduce_bucket_size.value_or(500000000);
       zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(50000000);
       zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(100000);
       zo.max_live_parameters = s.config.zero.stage3_max_live_parameters;
-      zo.offload_optimizer = s.config.zero.offload_optimizer == OffloadDevice::kCpu;
+      zo.offload_optimizer = s.config.zero.offload_optimizer != OffloadDevice::kNone;
+      if (s.config.zero.offload_optimizer == OffloadDevice::kNvme && is_main_process()) {
+        ST_LOG_WARN("zero_optimization.offload_optimizer.device nvme is not implemented; the optimizer is "
+                    "offloaded to CPU memory instead");
+      }
+      if (s.config.zero.offload_param != OffloadDevice::kNone && is_main_process()) {
+        ST_LOG_WARN("zero_optimization.offload_param is not implemented: parameter shards stay on the compute "
+                    "device (the optimizer offload, offload_optimizer, is)");
+      }
       zo.loss_scale = s.config.fp16;
       zo.fp16 = low == DType::kFp16;
       zo.optimizer = spec;

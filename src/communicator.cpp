@@ -109,7 +109,7 @@ WorkPtr Communicator::all_gather_async(const at::Tensor& output, const at::Tenso
   check_same_dtype(event, output, input);
   const int64_t chunk = input.numel();
   const int64_t full = chunk * world_size_;
-  ST_CHECK(output.numel() <= full && output.numel() > full - chunk, describe(event),
+  ST_CHECK(output.numel() <= full && (output.numel() > full - chunk || full == 0), describe(event),
            ": output must hold world_size x input elements (", full,
            "), or that minus part of the last rank's chunk (more than ", full - chunk,
            "); pad the flat buffer to a multiple of the world size");
@@ -141,7 +141,7 @@ WorkPtr Communicator::reduce_scatter_async(const at::Tensor& output, const at::T
            ": AVG needs a floating-point dtype; reduce with SUM and divide yourself");
   const int64_t chunk = output.numel();
   const int64_t full = chunk * world_size_;
-  ST_CHECK(input.numel() <= full && input.numel() > full - chunk, describe(event),
+  ST_CHECK(input.numel() <= full && (input.numel() > full - chunk || full == 0), describe(event),
            ": input must hold world_size x output elements (", full,
            ") or be shorter by less than one chunk; output chunk must be ceil(input/world_size) = ",
            chunk_size(input.numel(), world_size_));

@@ -44,8 +44,17 @@ struct ZeroUnitState {
   at::Tensor gather_buffer;
   std::vector<at::Tensor> pending_grads;
   int grads_seen = 0;
-  comm::WorkPtr reduce_work;
-  at::Tensor reduce_input, reduce_output;
+};
+
+/// Gradients of several units reduced by one collective (reduce_bucket_size):
+/// the units' rank-major inputs side by side, so row r of the bucket is every
+/// unit's chunk for rank r and the output is every unit's shard, in order.
+struct ReduceBucket {
+  std::vector<int> units;
+  std::vector<at::Tensor> inputs;
+  int64_t numel = 0;
+  comm::WorkPtr work;
+  at::Tensor output;
 };
 
 struct ZeroEngine::State {
@@ -67,6 +76,8 @@ struct ZeroEngine::State {
   bool trace_valid = false;
   int64_t gathered_bytes = 0;
   int64_t gathered_peak = 0;
+  ReduceBucket filling;                 // units whose gradients wait for a bucket to fill
+  std::vector<ReduceBucket> in_flight;  // issued reductions, completed at the end of backward
   std::unique_ptr<torch::optim::Optimizer> custom_optimizer;
   std::vector<at::Tensor> custom_master_views;
 
@@ -154,17 +165,13 @@ struct ZeroEngine::State {
       u.layout->pack(u.pending_grads, packed);
       u.stage1_grad_accumulator.add_(packed);
     } else {
-      finish_reduce(u);  // a unit reduced twice per backward (reentrant use) completes the first
-      u.reduce_input = at::empty({u.layout->gathered_numel()}, u.full.options().dtype(options.reduce_dtype));
-      u.layout->pack(u.pending_grads, u.reduce_input);
-      if (options.stage == 0) {
-        u.reduce_output = u.reduce_input;
-        u.reduce_work = comm->all_reduce_async(u.reduce_output, ReduceOp::kAvg);
-      } else {
-        u.reduce_output = at::empty({u.layout->shard_numel()}, u.reduce_input.options());
-        u.reduce_work = comm->reduce_scatter_async(u.reduce_output, u.reduce_input, ReduceOp::kAvg);
-      }
-      if (!options.overlap_comm) finish_reduce(u);
+      at::Tensor input = at::empty({u.layout->gathered_numel()}, u.full.options().dtype(options.reduce_dtype));
+      u.layout->pack(u.pending_grads, input);
+      filling.units.push_back(static_cast<int>(&u - units.data()));
+      filling.inputs.push_back(std::move(input));
+      filling.numel += u.layout->gathered_numel();
+      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+      if (!options.overlap_comm) finish_reductions();
     }
     for (auto& g : u.pending_grads) g = at::Tensor();
     u.grads_seen = 0;
@@ -172,13 +179,50 @@ struct ZeroEngine::State {
     if (release_after_use(u) && u.unit != nullptr) release(u);
   }
 
-  void finish_reduce(ZeroUnitState& u) {
-    if (!u.reduce_work) return;
-    u.reduce_work->wait();
-    u.reduce_work.reset();
-    u.grad.add_(u.reduce_output.to(at::kFloat));
-    u.reduce_input = at::Tensor();
-    u.reduce_output = at::Tensor();
+  void flush_bucket() {
+    if (filling.units.empty()) return;
+    ReduceBucket bucket = std::move(filling);
+    filling = ReduceBucket();
+    const int rows = layout_world();
+    at::Tensor input;
+    if (bucket.units.size() == 1) {
+      input = bucket.inputs[0];
+    } else {
+      int64_t shard_total = 0;
+      for (int idx : bucket.units) shard_total += units[idx].layout->shard_numel();
+      input = at::empty({rows * shard_total}, bucket.inputs[0].options());
+      at::Tensor grid = input.view({rows, shard_total});
+      int64_t offset = 0;
+      for (std::size_t k = 0; k < bucket.units.size(); ++k) {
+        const int64_t S = units[bucket.units[k]].layout->shard_numel();
+        grid.narrow(1, offset, S).copy_(bucket.inputs[k].view({rows, S}));
+        offset += S;
+      }
+    }
+    bucket.inputs.clear();
+    if (options.stage == 0) {
+      bucket.output = input;
+      bucket.work = comm->all_reduce_async(bucket.output, ReduceOp::kAvg);
+    } else {
+      bucket.output = at::empty({input.numel() / rows}, input.options());
+      bucket.work = comm->reduce_scatter_async(bucket.output, input, ReduceOp::kAvg);
+    }
+    in_flight.push_back(std::move(bucket));
+  }
+
+  void finish_reductions() {
+    flush_bucket();
+    for (auto& bucket : in_flight) {
+      bucket.work->wait();
+      int64_t offset = 0;
+      for (int idx : bucket.units) {
+        ZeroUnitState& u = units[idx];
+        const int64_t S = u.layout->shard_numel();
+        u.grad.add_(bucket.output.narrow(0, offset, S).to(at::kFloat));
+        offset += S;
+      }
+    }
+    in_flight.clear();
   }
 
   void stage1_reduce_all() {
@@ -448,7 +492,7 @@ void ZeroEngine::backward(const at::Tensor& loss, bool sync) {
   for (auto& u : s.units) {
     if (u.grads_seen > 0) s.unit_grads_ready(u);
   }
-  for (auto& u : s.units) s.finish_reduce(u);
+  s.finish_reductions();
   for (auto& u : s.units) {
     for (auto& p : u.params) {
       if (p.grad().defined()) p.mutable_grad() = at::Tensor();

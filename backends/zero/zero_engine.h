@@ -41,6 +41,7 @@ struct ZeroOptions {
   /// dtype of the gradient reduce-scatter (communication_data_type).
   at::ScalarType reduce_dtype = at::kFloat;
   bool overlap_comm = true;
+  int64_t reduce_bucket_size = 500000000;  ///< elements of gradients per reduce-scatter
   int64_t sub_group_size = 1000000000;
   int64_t prefetch_bucket_size = 50000000;    ///< elements gathered ahead (stage 3)
   int64_t param_persistence_threshold = 100000;  ///< units smaller than this stay gathered (stage 3)

@@ -262,3 +262,20 @@ TEST(DistArgumentErrors, BadArgumentsAreRejectedBeforeAnythingIsSent) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(DistCollectivesEmpty, EmptyTensorsAreNoOpsOnEveryRank) {
+  shardtrain::testing::run_on_ranks(2, [](shardtrain::testing::RankContext& ctx) {
+    at::Tensor empty = at::empty({0});
+    ctx.comm->all_gather(at::empty({0}), empty);
+    ctx.comm->reduce_scatter(at::empty({0}), empty);
+    ctx.comm->all_reduce(empty);
+    ctx.comm->broadcast(empty, 1);
+    at::Tensor t = at::ones({2});
+    ctx.comm->all_reduce(t);  // still in step
+    EXPECT_TRUE(at::equal(t, at::full({2}, 2.0f)));
+  });
+}
+
+}  // namespace

@@ -1,0 +1,278 @@
+// The Accelerator end to end: every shipped config runs, fp16 loss scaling
+// skips overflowing steps, optimizer offload changes nothing numerically, the
+// stage-3 prefetch trace is rebuilt when the unit order changes, an unmarked
+// model runs as one unit, the custom-optimizer escape hatch, metric collectives.
+#include <filesystem>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
+
+#include "engine/engine.h"
+#include "shardtrain/accelerator.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+#include "support/multirank.h"
+#include "tiny/tiny_train.h"
+
+namespace {
+
+using shardtrain::testing::RankContext;
+using shardtrain::testing::run_on_ranks;
+
+std::vector<std::string> shipped_configs() {
+  std::vector<std::string> files;
+  for (const char* dir : {"/configs", "/configs/articles"}) {
+    for (const auto& entry : std::filesystem::directory_iterator(std::string(SHARDTRAIN_SOURCE_DIR) + dir)) {
+      const std::string ext = entry.path().extension().string();
+      if (ext == ".json" || ext == ".yaml" || ext == ".yml") files.push_back(entry.path().string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+TEST(DistConfigs, EveryShippedConfigTrainsOnTwoRanks) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    int ran = 0;
+    for (const auto& path : shipped_configs()) {
+      const shardtrain::TrainingConfig config = shardtrain::load_config(path);
+      if (config.distributed_type == shardtrain::DistributedType::kFsdp) continue;  // the fsdp engine's tests
+      tiny::TinyRunOptions options;
+      options.config_path = path;
+      options.steps = 3;
+      options.micro_batch = 2;
+      options.communicator = ctx.comm;
+      options.quiet = true;
+      try {
+        tiny::TinyRunResult run = tiny::run_tiny(options);
+        ASSERT_EQ(run.losses.size(), 3u) << path;
+        for (double loss : run.losses) EXPECT_TRUE(std::isfinite(loss)) << path;
+        ++ran;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << path << ": " << e.what();
+      }
+    }
+    EXPECT_GE(ran, 10) << "fewer non-fsdp configs than expected were found";
+  });
+}
+
+/// A model small enough to reason about: y = w2(w1 x).
+struct PairImpl : torch::nn::Module {
+  PairImpl() : first(register_module("first", torch::nn::Linear(4, 8))), second(register_module("second", torch::nn::Linear(8, 1))) {}
+  at::Tensor forward(const at::Tensor& x) { return second(first(x)); }
+  torch::nn::Linear first, second;
+};
+TORCH_MODULE(Pair);
+
+shardtrain::TrainingConfig deepspeed(int stage, shardtrain::MixedPrecision precision) {
+  shardtrain::TrainingConfig config;
+  config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
+  config.zero.stage = stage;
+  config.mixed_precision = precision;
+  config.fp16.enabled = precision == shardtrain::MixedPrecision::kFp16;
+  config.bf16 = precision == shardtrain::MixedPrecision::kBf16;
+  config.zero.stage3_param_persistence_threshold = 0;
+  config.optimizer.lr = 1e-2;
+  return config;
+}
+
+TEST(DistFp16, OverflowingStepIsSkippedAndTheScaleFollowsDeepSpeedsRule) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto config = deepspeed(3, shardtrain::MixedPrecision::kFp16);
+    config.fp16.initial_scale_power = 4;  // scale 16
+    config.fp16.hysteresis = 1;
+    shardtrain::AcceleratorOptions options;
+    options.config = config;
+    options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(options);
+    torch::manual_seed(0);
+    Pair model;
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    auto prepared = accelerator.prepare(model, {}, run);
+    EXPECT_NE(accelerator.precision_plan().notes.find("fp16 on CPU"), std::string::npos);
+    EXPECT_EQ(accelerator.engine().loss_scale(), 16.0);
+    at::Tensor x = at::ones({2, 4});
+    // Normal step.
+    accelerator.backward(prepared(x).pow(2).mean());
+    accelerator.step();
+    EXPECT_FALSE(accelerator.last_step().skipped);
+    EXPECT_EQ(accelerator.last_step().step, 1);
+    auto before = accelerator.full_state_dict();
+    // A loss whose gradients overflow fp16 (65504) once scaled.
+    accelerator.backward(prepared(x).pow(2).mean() * 1e6);
+    accelerator.step();
+    EXPECT_TRUE(accelerator.last_step().skipped);
+    EXPECT_EQ(accelerator.last_step().skipped_total, 1);
+    EXPECT_EQ(accelerator.last_step().step, 1);
+    EXPECT_EQ(accelerator.engine().loss_scale(), 8.0) << "hysteresis 1: the first overflow halves the scale";
+    auto after = accelerator.full_state_dict();
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      EXPECT_TRUE(at::equal(before[i].second, after[i].second)) << before[i].first << " changed on a skipped step";
+    }
+    accelerator.backward(prepared(x).pow(2).mean());
+    accelerator.step();
+    EXPECT_FALSE(accelerator.last_step().skipped);
+    EXPECT_EQ(accelerator.last_step().step, 2);
+  });
+}
+
+TEST(DistFp16, TinyRunTrainsWithDynamicLossScaling) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    tiny::TinyRunOptions options;
+    options.config_path = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/zero3_fp16.json";
+    options.steps = 30;
+    options.lr = 1e-3;
+    options.communicator = ctx.comm;
+    options.quiet = true;
+    tiny::TinyRunResult run = tiny::run_tiny(options);
+    EXPECT_LT(run.losses.back(), run.losses.front() * 0.97);
+  });
+}
+
+TEST(DistOffload, OptimizerOffloadGivesBitIdenticalLosses) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    std::vector<double> losses[2];
+    for (int offload = 0; offload < 2; ++offload) {
+      auto config = deepspeed(3, shardtrain::MixedPrecision::kBf16);
+      config.zero.offload_optimizer = offload ? shardtrain::OffloadDevice::kCpu : shardtrain::OffloadDevice::kNone;
+      tiny::TinyRunOptions options;
+      options.config = config;
+      options.steps = 5;
+      options.communicator = ctx.comm;
+      options.quiet = true;
+      losses[offload] = tiny::run_tiny(options).losses;
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+  });
+}
+
+/// Two blocks whose call order flips at a chosen forward.
+struct FlipBlockImpl : torch::nn::Module, shardtrain::Unit {
+  FlipBlockImpl() : Unit("FlipBlock"), linear(register_module("linear", torch::nn::Linear(4, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return run_unit(x, [this](const at::Tensor& h) { return linear(h); }); }
+  torch::nn::Linear linear;
+};
+TORCH_MODULE(FlipBlock);
+
+struct FlipModelImpl : torch::nn::Module {
+  FlipModelImpl() : a(register_module("a", FlipBlock())), b(register_module("b", FlipBlock())) {}
+  at::Tensor forward(const at::Tensor& x) { return flipped ? a(b(x)) : b(a(x)); }
+  FlipBlock a, b;
+  bool flipped = false;
+};
+TORCH_MODULE(FlipModel);
+
+TEST(DistZeroTrace, ChangedUnitOrderRebuildsThePrefetchTraceWithAWarning) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+    shardtrain::logger().sinks().push_back(sink);
+    shardtrain::AcceleratorOptions options;
+    options.config = deepspeed(3, shardtrain::MixedPrecision::kNo);
+    options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(options);
+    FlipModel model;
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    auto prepared = accelerator.prepare(model, {}, run);
+    at::Tensor x = at::ones({2, 4});
+    for (int step = 0; step < 4; ++step) {
+      model->flipped = step >= 2;
+      accelerator.backward(prepared(x).sum());
+      accelerator.step();
+    }
+    std::string warnings;
+    for (const auto& line : sink->last_formatted()) warnings += line;
+    EXPECT_NE(warnings.find("unit order changed at forward 3"), std::string::npos) << warnings;
+    EXPECT_NE(warnings.find("unit 'b'"), std::string::npos) << warnings;
+  });
+}
+
+TEST(DistZeroUnmarked, ModelWithoutUnitsRunsAsOneUnitAndMatchesPlainTraining) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    shardtrain::AcceleratorOptions options;
+    options.config = deepspeed(3, shardtrain::MixedPrecision::kNo);
+    options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(options);
+    torch::manual_seed(5);
+    Pair model;
+    torch::manual_seed(5);
+    Pair reference;
+    torch::optim::AdamW optimizer(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    auto prepared = accelerator.prepare(model, {}, run);
+    for (int step = 0; step < 5; ++step) {
+      at::Tensor all = at::arange(16, at::kFloat).view({4, 4}) / (step + 1);
+      accelerator.backward(prepared(all.narrow(0, 2 * ctx.rank(), 2)).pow(2).mean());
+      accelerator.step();
+      optimizer.zero_grad();
+      reference->forward(all).pow(2).mean().backward();
+      optimizer.step();
+    }
+    auto state = accelerator.full_state_dict();
+    auto expected = reference->named_parameters();
+    for (const auto& [name, value] : state) {
+      EXPECT_TRUE(at::allclose(value, expected[name], 1e-5, 1e-6)) << name;
+    }
+  });
+}
+
+TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    std::vector<std::pair<std::string, at::Tensor>> results[2];
+    for (int custom = 0; custom < 2; ++custom) {
+      auto config = deepspeed(2, shardtrain::MixedPrecision::kNo);
+      config.optimizer.type = "SGD";
+      config.optimizer.momentum = 0.9;
+      shardtrain::AcceleratorOptions options;
+      options.config = config;
+      options.communicator = ctx.comm;
+      shardtrain::Accelerator accelerator(options);
+      torch::manual_seed(1);
+      Pair model;
+      shardtrain::OptimizerOptions optimizer;
+      optimizer.lr = 0.1;
+      if (custom) {
+        optimizer.custom_factory = [](std::vector<at::Tensor> shards) {
+          return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(0.1).momentum(0.9));
+        };
+      }
+      shardtrain::RunInfo run;
+      run.micro_batch_size = 2;
+      auto prepared = accelerator.prepare(model, optimizer, run);
+      for (int step = 0; step < 4; ++step) {
+        accelerator.backward(prepared(at::ones({2, 4}) * (ctx.rank() + step)).pow(2).mean());
+        accelerator.step();
+      }
+      results[custom] = accelerator.full_state_dict();
+    }
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(at::allclose(results[0][i].second, results[1][i].second, 1e-6, 1e-7)) << results[0][i].first;
+    }
+  });
+}
+
+TEST(DistMetrics, GatherForMetricsAndReduce) {
+  run_on_ranks(3, [](RankContext& ctx) {
+    shardtrain::AcceleratorOptions options;
+    options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(options);
+    at::Tensor mine = at::full({2, 3}, ctx.rank(), at::kInt);
+    at::Tensor all = accelerator.gather_for_metrics(mine);
+    EXPECT_EQ(all.sizes(), (std::vector<int64_t>{6, 3}));
+    EXPECT_EQ(all.scalar_type(), at::kInt);
+    EXPECT_TRUE(at::equal(all, at::arange(3, at::kInt).repeat_interleave(2).view({6, 1}).expand({6, 3})));
+    at::Tensor value = at::full({1}, static_cast<float>(ctx.rank() + 1));
+    EXPECT_FLOAT_EQ(accelerator.reduce(value, "mean").item<float>(), 2.0f);
+    EXPECT_FLOAT_EQ(accelerator.reduce(value, "sum").item<float>(), 6.0f);
+    EXPECT_FLOAT_EQ(accelerator.reduce(value, "max").item<float>(), 3.0f);
+    EXPECT_FLOAT_EQ(value.item<float>(), static_cast<float>(ctx.rank() + 1)) << "reduce must not modify its input";
+    EXPECT_THROW(accelerator.reduce(value, "median"), shardtrain::ConfigError);
+    accelerator.wait_for_everyone();
+  });
+}
+
+}  // namespace
