@@ -10,6 +10,7 @@
 #include "engine/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
+#include "fsdp/fsdp_engine.h"
 #include "zero/zero_engine.h"
 
 namespace shardtrain {
@@ -75,10 +76,18 @@ Accelerator::Accelerator(AcceleratorOptions options) : state_(std::make_unique<S
   if (s.options.gradient_accumulation_steps) s.config.gradient_accumulation_steps = s.options.gradient_accumulation_steps;
   if (s.options.communicator) {
     s.comm = s.options.communicator;
-    s.env.rank = s.comm->rank();
-    s.env.world_size = s.comm->world_size();
-    s.env.local_world_size = s.comm->world_size();
-    s.env.local_rank = s.comm->rank();
+    // The machine layout (HYBRID_SHARD) still comes from the environment when it describes this job.
+    try {
+      s.env = detect_dist_env();
+    } catch (const ConfigError&) {
+      s.env = DistEnv();
+    }
+    if (s.env.world_size != s.comm->world_size() || s.env.rank != s.comm->rank()) {
+      s.env.rank = s.comm->rank();
+      s.env.world_size = s.comm->world_size();
+      s.env.local_world_size = s.comm->world_size();
+      s.env.local_rank = s.comm->rank();
+    }
   } else {
     s.env = detect_dist_env();
     s.comm = init_distributed(s.env, s.options.init);
@@ -120,9 +129,15 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
 
   int64_t num_params = 0;
   bool on_cuda = false;
+  std::string load_dtype = run.load_dtype;
   for (const auto& p : s.module->parameters()) {
     if (p.requires_grad()) num_params += p.numel();
     on_cuda = on_cuda || p.is_cuda();
+  }
+  if (!s.module->parameters().empty()) {
+    // The model tells its load dtype (the pure-low-precision rule depends on it).
+    const at::ScalarType first = s.module->parameters().front().scalar_type();
+    load_dtype = first == at::kBFloat16 ? "bf16" : first == at::kHalf ? "fp16" : "fp32";
   }
 
   // ---- optimizer: config block, overridden by code
@@ -180,12 +195,26 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       s.engine = std::make_unique<zero::ZeroEngine>(s.module, s.comm, zo);
       break;
     }
-    case DistributedType::kFsdp:
-      ST_THROW(ConfigError, "distributed_type FSDP: the fsdp engine is not in this build yet; use "
-               "distributed_type DEEPSPEED (zero stage 3 is numerically the same as fsdp standard mode)");
+    case DistributedType::kFsdp: {
+      fsdp::FsdpOptions fo;
+      fo.config = s.config.fsdp;
+      fo.pure_low_precision = fsdp_pure_low_precision(s.config, load_dtype);
+      // Standard mode computes in the mixed-precision dtype; pure mode in the load dtype.
+      const DType shard = s.config.fsdp.param_dtype.value_or(
+          fo.pure_low_precision ? (load_dtype == "fp16" ? DType::kFp16 : DType::kBf16) : low);
+      fo.param_dtype = to_scalar(shard);
+      fo.compute_dtype = (shard == DType::kFp16 && !on_cuda) ? at::kFloat : fo.param_dtype;
+      fo.reduce_dtype = to_scalar(s.config.fsdp.reduce_dtype.value_or(shard));
+      fo.local_world_size = s.env.local_world_size;
+      fo.loss_scale = s.config.fp16;
+      fo.fp16 = shard == DType::kFp16;
+      fo.optimizer = spec;
+      s.engine = std::make_unique<fsdp::FsdpEngine>(s.module, s.comm, fo);
+      break;
+    }
   }
 
-  s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, run.load_dtype);
+  s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, load_dtype, s.env.local_world_size);
   if (is_main_process()) {
     std::cout << s.plan.to_string() << std::flush;
   }

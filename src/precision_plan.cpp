@@ -22,41 +22,71 @@ std::string human(double bytes) {
 }  // namespace
 
 double PrecisionPlan::optimizer_bytes_per_param_total() const {
-  return (master_bytes + optimizer_bytes + (master_is_params ? params_bytes : 0.0)) * world_size;
+  return (master_bytes + optimizer_bytes + (master_is_params ? params_bytes : 0.0)) * shard_count;
+}
+
+bool fsdp_pure_low_precision(const TrainingConfig& config, const std::string& load_dtype) {
+  if (config.fsdp.pure_low_precision) return *config.fsdp.pure_low_precision;
+  return config.mixed_precision == MixedPrecision::kNo && config.compute_dtype() == DType::kFp32 &&
+         (load_dtype == "bf16" || load_dtype == "fp16");
 }
 
 PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
-                             const std::string& load_dtype) {
+                             const std::string& load_dtype, int local_world_size) {
   PrecisionPlan plan;
   plan.num_params = num_params;
   plan.world_size = world_size;
   plan.load_dtype = load_dtype;
-  const double W = world_size;
-  const DType low = config.compute_dtype();
+  const bool fsdp = config.distributed_type == DistributedType::kFsdp;
+  const bool pure = fsdp && fsdp_pure_low_precision(config, load_dtype);
+  DType low = config.compute_dtype();
+  if (pure) low = load_dtype == "fp16" ? DType::kFp16 : DType::kBf16;
+  if (fsdp && config.fsdp.param_dtype) low = *config.fsdp.param_dtype;
   const bool fp16_on_cpu = low == DType::kFp16 && !on_cuda;
   plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : name_of(low);
   plan.shard_dtype = name_of(low);
-  plan.reduce_dtype = name_of(config.communication_data_type.value_or(low));
+  DType reduce = config.communication_data_type.value_or(low);
+  if (fsdp) reduce = config.fsdp.reduce_dtype.value_or(low);
+  plan.reduce_dtype = name_of(reduce);
   const std::string& opt = config.optimizer.type;
-  const double state_per_param = opt == "SGD" ? (config.optimizer.momentum != 0.0 ? 4.0 : 0.0) : 8.0;
+  const double states = opt == "SGD" ? (config.optimizer.momentum != 0.0 ? 1.0 : 0.0) : 2.0;
 
-  const int stage = config.distributed_type == DistributedType::kDeepSpeed ? config.zero.stage : 0;
-  plan.engine = config.distributed_type == DistributedType::kDeepSpeed ? "zero-" + std::to_string(stage)
-                                                                        : "ddp (zero-0)";
-  plan.master_dtype = "fp32";
-  plan.optimizer_dtype = "fp32";
+  // How many ranks share each parameter's state.
+  double shards = world_size;
+  double gathered_at_rest = 0.0;
+  bool boundary_accumulator = false;
+  if (fsdp) {
+    const ShardingStrategy strategy = config.fsdp.sharding_strategy;
+    plan.engine = std::string("fsdp ") + to_string(strategy) + (pure ? " pure low precision" : " standard");
+    if (strategy == ShardingStrategy::kNoShard) {
+      shards = 1;
+      gathered_at_rest = 1;
+    } else if (strategy == ShardingStrategy::kHybridShard || strategy == ShardingStrategy::kHybridShardZero2) {
+      shards = local_world_size > 0 ? local_world_size : world_size;
+    }
+  } else {
+    const int stage = config.distributed_type == DistributedType::kDeepSpeed ? config.zero.stage : 0;
+    plan.engine = config.distributed_type == DistributedType::kDeepSpeed ? "zero-" + std::to_string(stage) : "ddp (zero-0)";
+    if (stage == 0) shards = 1;
+    if (stage != 3) gathered_at_rest = 1;
+    boundary_accumulator = stage == 1;
+  }
+  plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
-  // Every rank keeps an fp32 master partition; in fp32 runs the partition is the master itself.
-  plan.params_bytes = shard / (stage == 0 ? 1.0 : W);
-  plan.master_bytes = low == DType::kFp32 ? 0.0 : 4.0 / (stage == 0 ? 1.0 : W);
-  plan.master_is_params = low == DType::kFp32;
-  plan.optimizer_bytes = state_per_param / (stage == 0 ? 1.0 : W);
-  plan.grads_bytes = 4.0 / (stage == 0 ? 1.0 : W);
-  if (stage == 1) plan.grads_bytes += 4.0;  // full fp32 accumulation until the boundary
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);
-  plan.gathered_at_rest_bytes = (stage == 3) ? 0.0 : compute_size;
+  plan.master_dtype = pure ? "none" : "fp32";
+  plan.optimizer_dtype = pure ? name_of(low) : "fp32";
+  plan.params_bytes = shard / shards;
+  plan.master_is_params = !pure && low == DType::kFp32;
+  plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
+  plan.grads_bytes = (pure ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
+  plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
+  plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";
+  if (pure) {
+    plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost. ";
+  }
   return plan;
 }
 
@@ -81,7 +111,7 @@ std::string PrecisionPlan::to_string() const {
   row("optimizer state", optimizer_bytes);
   row("gathered at rest", gathered_at_rest_bytes);
   row("total model states", params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes);
-  out << "  optimizer bytes per parameter over the job (master + state): " << optimizer_bytes_per_param_total()
+  out << "  optimizer bytes per parameter (master + state, one copy of the model): " << optimizer_bytes_per_param_total()
       << "\n";
   if (!notes.empty()) out << "  note: " << notes << "\n";
   return out.str();

@@ -27,9 +27,12 @@ struct PrecisionPlan {
   bool master_is_params = false;
   int64_t num_params = 0;
   int world_size = 1;
+  /// Ranks one copy of the model states is sharded over (1 for NO_SHARD / zero-0,
+  /// the machine size for HYBRID_SHARD, else world_size).
+  int shard_count = 1;
   std::string notes;  ///< e.g. fp16 on CPU computes in fp32; pure mode loses small updates
 
-  /// Optimizer bytes per parameter over the whole job (master + state), DESIGN.md's last column.
+  /// Optimizer bytes per parameter per copy of the model (master + state), DESIGN.md's last column.
   double optimizer_bytes_per_param_total() const;
   int64_t predicted_bytes(double per_param) const { return static_cast<int64_t>(per_param * num_params); }
   /// The table rank 0 prints.
@@ -37,7 +40,12 @@ struct PrecisionPlan {
 };
 
 /// `on_cuda`: compute happens on a GPU (fp16 then computes in fp16; on CPU in fp32).
+/// `local_world_size`: processes per machine (HYBRID_SHARD shards within one); 0 = world_size.
 PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
-                             const std::string& load_dtype = "fp32");
+                             const std::string& load_dtype = "fp32", int local_world_size = 0);
+
+/// The fsdp pure-low-precision rule (Accelerate's): the explicit
+/// fsdp_pure_low_precision key, else a bf16/fp16 load with mixed_precision: no.
+bool fsdp_pure_low_precision(const TrainingConfig& config, const std::string& load_dtype);
 
 }  // namespace shardtrain

@@ -1,0 +1,51 @@
+#pragma once
+// PyTorch-FSDP-style engine, as a configuration of the shared sharded engine.
+//
+// Each unit's parameters are flattened into one FlatParameter (trainable and
+// frozen parameters separately, so LoRA-style units work — FSDP1 refuses them
+// with "FlatParameter requires uniform requires_grad"), padded to a multiple
+// of the shard-group size; rank r owns chunk r, and the module's parameters
+// are views into the gathered flat buffer.
+//
+// Sharding strategies: FULL_SHARD (free after forward, regather for
+// backward), SHARD_GRAD_OP (keep gathered until the unit's gradients are
+// reduced), NO_SHARD (DDP), HYBRID_SHARD / HYBRID_SHARD_ZERO2 (shard inside a
+// machine, all-reduce gradients across machines).
+//
+// Precision, as Accelerate >= 0.30 defines it:
+//  * standard: the sharded flat parameter is FP32 (upcast), the optimizer
+//    runs in FP32, compute uses param_dtype — numerically the zero engine's.
+//  * pure low precision: flat parameter, gradients and optimizer state in the
+//    low dtype; half the optimizer memory; updates below half an ulp are lost.
+
+#include "engine/sharded_engine.h"
+
+namespace shardtrain::fsdp {
+
+struct FsdpOptions {
+  FsdpConfig config;
+  /// Resolved dtypes.
+  at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
+  bool pure_low_precision = false;
+  /// Processes per machine (HYBRID_SHARD shards within a machine).
+  int local_world_size = 1;
+  LossScaleConfig loss_scale;
+  bool fp16 = false;
+  engine::OptimizerSpec optimizer;
+};
+
+/// FSDP's gradient pre/post-divide factors for a world size: the largest power
+/// of two f with f*f <= W dividing W (so both divisions stay well scaled), and W/f.
+std::pair<double, double> gradient_divide_factors(int world_size);
+
+class FsdpEngine final : public engine::ShardedEngine {
+ public:
+  FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, const FsdpOptions& options);
+
+ private:
+  FsdpEngine(std::shared_ptr<torch::nn::Module> model, std::pair<comm::CommunicatorPtr, engine::ShardingOptions> setup);
+};
+
+}  // namespace shardtrain::fsdp

@@ -1,0 +1,780 @@
+#include "engine/sharded_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "comm/work_util.h"
+#include "compat/torch_compat.h"
+#include "engine/loss_scaler.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+
+namespace shardtrain::engine {
+
+using comm::ReduceOp;
+
+namespace {
+
+int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+
+std::string join_path(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+}  // namespace
+
+/// One unit's parameters of one kind (trainable or frozen: they are flattened
+/// separately, so frozen weights never enter the optimizer).
+struct UnitState {
+  std::string path;               // module path ("" = root)
+  Unit* unit = nullptr;           // nullptr for the root
+  bool trainable = true;
+  std::vector<std::string> names; // fully-qualified parameter names
+  std::vector<at::Tensor> params; // the module's parameters (identity kept)
+  std::vector<std::vector<int64_t>> shapes;
+  std::unique_ptr<UnitLayout> layout;
+  int64_t shard_offset = 0;       // offset in the flat partitions (trainable states)
+  at::Tensor full;                // compute dtype; the parameters are views into it
+  at::Tensor lp_shard;            // param dtype shard (all-gather input)
+  at::Tensor master, grad, exp_avg, exp_avg_sq;  // views into the flat partitions / own (frozen master)
+  at::Tensor boundary_grad_accumulator;          // zero 1: rank-major fp32
+  bool gathered = false;
+  bool persistent = false;
+  comm::WorkPtr gather_work;
+  at::Tensor gather_buffer;
+  std::vector<at::Tensor> pending_grads;
+  int grads_seen = 0;
+};
+
+struct ReduceBucket {
+  std::vector<int> units;
+  std::vector<at::Tensor> inputs;
+  int64_t numel = 0;
+  comm::WorkPtr work;
+  at::Tensor output;
+};
+
+struct ShardedEngine::State {
+  std::shared_ptr<torch::nn::Module> model;
+  comm::CommunicatorPtr comm;
+  ShardingOptions options;
+  std::vector<UnitState> units;  // root states first
+  std::unordered_map<const Unit*, std::vector<int>> unit_states;
+  at::Tensor master_flat, lp_flat, grad_flat, exp_avg_flat, exp_avg_sq_flat, momentum_flat;
+  at::Tensor host_grad_flat, host_lp_flat;  // optimizer offload staging
+  DynamicLossScaler scaler;
+  double clip_coefficient = 1.0;
+  double last_grad_norm = -1.0;
+  int64_t optimizer_steps = 0;
+  int64_t forward_count = 0;
+  std::vector<const Unit*> trace;          // unit order recorded on the first forward
+  std::vector<const Unit*> current_order;
+  bool trace_valid = false;
+  int64_t gathered_bytes = 0;
+  int64_t gathered_peak = 0;
+  ReduceBucket filling;
+  std::vector<ReduceBucket> in_flight;
+  std::unique_ptr<torch::optim::Optimizer> custom_optimizer;
+  std::vector<at::Tensor> custom_leaves;
+
+  State(std::shared_ptr<torch::nn::Module> m, comm::CommunicatorPtr c, ShardingOptions o)
+      : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale) {}
+
+  int layout_world() const { return options.shard_params ? comm->world_size() : 1; }
+  int layout_rank() const { return options.shard_params ? comm->rank() : 0; }
+  bool pure() const { return options.pure_low_precision; }
+  int64_t full_bytes(const UnitState& u) const {
+    return u.layout->full_numel() * static_cast<int64_t>(c10::elementSize(options.compute_dtype));
+  }
+  bool frees_after_forward(const UnitState& u) const {
+    return options.reshard == Reshard::kAfterForward && !u.persistent;
+  }
+  bool frees_after_backward(const UnitState& u) const {
+    return options.reshard != Reshard::kNever && !u.persistent;
+  }
+
+  void add_gathered(int64_t delta) {
+    gathered_bytes += delta;
+    gathered_peak = std::max(gathered_peak, gathered_bytes);
+  }
+
+  // ---- gathering ------------------------------------------------------------
+  void start_gather(UnitState& u) {
+    if (u.gathered || u.gather_work) return;
+    compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
+    add_gathered(full_bytes(u));
+    if (!options.shard_params) {
+      u.gather_buffer = u.lp_shard;  // complete on every rank already
+      u.gather_work = comm::completed_work();
+      return;
+    }
+    if (u.layout->kind() == UnitLayout::Kind::kFlat && options.param_dtype == options.compute_dtype) {
+      u.gather_buffer = u.full;  // the flat parameter is gathered in place
+    } else {
+      u.gather_buffer = at::empty({u.layout->gathered_numel()}, u.lp_shard.options());
+      add_gathered(bytes_of(u.gather_buffer));
+    }
+    u.gather_work = comm->all_gather_async(u.gather_buffer, u.lp_shard);
+  }
+
+  void finish_gather(UnitState& u) {
+    if (u.gathered) return;
+    if (!u.gather_work) start_gather(u);
+    u.gather_work->wait();
+    u.gather_work.reset();
+    u.layout->unpack(u.gather_buffer, u.full);
+    if (options.shard_params && !u.gather_buffer.is_same(u.full)) add_gathered(-bytes_of(u.gather_buffer));
+    u.gather_buffer = at::Tensor();
+    u.gathered = true;
+  }
+
+  void release(UnitState& u) {
+    if (!u.gathered) return;
+    compat::resize_storage_bytes(u.full, 0);
+    add_gathered(-full_bytes(u));
+    u.gathered = false;
+  }
+
+  void gather_unit(const Unit* unit) {
+    for (int idx : unit_states.at(unit)) start_gather(units[idx]);
+    for (int idx : unit_states.at(unit)) finish_gather(units[idx]);
+  }
+
+  void release_unit(const Unit* unit, bool after_forward) {
+    for (int idx : unit_states.at(unit)) {
+      UnitState& u = units[idx];
+      if (after_forward ? frees_after_forward(u) : frees_after_backward(u)) release(u);
+    }
+  }
+
+  int64_t unit_numel(const Unit* unit) const {
+    int64_t n = 0;
+    for (int idx : unit_states.at(unit)) n += units[idx].layout->total_param_numel();
+    return n;
+  }
+
+  bool unit_gathered_or_pending(const Unit* unit) const {
+    for (int idx : unit_states.at(unit)) {
+      if (!units[idx].gathered && !units[idx].gather_work) return false;
+    }
+    return true;
+  }
+
+  /// Issues gathers for the units after position `pos` of `order` while they
+  /// fit in the prefetch window (elements, units) and the live-parameter budget.
+  void prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements) {
+    if (options.reshard != Reshard::kAfterForward && options.reshard != Reshard::kAfterBackward) return;
+    if (window_elements <= 0 || !trace_valid) return;
+    int64_t live = 0;
+    for (const auto& u : units) {
+      if (u.gathered || u.gather_work) live += u.layout->total_param_numel();
+    }
+    int64_t window = 0;
+    int units_ahead = 0;
+    for (std::size_t k = pos + 1; k < order.size() && units_ahead < options.max_prefetch_units; ++k) {
+      const int64_t n = unit_numel(order[k]);
+      if (window + n > window_elements || live + n > options.max_live_parameters) break;
+      window += n;
+      ++units_ahead;
+      if (unit_gathered_or_pending(order[k])) continue;
+      for (int idx : unit_states.at(order[k])) start_gather(units[idx]);
+      live += n;
+    }
+  }
+
+  void prefetch_for_backward(const Unit* current) {
+    const auto& order = trace_valid ? trace : current_order;
+    std::vector<const Unit*> reversed(order.rbegin(), order.rend());
+    auto where = std::find(reversed.begin(), reversed.end(), current);
+    if (where == reversed.end()) return;
+    // Backward prefetch gathers exactly the next unit, as FSDP does.
+    const int64_t next_numel = where + 1 < reversed.end() ? unit_numel(*(where + 1)) : 0;
+    prefetch_after(reversed, static_cast<std::size_t>(where - reversed.begin()), next_numel);
+  }
+
+  // ---- gradients --------------------------------------------------------------
+  void on_param_grad(int state_index, int param_index, const at::Tensor& grad) {
+    UnitState& u = units[state_index];
+    if (!u.pending_grads[param_index].defined()) ++u.grads_seen;
+    u.pending_grads[param_index] = grad;
+    if (u.grads_seen == static_cast<int>(u.params.size())) unit_grads_ready(state_index);
+  }
+
+  void unit_grads_ready(int state_index) {
+    UnitState& u = units[state_index];
+    if (options.reduce_at_boundary_only) {
+      at::Tensor packed = at::empty({u.layout->gathered_numel()}, u.boundary_grad_accumulator.options());
+      u.layout->pack(u.pending_grads, packed);
+      u.boundary_grad_accumulator.add_(packed);
+    } else {
+      at::Tensor input = at::empty({u.layout->gathered_numel()}, u.full.options().dtype(options.reduce_dtype));
+      u.layout->pack(u.pending_grads, input);
+      if (options.predivide != 1.0) input.div_(options.predivide);
+      filling.units.push_back(state_index);
+      filling.inputs.push_back(std::move(input));
+      filling.numel += u.layout->gathered_numel();
+      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+      if (!options.overlap_comm) finish_reductions();
+    }
+    for (auto& g : u.pending_grads) g = at::Tensor();
+    u.grads_seen = 0;
+    // Every autograd node that read the unit's trainable weights has run (each
+    // produced its weight's gradient). Frozen weights give no such signal, so a
+    // unit holding some stays gathered until the end of backward.
+    if (u.unit != nullptr) {
+      const bool has_frozen = unit_states.at(u.unit).size() > 1;
+      if (!has_frozen) release_unit(u.unit, /*after_forward=*/false);
+      if (options.backward_prefetch == BackwardPrefetchMode::kPost) prefetch_for_backward(u.unit);
+    }
+  }
+
+  void flush_bucket() {
+    if (filling.units.empty()) return;
+    ReduceBucket bucket = std::move(filling);
+    filling = ReduceBucket();
+    const int rows = layout_world();
+    at::Tensor input;
+    if (bucket.units.size() == 1) {
+      input = bucket.inputs[0];
+    } else {
+      int64_t shard_total = 0;
+      for (int idx : bucket.units) shard_total += units[idx].layout->shard_numel();
+      input = at::empty({rows * shard_total}, bucket.inputs[0].options());
+      at::Tensor grid = input.view({rows, shard_total});
+      int64_t offset = 0;
+      for (std::size_t k = 0; k < bucket.units.size(); ++k) {
+        const int64_t S = units[bucket.units[k]].layout->shard_numel();
+        grid.narrow(1, offset, S).copy_(bucket.inputs[k].view({rows, S}));
+        offset += S;
+      }
+    }
+    bucket.inputs.clear();
+    const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
+    if (!options.shard_params) {
+      bucket.output = input;
+      bucket.work = comm->all_reduce_async(bucket.output, op);
+    } else {
+      bucket.output = at::empty({input.numel() / rows}, input.options());
+      bucket.work = comm->reduce_scatter_async(bucket.output, input, op);
+    }
+    in_flight.push_back(std::move(bucket));
+  }
+
+  void finish_reductions() {
+    flush_bucket();
+    for (auto& bucket : in_flight) {
+      bucket.work->wait();
+      if (options.replicate_group) {
+        options.replicate_group->all_reduce(bucket.output, options.average ? ReduceOp::kAvg : ReduceOp::kSum);
+      }
+      if (options.postdivide != 1.0) bucket.output.div_(options.postdivide);
+      int64_t offset = 0;
+      for (int idx : bucket.units) {
+        UnitState& u = units[idx];
+        const int64_t S = u.layout->shard_numel();
+        u.grad.add_(bucket.output.narrow(0, offset, S).to(u.grad.scalar_type()));
+        offset += S;
+      }
+    }
+    in_flight.clear();
+  }
+
+  void reduce_boundary_accumulators() {
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      UnitState& u = units[i];
+      if (!u.trainable) continue;
+      // A copy: the accumulator is zeroed below, before the bucket is sent.
+      at::Tensor input = u.boundary_grad_accumulator.to(options.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+      if (options.predivide != 1.0) input.div_(options.predivide);
+      filling.units.push_back(static_cast<int>(i));
+      filling.inputs.push_back(std::move(input));
+      filling.numel += u.layout->gathered_numel();
+      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+      u.boundary_grad_accumulator.zero_();
+    }
+    finish_reductions();
+  }
+
+  void regather_after_step() {
+    for (auto& u : units) {
+      if (!u.trainable) continue;
+      const bool kept = options.reshard == Reshard::kNever || u.persistent;
+      if (!kept) continue;  // gathered on demand by the next forward
+      release(u);
+      start_gather(u);
+    }
+    for (auto& u : units) {
+      if (u.gather_work) finish_gather(u);
+    }
+  }
+};
+
+ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr shard_group,
+                             ShardingOptions options)
+    : state_(std::make_unique<State>(std::move(model), std::move(shard_group), std::move(options))) {
+  State& s = *state_;
+  ST_CHECK(s.model != nullptr, s.options.name, ": the model is null");
+  ST_CHECK(!(s.options.pure_low_precision && s.options.optimizer.type == "SGD"), s.options.name,
+           ": pure low precision runs AdamW/Adam on low-precision state; SGD is not supported there");
+  ST_CHECK(!(s.options.pure_low_precision && s.options.optimizer.custom_factory), s.options.name,
+           ": a custom optimizer needs an fp32 master; it cannot run in pure low precision");
+
+  // ---- units: the outermost marked modules the wrap policy selects ----------
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> unit_modules;
+  std::vector<std::string> marked_classes;
+  if (s.options.wrap_units) {
+    for (const auto& item : s.model->named_modules("", /*include_self=*/false)) {
+      auto* marked = dynamic_cast<Unit*>(item.value().get());
+      if (marked == nullptr) continue;
+      marked_classes.push_back(marked->unit_class_name());
+      if (!s.options.unit_classes.empty() &&
+          std::find(s.options.unit_classes.begin(), s.options.unit_classes.end(), marked->unit_class_name()) ==
+              s.options.unit_classes.end()) {
+        continue;
+      }
+      if (s.options.min_unit_params > 0) {
+        int64_t n = 0;
+        for (const auto& p : item.value()->parameters()) n += p.numel();
+        if (n < s.options.min_unit_params) continue;
+      }
+      bool nested = false;
+      for (const auto& [path, _] : unit_modules) {
+        if (item.key().rfind(path + ".", 0) == 0) nested = true;
+      }
+      if (!nested) unit_modules.emplace_back(item.key(), item.value());
+    }
+  }
+  if (s.comm->rank() == 0) {
+    for (const auto& cls : s.options.unit_classes) {
+      if (std::find(marked_classes.begin(), marked_classes.end(), cls) == marked_classes.end()) {
+        ST_LOG_WARN("{}: transformer_layer_cls_to_wrap names '{}', but no shardtrain::Unit of that class is in "
+                    "the model; its layers stay in the root unit", s.options.name, cls);
+      }
+    }
+    if (unit_modules.empty() && s.options.wrap_units) {
+      ST_LOG_WARN("{}: no sharding units selected (the model marks none, or the wrap policy matched none); "
+                  "the whole model is one unit, gathered at once. Mark transformer blocks as shardtrain::Unit.",
+                  s.options.name);
+    }
+  }
+
+  std::unordered_set<const c10::TensorImpl*> claimed;
+  auto collect = [&](const std::string& path, Unit* unit, torch::nn::Module& module) {
+    UnitState trainable, frozen;
+    for (UnitState* st : {&trainable, &frozen}) {
+      st->path = path;
+      st->unit = unit;
+    }
+    frozen.trainable = false;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      const at::Tensor& p = item.value();
+      if (!claimed.insert(p.unsafeGetTensorImpl()).second) continue;  // shared/tied: the first owner keeps it
+      UnitState& st = p.requires_grad() ? trainable : frozen;
+      st.names.push_back(join_path(path, item.key()));
+      st.params.push_back(p);
+      st.shapes.push_back(p.sizes().vec());
+    }
+    for (UnitState* st : {&trainable, &frozen}) {
+      if (!st->params.empty() || (st == &trainable && unit == nullptr)) s.units.push_back(std::move(*st));
+    }
+  };
+  // Units first (so they claim their parameters), then the root takes the rest.
+  std::vector<UnitState> root_states;
+  for (const auto& [path, module] : unit_modules) collect(path, dynamic_cast<Unit*>(module.get()), *module);
+  const std::size_t unit_state_count = s.units.size();
+  collect("", nullptr, *s.model);
+  // Root states go first in the list; keep their relative order.
+  std::rotate(s.units.begin(), s.units.begin() + static_cast<std::ptrdiff_t>(unit_state_count), s.units.end());
+  for (std::size_t i = 0; i < s.units.size(); ++i) {
+    if (s.units[i].unit) s.unit_states[s.units[i].unit].push_back(static_cast<int>(i));
+  }
+
+  // ---- layouts and flat partitions (trainable states) -------------------------
+  at::Device device(at::kCPU);
+  for (const auto& u : s.units) {
+    if (!u.params.empty()) {
+      device = u.params[0].device();
+      break;
+    }
+  }
+  const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const at::TensorOptions low = fp32.dtype(s.options.param_dtype);
+  const at::TensorOptions state_options = s.pure() ? low : fp32;  // dtype the optimizer steps in
+  int64_t total_shard = 0;
+  for (auto& u : s.units) {
+    std::vector<int64_t> numels;
+    for (const auto& p : u.params) numels.push_back(p.numel());
+    u.layout = std::make_unique<UnitLayout>(s.options.layout, numels, s.layout_world(), /*align=*/1);
+    u.persistent = u.layout->total_param_numel() < s.options.param_persistence_threshold;
+    u.pending_grads.resize(u.params.size());
+    if (u.trainable) {
+      u.shard_offset = total_shard;
+      total_shard += u.layout->shard_numel();
+    }
+  }
+  if (!s.pure()) s.master_flat = at::zeros({total_shard}, fp32);
+  s.grad_flat = at::zeros({total_shard}, state_options);
+  s.lp_flat = (!s.pure() && s.options.param_dtype == at::kFloat) ? s.master_flat : at::zeros({total_shard}, low);
+  const std::string& opt = s.options.optimizer.type;
+  if (!s.options.optimizer.custom_factory) {
+    if (opt == "AdamW" || opt == "Adam") {
+      s.exp_avg_flat = at::zeros({total_shard}, state_options);
+      s.exp_avg_sq_flat = at::zeros({total_shard}, state_options);
+    } else if (opt == "SGD") {
+      if (s.options.optimizer.momentum != 0.0) s.momentum_flat = at::zeros({total_shard}, fp32);
+    } else {
+      ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
+    }
+  }
+  if (s.options.offload_optimizer && !s.pure()) {
+    // The step runs on the host: gradients come down, the low-precision copy goes back up.
+    const at::TensorOptions host = fp32.device(at::kCPU);
+    if (!s.master_flat.is_cpu()) {
+      s.master_flat = s.master_flat.cpu();
+      if (s.exp_avg_flat.defined()) s.exp_avg_flat = s.exp_avg_flat.cpu();
+      if (s.exp_avg_sq_flat.defined()) s.exp_avg_sq_flat = s.exp_avg_sq_flat.cpu();
+      if (s.momentum_flat.defined()) s.momentum_flat = s.momentum_flat.cpu();
+    }
+    s.host_grad_flat = at::zeros({total_shard}, host);
+    s.host_lp_flat = at::zeros({total_shard}, host.dtype(s.options.param_dtype));
+  }
+
+  // ---- shard the initial values ----------------------------------------------
+  for (std::size_t i = 0; i < s.units.size(); ++i) {
+    UnitState& u = s.units[i];
+    const int64_t S = u.layout->shard_numel();
+    if (u.trainable) {
+      if (!s.pure()) u.master = s.master_flat.narrow(0, u.shard_offset, S);
+      u.grad = s.grad_flat.narrow(0, u.shard_offset, S);
+      u.lp_shard = s.lp_flat.narrow(0, u.shard_offset, S);
+      if (s.exp_avg_flat.defined()) {
+        u.exp_avg = s.exp_avg_flat.narrow(0, u.shard_offset, S);
+        u.exp_avg_sq = s.exp_avg_sq_flat.narrow(0, u.shard_offset, S);
+      }
+    } else {
+      // Frozen weights: a shard to gather from and an fp32 copy for state dicts; no optimizer.
+      u.lp_shard = at::zeros({S}, low);
+      if (!s.pure()) u.master = at::zeros({S}, fp32);
+    }
+    std::vector<at::Tensor> values;
+    for (auto& p : u.params) {
+      // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
+      at::Tensor v = p.detach().to(s.pure() ? s.options.param_dtype : at::kFloat).contiguous();
+      if (s.options.sync_module_states) (s.options.sync_group ? s.options.sync_group : s.comm)->broadcast(v, 0);
+      values.push_back(v);
+    }
+    at::Tensor shard_init = at::empty({S}, (s.pure() ? low : fp32).device(device));
+    u.layout->pack_shard(values, s.layout_rank(), shard_init);
+    if (u.master.defined()) u.master.copy_(shard_init);
+    if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(shard_init);
+    // The module's parameters become views into one compute-dtype buffer.
+    u.full = at::empty({u.layout->full_numel()}, fp32.dtype(s.options.compute_dtype));
+    for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
+      at::Tensor view = u.full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
+      // Compute on the values the shard holds (fp16-on-CPU computes in fp32 on fp16-rounded values).
+      view.copy_(values[k].to(s.options.param_dtype));
+      u.params[k].set_data(view);
+    }
+    u.gathered = true;
+    s.add_gathered(s.full_bytes(u));
+    if (s.options.reduce_at_boundary_only && u.trainable) {
+      u.boundary_grad_accumulator = at::zeros({u.layout->gathered_numel()}, fp32);
+    }
+    if (u.trainable) {
+      State* state = state_.get();
+      const int state_index = static_cast<int>(i);
+      for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
+        u.params[k].register_hook([state, state_index, k](const at::Tensor& grad) {
+          state->on_param_grad(state_index, k, grad);
+        });
+      }
+    }
+    if (u.unit) u.unit->attach_unit_hooks(this, static_cast<int>(i));
+    if (s.options.reshard != Reshard::kNever && !u.persistent) s.release(u);
+  }
+  // Set-up held every unit at once; the working-set peak counts from here.
+  s.gathered_peak = s.gathered_bytes;
+
+  if (s.options.optimizer.custom_factory) {
+    // The escape hatch steps the master shard directly; its .grad() is the
+    // reduced gradient partition, unscaled and clipped by step().
+    at::Tensor leaf = s.master_flat;
+    leaf.set_requires_grad(true);
+    s.custom_leaves = {leaf};
+    s.custom_optimizer = s.options.optimizer.custom_factory(s.custom_leaves);
+    ST_CHECK(s.custom_optimizer != nullptr, "the custom optimizer factory returned null");
+  }
+  const int64_t trainable = std::accumulate(s.units.begin(), s.units.end(), int64_t{0}, [](int64_t a, const UnitState& u) {
+    return a + (u.trainable ? u.layout->total_param_numel() : 0);
+  });
+  ST_LOG_INFO("{}: {} unit states, {} trainable elements over {} ranks; compute {}, shard {}, reduce {}{}{}",
+              s.options.name, s.units.size(), trainable, s.layout_world(), c10::toString(s.options.compute_dtype),
+              c10::toString(s.options.param_dtype), c10::toString(s.options.reduce_dtype),
+              s.pure() ? ", pure low precision (no fp32 master)" : "",
+              s.options.offload_optimizer ? ", optimizer offloaded to CPU" : "");
+}
+
+ShardedEngine::~ShardedEngine() {
+  for (auto& u : state_->units) {
+    if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
+  }
+}
+
+std::string ShardedEngine::name() const { return state_->options.name; }
+const ShardingOptions& ShardedEngine::options() const { return state_->options; }
+
+void ShardedEngine::begin_forward() {
+  State& s = *state_;
+  s.current_order.clear();
+  for (auto& u : s.units) {
+    if (u.unit == nullptr) s.start_gather(u);
+  }
+  for (auto& u : s.units) {
+    if (u.unit == nullptr) s.finish_gather(u);
+  }
+}
+
+void ShardedEngine::before_unit_forward(Unit& unit) {
+  State& s = *state_;
+  ST_CHECK(s.unit_states.count(&unit), "unit '", unit.unit_class_name(), "' is not managed by this engine");
+  const std::size_t pos = s.current_order.size();
+  s.current_order.push_back(&unit);
+  if (s.trace_valid && (pos >= s.trace.size() || s.trace[pos] != &unit)) {
+    ST_LOG_WARN("{}: the unit order changed at forward {} (unit '{}' at position {}): prefetch trace rebuilt",
+                s.options.name, s.forward_count + 1, s.units[s.unit_states.at(&unit)[0]].path, pos);
+    s.trace_valid = false;
+  }
+  s.gather_unit(&unit);
+  s.prefetch_after(s.trace, pos, s.options.prefetch_bucket_size);
+}
+
+at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
+  State& s = *state_;
+  s.release_unit(&unit, /*after_forward=*/true);
+  bool frees = false;
+  for (int idx : s.unit_states.at(&unit)) frees = frees || s.frees_after_forward(s.units[idx]);
+  if (output.requires_grad() && (frees || s.options.backward_prefetch == BackwardPrefetchMode::kPre)) {
+    State* state = &s;
+    const Unit* key = &unit;
+    // The gradient of the unit's output arrives just before the unit's own
+    // backward runs: gather its parameters then (FSDP's pre-backward hook).
+    output.register_hook([state, key](const at::Tensor&) {
+      state->gather_unit(key);
+      if (state->options.backward_prefetch == BackwardPrefetchMode::kPre) state->prefetch_for_backward(key);
+    });
+  }
+  return output;
+}
+
+at::Tensor ShardedEngine::end_forward(at::Tensor output) {
+  State& s = *state_;
+  ++s.forward_count;
+  if (!s.trace_valid) {
+    s.trace = s.current_order;
+    s.trace_valid = true;
+  }
+  return output;
+}
+
+void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
+  State& s = *state_;
+  ST_CHECK(loss.numel() == 1, "backward: the loss must be a scalar, got shape ", loss.sizes());
+  at::Tensor scaled = s.scaler.scale() == 1.0 ? loss : loss * s.scaler.scale();
+  scaled.backward();
+  // Units some of whose parameters got no gradient (unused in this forward)
+  // still take part in the reductions with zeros: every rank must issue the
+  // same collectives.
+  for (std::size_t i = 0; i < s.units.size(); ++i) {
+    if (s.units[i].trainable && s.units[i].grads_seen > 0) s.unit_grads_ready(static_cast<int>(i));
+  }
+  s.finish_reductions();
+  for (auto& u : s.units) {
+    for (auto& p : u.params) {
+      if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+    }
+  }
+  if (s.options.reduce_at_boundary_only && sync) s.reduce_boundary_accumulators();
+  for (auto& u : s.units) {
+    if (s.frees_after_backward(u)) s.release(u);
+  }
+}
+
+double ShardedEngine::clip_grad_norm(double max_norm) {
+  State& s = *state_;
+  const double local = kernels::cpu::sum_of_squares(s.grad_flat.is_cpu() ? s.grad_flat : s.grad_flat.cpu());
+  at::Tensor total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+  s.comm->all_reduce(total, ReduceOp::kSum);
+  if (!s.options.shard_params) {
+    // Every rank holds all gradients: the sum over ranks counted each W times.
+    total.div_(s.comm->world_size());
+  }
+  const double norm = std::sqrt(total.item<double>()) / s.scaler.scale();
+  s.last_grad_norm = std::isfinite(norm) ? norm : -1.0;
+  s.clip_coefficient = 1.0;
+  if (max_norm > 0 && std::isfinite(norm)) s.clip_coefficient = std::min(1.0, max_norm / (norm + 1e-6));
+  return norm;
+}
+
+StepResult ShardedEngine::step(double lr) {
+  State& s = *state_;
+  StepResult result;
+  result.loss_scale = s.scaler.scale();
+  result.grad_norm = s.last_grad_norm;
+  if (s.options.fp16) {
+    at::Tensor overflow = at::full({1}, kernels::cpu::has_inf_or_nan(s.grad_flat) ? 1.0f : 0.0f);
+    s.comm->all_reduce(overflow, ReduceOp::kMax);
+    if (overflow.item<float>() > 0) {
+      s.scaler.update(true);
+      s.grad_flat.zero_();
+      s.clip_coefficient = 1.0;
+      s.last_grad_norm = -1.0;
+      result.skipped = true;
+      return result;
+    }
+  }
+  const double grad_scale = s.clip_coefficient / s.scaler.scale();
+  at::Tensor grad = s.grad_flat;
+  if (s.host_grad_flat.defined()) {
+    s.host_grad_flat.copy_(s.grad_flat);
+    grad = s.host_grad_flat;
+  }
+  const bool separate_lp = !s.pure() && !s.lp_flat.is_same(s.master_flat);
+  at::Tensor lp_out;
+  if (separate_lp) lp_out = s.host_lp_flat.defined() ? s.host_lp_flat : s.lp_flat;
+  ++s.optimizer_steps;
+
+  const auto& o = s.options.optimizer;
+  if (s.custom_optimizer) {
+    at::Tensor& leaf = s.custom_leaves[0];
+    leaf.mutable_grad() = grad * grad_scale;
+    {
+      at::NoGradGuard no_grad;
+      s.custom_optimizer->step();
+    }
+    leaf.mutable_grad() = at::Tensor();
+    if (separate_lp) lp_out.copy_(s.master_flat);
+  } else {
+    at::Tensor& stepped = s.pure() ? s.lp_flat : s.master_flat;
+    const int64_t total = stepped.numel();
+    const int64_t group = std::max<int64_t>(1, s.options.sub_group_size);
+    for (int64_t begin = 0; begin < total; begin += group) {
+      const int64_t len = std::min(group, total - begin);
+      at::Tensor param = stepped.narrow(0, begin, len);
+      at::Tensor g = grad.narrow(0, begin, len);
+      at::Tensor lp = separate_lp ? lp_out.narrow(0, begin, len) : at::Tensor();
+      if (o.type == "SGD") {
+        at::Tensor momentum = s.momentum_flat.defined() ? s.momentum_flat.narrow(0, begin, len) : at::Tensor();
+        kernels::cpu::fused_sgd(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr,
+                                lr, o.momentum, o.weight_decay, o.nesterov, grad_scale, s.optimizer_steps == 1);
+        continue;
+      }
+      at::Tensor m = s.exp_avg_flat.narrow(0, begin, len);
+      at::Tensor v = s.exp_avg_sq_flat.narrow(0, begin, len);
+      kernels::cpu::AdamParams p;
+      p.lr = lr;
+      p.beta1 = o.beta1;
+      p.beta2 = o.beta2;
+      p.eps = o.eps;
+      p.weight_decay = o.weight_decay;
+      p.step = s.optimizer_steps;
+      p.adam_w_mode = o.type == "AdamW";
+      p.grad_scale = grad_scale;
+      if (s.pure()) {
+        kernels::cpu::fused_adam_low_precision(param, m, v, g, p);
+      } else {
+        kernels::cpu::fused_adam(param, m, v, g, separate_lp ? &lp : nullptr, p);
+      }
+    }
+  }
+  if (separate_lp && s.host_lp_flat.defined()) s.lp_flat.copy_(s.host_lp_flat);
+  s.scaler.update(false);
+  s.grad_flat.zero_();
+  s.clip_coefficient = 1.0;
+  s.last_grad_norm = -1.0;
+  s.regather_after_step();
+  return result;
+}
+
+void ShardedEngine::zero_grad() {
+  State& s = *state_;
+  s.grad_flat.zero_();
+  for (auto& u : s.units) {
+    if (u.boundary_grad_accumulator.defined()) u.boundary_grad_accumulator.zero_();
+  }
+}
+
+double ShardedEngine::loss_scale() const { return state_->scaler.scale(); }
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict() {
+  State& s = *state_;
+  std::vector<std::pair<std::string, at::Tensor>> result;
+  for (auto& u : s.units) {
+    const at::Tensor source = (u.master.defined() ? u.master : u.lp_shard.to(at::kFloat)).contiguous();
+    at::Tensor gathered = source;
+    if (s.options.shard_params) {
+      gathered = at::empty({u.layout->gathered_numel()}, source.options());
+      s.comm->all_gather(gathered, source);
+    }
+    at::Tensor full = at::empty({u.layout->full_numel()}, source.options());
+    u.layout->unpack(gathered, full);
+    for (std::size_t k = 0; k < u.params.size(); ++k) {
+      result.emplace_back(u.names[k], full.narrow(0, u.layout->param_offset_in_full(static_cast<int>(k)),
+                                                  u.params[k].numel()).view(u.shapes[k]).clone());
+    }
+  }
+  return result;
+}
+
+MemoryStats ShardedEngine::memory() const {
+  const State& s = *state_;
+  MemoryStats m;
+  const bool master_is_lp = s.lp_flat.is_same(s.master_flat);
+  m.params = bytes_of(s.lp_flat);
+  m.master = master_is_lp ? 0 : bytes_of(s.master_flat);
+  m.grads = bytes_of(s.grad_flat) + bytes_of(s.host_grad_flat);
+  m.optimizer = bytes_of(s.exp_avg_flat) + bytes_of(s.exp_avg_sq_flat) + bytes_of(s.momentum_flat);
+  for (const auto& u : s.units) {
+    m.grads += bytes_of(u.boundary_grad_accumulator);
+    if (!u.trainable) m.params += bytes_of(u.lp_shard);
+  }
+  m.gathered = s.gathered_bytes;
+  m.gathered_peak = s.gathered_peak;
+  return m;
+}
+
+void ShardedEngine::reset_gathered_peak() { state_->gathered_peak = state_->gathered_bytes; }
+
+const at::Tensor& ShardedEngine::parameter_partition() const {
+  return state_->pure() ? state_->lp_flat : state_->master_flat;
+}
+const at::Tensor& ShardedEngine::master_partition() const { return state_->master_flat; }
+const at::Tensor& ShardedEngine::low_precision_partition() const { return state_->lp_flat; }
+const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->exp_avg_flat; }
+const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->exp_avg_sq_flat; }
+
+std::vector<std::string> ShardedEngine::unit_paths() const {
+  std::vector<std::string> paths;
+  for (const auto& u : state_->units) paths.push_back(u.path);
+  return paths;
+}
+
+std::vector<ShardedEngine::OwnedRange> ShardedEngine::owned_ranges() const {
+  std::vector<OwnedRange> ranges;
+  for (const auto& u : state_->units) {
+    if (!u.trainable) continue;
+    for (const auto& seg : u.layout->segments_of_rank(state_->layout_rank())) {
+      ranges.push_back({u.names[seg.param_index], seg.param_offset, seg.length, u.shard_offset + seg.shard_offset});
+    }
+  }
+  return ranges;
+}
+
+}  // namespace shardtrain::engine

@@ -1,0 +1,131 @@
+#pragma once
+// The machinery both engines share: units of parameters sharded over the
+// ranks, gathered around their forward/backward through the unit hooks,
+// gradients reduced into per-rank partitions, an optimizer over the shards.
+//
+// backends/zero and backends/fsdp are configurations of it: ZeRO partitions
+// every parameter separately (UnitLayout::kPerParam) and keeps an FP32 master
+// always; FSDP flattens each unit (kFlat), chooses when to reshard from its
+// sharding strategy, and in pure-low-precision mode keeps no FP32 copy at all.
+// With the same layout-independent arithmetic (every gradient element summed
+// over ranks in rank order in fp32, the same fused optimizer kernel) the two
+// engines compute identical numbers from identical inputs.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/unit_layout.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace shardtrain::engine {
+
+/// When a unit's gathered parameters are freed.
+enum class Reshard {
+  kNever,          ///< kept gathered (zero 0-2, NO_SHARD): re-gathered after each optimizer step
+  kAfterBackward,  ///< gathered for forward, freed once the unit's gradients are reduced (SHARD_GRAD_OP)
+  kAfterForward,   ///< freed after forward, gathered again for backward (zero 3, FULL_SHARD)
+};
+
+/// Which unit to gather ahead during backward.
+enum class BackwardPrefetchMode { kNone, kPre, kPost };
+
+struct ShardingOptions {
+  std::string name = "sharded";
+  UnitLayout::Kind layout = UnitLayout::Kind::kPerParam;
+  /// false: every rank holds everything and gradients are all-reduced (zero 0, NO_SHARD).
+  bool shard_params = true;
+  Reshard reshard = Reshard::kAfterForward;
+  /// zero 1: gradients accumulate unreduced (full size, fp32) until the accumulation boundary.
+  bool reduce_at_boundary_only = false;
+  /// fsdp pure low precision: shard, gradients and optimizer state in param_dtype; no fp32 master.
+  bool pure_low_precision = false;
+  at::ScalarType compute_dtype = at::kFloat;  ///< dtype the module computes in
+  at::ScalarType param_dtype = at::kFloat;    ///< shard at rest / all-gather dtype
+  at::ScalarType reduce_dtype = at::kFloat;   ///< gradient reduction dtype
+  /// Gradient scaling around the reduction, as FSDP computes it: divide by
+  /// `predivide` before, by `postdivide` after a SUM. {1, 1} with average=true
+  /// is ZeRO's mean (sum, then one division in fp32).
+  bool average = true;
+  double predivide = 1.0;
+  double postdivide = 1.0;
+  /// HYBRID_SHARD: after the reduce-scatter inside the shard group, gradients
+  /// are all-reduced (SUM) over this replica group. Null otherwise.
+  comm::CommunicatorPtr replicate_group;
+  bool overlap_comm = true;
+  int64_t reduce_bucket_size = 500000000;   ///< gradient elements per reduction
+  int64_t sub_group_size = 1000000000;      ///< optimizer step slices
+  int64_t prefetch_bucket_size = 50000000;  ///< forward prefetch window, elements (0 = none)
+  int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
+  BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
+  int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered
+  int64_t max_live_parameters = 1000000000;
+  bool offload_optimizer = false;
+  /// Unit selection among the model's shardtrain::Unit modules (outermost wins):
+  /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
+  bool wrap_units = true;
+  std::vector<std::string> unit_classes;
+  int64_t min_unit_params = 0;
+  /// Rank 0's initial values are broadcast (fsdp_sync_module_states; zero always)
+  /// over this group (null: the shard group; HYBRID_SHARD passes the world).
+  bool sync_module_states = true;
+  comm::CommunicatorPtr sync_group;
+  LossScaleConfig loss_scale;
+  bool fp16 = false;
+  OptimizerSpec optimizer;
+};
+
+class ShardedEngine : public Engine {
+ public:
+  ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr shard_group,
+                ShardingOptions options);
+  ~ShardedEngine() override;
+
+  std::string name() const override;
+  void before_unit_forward(Unit& unit) override;
+  at::Tensor after_unit_forward(Unit& unit, at::Tensor output) override;
+  void begin_forward() override;
+  at::Tensor end_forward(at::Tensor output) override;
+  void backward(const at::Tensor& loss, bool sync) override;
+  double clip_grad_norm(double max_norm) override;
+  StepResult step(double lr) override;
+  void zero_grad() override;
+  double loss_scale() const override;
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
+  MemoryStats memory() const override;
+  void reset_gathered_peak() override;
+
+  // ---- introspection (tests, checkpoints)
+  /// What the optimizer steps: the fp32 master partition, or in pure mode the low-precision one.
+  const at::Tensor& parameter_partition() const;
+  /// The fp32 master partition (undefined in pure low precision).
+  const at::Tensor& master_partition() const;
+  /// The low-precision partition (aliases the master when param_dtype is fp32).
+  const at::Tensor& low_precision_partition() const;
+  /// exp_avg / exp_avg_sq (Adam) partitions; undefined for SGD.
+  const at::Tensor& exp_avg_partition() const;
+  const at::Tensor& exp_avg_sq_partition() const;
+  /// Module paths of the units ("" is the root), in setup order.
+  std::vector<std::string> unit_paths() const;
+  struct OwnedRange {
+    std::string name;
+    int64_t begin;          ///< element offset in the flattened parameter
+    int64_t length;
+    int64_t master_offset;  ///< offset in parameter_partition()
+  };
+  /// Trainable parameter ranges this rank owns.
+  std::vector<OwnedRange> owned_ranges() const;
+  const ShardingOptions& options() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace shardtrain::engine

@@ -1,0 +1,372 @@
+// The FSDP engine: FP32 parity with the plain LibTorch reference for every
+// sharding strategy, exact agreement with the zero engine (the product's
+// promise), pure low precision (bf16 optimizer state, the seeds' stall), the
+// dtypes at the collectives, resharding behaviour, injected delays, and
+// units mixing frozen and trainable parameters.
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "engine/sharded_engine.h"
+#include "shardtrain/accelerator.h"
+#include "support/multirank.h"
+#include "tiny/tiny_train.h"
+
+namespace {
+
+using shardtrain::MixedPrecision;
+using shardtrain::ShardingStrategy;
+using shardtrain::testing::MultiRankOptions;
+using shardtrain::testing::RankContext;
+using shardtrain::testing::run_on_ranks;
+
+shardtrain::TrainingConfig fsdp_config(ShardingStrategy strategy, MixedPrecision precision) {
+  shardtrain::TrainingConfig config;
+  config.distributed_type = shardtrain::DistributedType::kFsdp;
+  config.mixed_precision = precision;
+  config.bf16 = precision == MixedPrecision::kBf16;
+  config.fsdp.sharding_strategy = strategy;
+  config.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
+  config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
+  config.optimizer.type = "AdamW";
+  config.optimizer.lr = 1e-3;
+  config.steps_per_print = 1000;
+  return config;
+}
+
+shardtrain::TrainingConfig zero3_config(MixedPrecision precision) {
+  shardtrain::TrainingConfig config;
+  config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
+  config.zero.stage = 3;
+  config.zero.stage3_param_persistence_threshold = 0;
+  config.mixed_precision = precision;
+  config.bf16 = precision == MixedPrecision::kBf16;
+  config.optimizer.type = "AdamW";
+  config.optimizer.lr = 1e-3;
+  config.steps_per_print = 1000;
+  return config;
+}
+
+tiny::TinyRunOptions options_for(const shardtrain::TrainingConfig& config, RankContext& ctx, int steps) {
+  tiny::TinyRunOptions options;
+  options.config = config;
+  options.steps = steps;
+  options.seed = 11;
+  options.micro_batch = 4;
+  options.communicator = ctx.comm;
+  options.quiet = true;
+  return options;
+}
+
+double max_relative(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
+  return worst;
+}
+
+void expect_params_close(const tiny::TinyRunResult& actual, const tiny::TinyRunResult& reference, double tolerance) {
+  std::map<std::string, at::Tensor> by_name(reference.final_params.begin(), reference.final_params.end());
+  ASSERT_EQ(actual.final_params.size(), by_name.size());
+  for (const auto& [name, value] : actual.final_params) {
+    ASSERT_TRUE(by_name.count(name)) << name;
+    const double diff = (value - by_name[name]).abs().max().item<double>();
+    EXPECT_LE(diff / std::max(1.0, by_name[name].abs().max().item<double>()), tolerance) << name;
+  }
+}
+
+struct StrategyCase {
+  ShardingStrategy strategy;
+  int world;
+  int local_world;
+};
+
+class DistFsdpParity : public ::testing::TestWithParam<StrategyCase> {};
+
+TEST_P(DistFsdpParity, Fp32LossesAndFinalParametersMatchTheReference) {
+  const StrategyCase c = GetParam();
+  MultiRankOptions harness;
+  harness.local_world_size = c.local_world;
+  run_on_ranks(c.world, [c](RankContext& ctx) {
+    auto options = options_for(fsdp_config(c.strategy, MixedPrecision::kNo), ctx, 30);
+    tiny::TinyRunResult run = tiny::run_tiny(options);
+    if (ctx.rank() != 0) return;
+    tiny::TinyRunResult reference = tiny::run_tiny_reference(options, c.world);
+    EXPECT_LE(max_relative(run.losses, reference.losses), 1e-5);
+    EXPECT_LT(run.losses.back(), run.losses.front() * 0.95);
+    // The issue asks for losses; parameters are checked too, looser: FSDP's
+    // pre/post-divided SUM differs from the reference's mean in the last fp32
+    // bit, and Adam amplifies that for elements whose gradient is near zero
+    // (measured worst: 2.6e-5 at world 4, one element).
+    expect_params_close(run, reference, 1e-4);
+  }, harness);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DistStrategies, DistFsdpParity,
+    ::testing::Values(StrategyCase{ShardingStrategy::kFullShard, 2, 2}, StrategyCase{ShardingStrategy::kShardGradOp, 2, 2},
+                      StrategyCase{ShardingStrategy::kNoShard, 2, 2}, StrategyCase{ShardingStrategy::kFullShard, 4, 4},
+                      StrategyCase{ShardingStrategy::kShardGradOp, 4, 4}, StrategyCase{ShardingStrategy::kNoShard, 4, 4},
+                      StrategyCase{ShardingStrategy::kHybridShard, 4, 2},
+                      StrategyCase{ShardingStrategy::kHybridShardZero2, 4, 2}),
+    [](const auto& info) {
+      return std::string(shardtrain::to_string(info.param.strategy)) + "_world" + std::to_string(info.param.world) +
+             (info.param.local_world != info.param.world ? "_as_2x2" : "");
+    });
+
+class DistCrossEngine : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistCrossEngine, FsdpStandardAndZero3AgreeStepByStep) {
+  const int world = GetParam();
+  run_on_ranks(world, [](RankContext& ctx) {
+    for (MixedPrecision precision : {MixedPrecision::kBf16, MixedPrecision::kNo}) {
+      const int steps = precision == MixedPrecision::kBf16 ? 50 : 20;
+      auto fsdp_run = tiny::run_tiny(options_for(fsdp_config(ShardingStrategy::kFullShard, precision), ctx, steps));
+      auto zero_run = tiny::run_tiny(options_for(zero3_config(precision), ctx, steps));
+      ASSERT_EQ(fsdp_run.losses.size(), static_cast<std::size_t>(steps));
+      // Both compute on bf16(master) with the same element-wise reduction order.
+      EXPECT_LE(max_relative(fsdp_run.losses, zero_run.losses), 1e-6)
+          << (precision == MixedPrecision::kBf16 ? "bf16" : "fp32") << ": first losses " << fsdp_run.losses[0]
+          << " vs " << zero_run.losses[0];
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(DistWorlds, DistCrossEngine, ::testing::Values(2, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+TEST(DistFsdpPure, OptimizerStateIsBf16AtFourBytesPerParameter) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
+    shardtrain::AcceleratorOptions accelerator_options;
+    accelerator_options.config = config;
+    accelerator_options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(accelerator_options);
+    torch::manual_seed(0);
+    tiny::TinyConfig model_config;
+    tiny::TinyModel model(model_config);
+    model->to(at::kBFloat16);  // a bf16 load with mixed_precision: no is Accelerate's pure mode
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    auto prepared = accelerator.prepare(model, {}, run);
+    auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(accelerator.engine());
+    EXPECT_TRUE(engine.options().pure_low_precision);
+    EXPECT_EQ(engine.exp_avg_partition().scalar_type(), at::kBFloat16);
+    EXPECT_EQ(engine.exp_avg_sq_partition().scalar_type(), at::kBFloat16);
+    EXPECT_EQ(engine.parameter_partition().scalar_type(), at::kBFloat16);
+    EXPECT_FALSE(engine.master_partition().defined()) << "pure mode keeps no fp32 master";
+    EXPECT_DOUBLE_EQ(accelerator.precision_plan().optimizer_bytes_per_param_total(), 4.0);
+    const auto memory = accelerator.memory();
+    const double per_param = static_cast<double>(memory.optimizer + memory.master) * ctx.world_size() /
+                             accelerator.precision_plan().num_params;
+    EXPECT_NEAR(per_param, 4.0, 0.2) << "measured optimizer bytes per parameter";
+  });
+}
+
+TEST(DistFsdpPure, SmallUpdatesAreLostInPureModeButNotInStandardMode) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto fall = [&](bool pure, double lr) {
+      auto config = fsdp_config(ShardingStrategy::kFullShard, pure ? MixedPrecision::kNo : MixedPrecision::kBf16);
+      auto options = options_for(config, ctx, 200);
+      options.lr = lr;
+      options.load_dtype = "bf16";
+      options.model.init_std = 0.02;
+      auto run = tiny::run_tiny(options);
+      return run.losses.front() - run.losses.back();
+    };
+    const double standard_small = fall(false, 1e-5);
+    const double pure_small = fall(true, 1e-5);
+    if (ctx.rank() == 0) {
+      std::cout << "lr 1e-5, 200 steps: loss fell " << standard_small << " (standard) vs " << pure_small
+                << " (pure)" << std::endl;
+    }
+    EXPECT_GT(standard_small, 0.0);
+    EXPECT_LT(pure_small, 0.2 * standard_small) << "the seeds' phenomenon: pure bf16 loses sub-ulp updates";
+    const double standard_large = fall(false, 1e-3);
+    const double pure_large = fall(true, 1e-3);
+    EXPECT_GT(standard_large, 0.1);
+    EXPECT_GT(pure_large, 0.1) << "at lr 1e-3 the updates exceed half an ulp: pure mode trains too";
+  });
+}
+
+TEST(DistFsdpDtypes, AllGatherInParamDtypeReduceScatterInReduceDtype) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    std::vector<shardtrain::comm::CollectiveEvent> events;
+    auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kBf16);
+    config.fsdp.reduce_dtype = shardtrain::DType::kFp32;
+    auto options = options_for(config, ctx, 2);
+    ctx.comm->set_observer([&](const shardtrain::comm::CollectiveEvent& e) { events.push_back(e); });
+    tiny::run_tiny(options);
+    ctx.comm->set_observer(nullptr);
+    int gathers = 0, reductions = 0;
+    for (const auto& e : events) {
+      if (e.op == "all_gather" && e.input_numel > 1) {
+        ++gathers;
+        // full_state_dict at the end gathers the fp32 masters; training gathers bf16.
+        EXPECT_TRUE(e.dtype == at::kBFloat16 || e.dtype == at::kFloat) << c10::toString(e.dtype);
+      }
+      if (e.op == "reduce_scatter") {
+        ++reductions;
+        EXPECT_EQ(e.dtype, at::kFloat) << "reduce-scatter must run in reduce_dtype";
+      }
+    }
+    int bf16_gathers = 0;
+    for (const auto& e : events) bf16_gathers += e.op == "all_gather" && e.dtype == at::kBFloat16;
+    EXPECT_GT(bf16_gathers, 0) << "parameters must be all-gathered in param_dtype (bf16)";
+    EXPECT_GT(gathers, 0);
+    EXPECT_GT(reductions, 0);
+  });
+}
+
+TEST(DistFsdpReshard, ShardGradOpKeepsUnitsGatheredUntilBackwardFullShardDoesNot) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    int64_t gathered_after_forward[2] = {0, 0};
+    int64_t at_rest[2] = {0, 0};
+    const ShardingStrategy strategies[2] = {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp};
+    for (int k = 0; k < 2; ++k) {
+      shardtrain::AcceleratorOptions accelerator_options;
+      accelerator_options.config = fsdp_config(strategies[k], MixedPrecision::kBf16);
+      accelerator_options.communicator = ctx.comm;
+      shardtrain::Accelerator accelerator(accelerator_options);
+      torch::manual_seed(0);
+      tiny::TinyConfig model_config;
+      tiny::TinyModel model(model_config);
+      shardtrain::RunInfo run;
+      run.micro_batch_size = 2;
+      auto prepared = accelerator.prepare(model, {}, run);
+      at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
+      at::Tensor logits = prepared(tokens);
+      gathered_after_forward[k] = accelerator.memory().gathered;
+      accelerator.backward(logits.mean());
+      accelerator.step();
+      at_rest[k] = accelerator.memory().gathered;
+    }
+    const int64_t block_bytes = (4 * 64 * 64 + 64 * 256 + 256 + 256 * 64 + 64 + 2 * 64) * 2;
+    EXPECT_GE(gathered_after_forward[1] - gathered_after_forward[0], 4 * block_bytes - 1024)
+        << "SHARD_GRAD_OP must keep the 4 blocks gathered between forward and backward";
+    EXPECT_LT(gathered_after_forward[0], 2 * block_bytes) << "FULL_SHARD frees each block after its forward";
+    EXPECT_EQ(at_rest[0], 0);
+    EXPECT_EQ(at_rest[1], 0) << "SHARD_GRAD_OP reshards after backward";
+  });
+}
+
+TEST(DistFsdpDelays, RandomDelaysBeforeCollectivesLeaveLossesUnchanged) {
+  std::vector<double> losses[2];
+  for (int delayed = 0; delayed < 2; ++delayed) {
+    MultiRankOptions harness;
+    if (delayed) harness.env["SHARDTRAIN_COMM_INJECT_DELAY_MS"] = "3";
+    const std::string out = ::testing::TempDir() + "/delays" + std::to_string(delayed) + ".txt";
+    harness.env["LOSSES_OUT"] = out;
+    run_on_ranks(2, [](RankContext& ctx) {
+      auto run = tiny::run_tiny(options_for(fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kBf16), ctx, 6));
+      if (ctx.rank() != 0) return;
+      std::ofstream file(std::getenv("LOSSES_OUT"));
+      file.precision(17);
+      for (double l : run.losses) file << l << "\n";
+    }, harness);
+    if (shardtrain::testing::is_rank_process()) continue;  // a rank of the other call runs on
+    std::ifstream file(out);
+    for (double l; file >> l;) losses[delayed].push_back(l);
+  }
+  if (shardtrain::testing::is_rank_process()) return;
+  ASSERT_EQ(losses[0].size(), 6u);
+  EXPECT_EQ(losses[0], losses[1]);
+}
+
+/// A unit with a frozen base weight and a trainable low-rank adapter (LoRA's shape).
+struct AdapterBlockImpl : torch::nn::Module, shardtrain::Unit {
+  AdapterBlockImpl()
+      : Unit("AdapterBlock"), base(register_module("base", torch::nn::Linear(8, 8))),
+        down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(8, 2).bias(false)))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(2, 8).bias(false)))) {
+    base->weight.set_requires_grad(false);
+    base->bias.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return run_unit(x, [this](const at::Tensor& h) { return at::tanh(base(h) + up(down(h))); });
+  }
+  torch::nn::Linear base, down, up;
+};
+TORCH_MODULE(AdapterBlock);
+
+struct AdapterModelImpl : torch::nn::Module {
+  AdapterModelImpl() : first(register_module("first", AdapterBlock())), second(register_module("second", AdapterBlock())) {}
+  at::Tensor forward(const at::Tensor& x) { return second(first(x)); }
+  AdapterBlock first, second;
+};
+TORCH_MODULE(AdapterModel);
+
+TEST(DistFsdpFrozen, FrozenParametersNeverChangeTrainableOnesMatchTheReference) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
+    config.fsdp.transformer_layer_cls_to_wrap = {"AdapterBlock"};
+    config.optimizer.lr = 1e-2;
+    shardtrain::AcceleratorOptions accelerator_options;
+    accelerator_options.config = config;
+    accelerator_options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(accelerator_options);
+    torch::manual_seed(4);
+    AdapterModel model;
+    torch::manual_seed(4);
+    AdapterModel reference;
+    std::map<std::string, at::Tensor> initial;
+    for (const auto& item : reference->named_parameters()) initial[item.key()] = item.value().detach().clone();
+    std::vector<at::Tensor> trainable;
+    for (const auto& p : reference->parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
+    torch::optim::AdamW optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    auto prepared = accelerator.prepare(model, {}, run);
+    for (int step = 0; step < 5; ++step) {
+      at::Tensor all = at::sin(at::arange(32, at::kFloat).view({4, 8}) * (step + 1));
+      accelerator.backward(prepared(all.narrow(0, 2 * ctx.rank(), 2)).pow(2).mean());
+      accelerator.step();
+      optimizer.zero_grad();
+      reference->forward(all).pow(2).mean().backward();
+      optimizer.step();
+    }
+    auto state = accelerator.full_state_dict();
+    auto expected = reference->named_parameters();
+    ASSERT_EQ(state.size(), expected.size());
+    for (const auto& [name, value] : state) {
+      if (name.find("base") != std::string::npos) {
+        EXPECT_TRUE(at::equal(value, initial[name])) << name << " is frozen but changed";
+      } else {
+        EXPECT_FALSE(at::equal(value, initial[name])) << name << " is trainable but did not change";
+        EXPECT_TRUE(at::allclose(value, expected[name], 1e-5, 1e-6)) << name;
+      }
+    }
+  });
+}
+
+TEST(DistFsdpMemory, ModelStateBytesMatchThePrecisionPlan) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+      for (bool pure : {false, true}) {
+        auto options = options_for(fsdp_config(strategy, pure ? MixedPrecision::kNo : MixedPrecision::kBf16), ctx, 1);
+        options.load_dtype = pure ? "bf16" : "fp32";
+        options.model.hidden = 128;
+        options.model.ffn = 512;
+        auto run = tiny::run_tiny(options);
+        const auto& plan = run.plan;
+        auto within = [&](const char* kind, int64_t measured, double per_param) {
+          const double predicted = per_param * plan.num_params;
+          if (predicted == 0) {
+            EXPECT_EQ(measured, 0) << kind;
+            return;
+          }
+          EXPECT_LE(std::abs(measured - predicted) / predicted, 0.05)
+              << kind << " (" << plan.engine << "): measured " << measured << ", plan " << predicted;
+        };
+        within("params", run.memory.params, plan.params_bytes);
+        within("grads", run.memory.grads, plan.grads_bytes);
+        within("master", run.memory.master, plan.master_bytes);
+        within("optimizer", run.memory.optimizer, plan.optimizer_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
