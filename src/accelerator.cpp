@@ -180,6 +180,8 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(50000000);
       zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(100000);
       zo.max_live_parameters = s.config.zero.stage3_max_live_parameters;
+      zo.max_reuse_distance = s.config.zero.stage3_max_reuse_distance;
+      zo.allgather_bucket_size = s.config.zero.allgather_bucket_size;
       zo.offload_optimizer = s.config.zero.offload_optimizer != OffloadDevice::kNone;
       if (s.config.zero.offload_optimizer == OffloadDevice::kNvme && is_main_process()) {
         ST_LOG_WARN("zero_optimization.offload_optimizer.device nvme is not implemented; the optimizer is "

@@ -24,6 +24,8 @@ engine::ShardingOptions to_sharding(const ZeroOptions& z) {
   o.backward_prefetch = engine::BackwardPrefetchMode::kPre;
   o.param_persistence_threshold = z.stage == 3 ? z.param_persistence_threshold : 0;
   o.max_live_parameters = z.max_live_parameters;
+  o.max_reuse_distance = z.stage == 3 ? z.max_reuse_distance : 0;
+  o.allgather_bucket_size = z.allgather_bucket_size;
   o.offload_optimizer = z.offload_optimizer;
   o.sync_module_states = true;
   o.loss_scale = z.loss_scale;

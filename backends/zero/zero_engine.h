@@ -36,6 +36,8 @@ struct ZeroOptions {
   int64_t prefetch_bucket_size = 50000000;       ///< elements gathered ahead (stage 3)
   int64_t param_persistence_threshold = 100000;  ///< units smaller than this stay gathered (stage 3)
   int64_t max_live_parameters = 1000000000;
+  int64_t max_reuse_distance = 1000000000;      ///< stage 3: keep units reused within this many elements
+  int64_t allgather_bucket_size = 500000000;    ///< stages 1/2: elements per post-step all-gather
   bool offload_optimizer = false;
   LossScaleConfig loss_scale;
   bool fp16 = false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 #include <unordered_set>
@@ -304,16 +305,68 @@ struct ShardedEngine::State {
   }
 
   void regather_after_step() {
-    for (auto& u : units) {
+    std::vector<int> bucket;
+    int64_t bucket_numel = 0;
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      UnitState& u = units[i];
       if (!u.trainable) continue;
       const bool kept = options.reshard == Reshard::kNever || u.persistent;
       if (!kept) continue;  // gathered on demand by the next forward
       release(u);
-      start_gather(u);
+      bucket.push_back(static_cast<int>(i));
+      bucket_numel += u.layout->gathered_numel();
+      if (bucket_numel >= options.allgather_bucket_size) {
+        gather_bucket(bucket);
+        bucket.clear();
+        bucket_numel = 0;
+      }
     }
-    for (auto& u : units) {
-      if (u.gather_work) finish_gather(u);
+    gather_bucket(bucket);
+  }
+
+  /// One all-gather for several units: each rank contributes its shards side
+  /// by side, so row r of the result holds every unit's rank-r shard.
+  void gather_bucket(const std::vector<int>& bucket) {
+    if (bucket.empty()) return;
+    if (!options.shard_params || bucket.size() == 1) {
+      for (int idx : bucket) start_gather(units[idx]);
+      for (int idx : bucket) finish_gather(units[idx]);
+      return;
     }
+    int64_t total = 0;
+    for (int idx : bucket) total += units[idx].layout->shard_numel();
+    at::Tensor input = at::empty({total}, units[bucket[0]].lp_shard.options());
+    int64_t offset = 0;
+    for (int idx : bucket) {
+      const int64_t S = units[idx].layout->shard_numel();
+      input.narrow(0, offset, S).copy_(units[idx].lp_shard);
+      offset += S;
+    }
+    const int W = comm->world_size();
+    at::Tensor output = at::empty({W * total}, input.options());
+    add_gathered(bytes_of(output));
+    comm->all_gather(output, input);
+    at::Tensor grid = output.view({W, total});
+    offset = 0;
+    for (int idx : bucket) {
+      UnitState& u = units[idx];
+      const int64_t S = u.layout->shard_numel();
+      compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
+      add_gathered(full_bytes(u));
+      u.layout->unpack(grid.narrow(1, offset, S).contiguous().view({-1}), u.full);
+      u.gathered = true;
+      offset += S;
+    }
+    add_gathered(-bytes_of(output));
+  }
+
+  /// Elements gathered between this unit's forward and its backward, by the recorded order.
+  int64_t reuse_distance(const Unit* unit) const {
+    auto where = std::find(trace.begin(), trace.end(), unit);
+    if (where == trace.end()) return std::numeric_limits<int64_t>::max();
+    int64_t between = 0;
+    for (auto it = where + 1; it != trace.end(); ++it) between += unit_numel(*it);
+    return 2 * between;  // the later units' forward, then their backward
   }
 };
 
@@ -558,7 +611,9 @@ void ShardedEngine::before_unit_forward(Unit& unit) {
 
 at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
   State& s = *state_;
-  s.release_unit(&unit, /*after_forward=*/true);
+  const bool reused_soon = s.options.max_reuse_distance > 0 && s.trace_valid &&
+                           s.reuse_distance(&unit) <= s.options.max_reuse_distance;
+  if (!reused_soon) s.release_unit(&unit, /*after_forward=*/true);
   bool frees = false;
   for (int idx : s.unit_states.at(&unit)) frees = frees || s.frees_after_forward(s.units[idx]);
   if (output.requires_grad() && (frees || s.options.backward_prefetch == BackwardPrefetchMode::kPre)) {

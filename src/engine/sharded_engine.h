@@ -65,6 +65,13 @@ struct ShardingOptions {
   int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
   BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
   int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered
+  /// kAfterForward: a unit whose backward use comes within this many gathered
+  /// elements of its forward (per the recorded order) is not freed in between
+  /// (DeepSpeed's stage3_max_reuse_distance). 0 = always free.
+  int64_t max_reuse_distance = 0;
+  /// Parameter all-gathers after an optimizer step (units kept gathered) are
+  /// combined into collectives of up to this many elements (allgather_bucket_size).
+  int64_t allgather_bucket_size = 1;
   int64_t max_live_parameters = 1000000000;
   bool offload_optimizer = false;
   /// Unit selection among the model's shardtrain::Unit modules (outermost wins):

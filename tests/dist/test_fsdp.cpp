@@ -40,6 +40,7 @@ shardtrain::TrainingConfig zero3_config(MixedPrecision precision) {
   config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
   config.zero.stage = 3;
   config.zero.stage3_param_persistence_threshold = 0;
+  config.zero.stage3_max_reuse_distance = 0;  // free every block between its forward and backward
   config.mixed_precision = precision;
   config.bf16 = precision == MixedPrecision::kBf16;
   config.optimizer.type = "AdamW";

@@ -32,6 +32,7 @@ shardtrain::TrainingConfig zero_config(int stage, shardtrain::MixedPrecision pre
   // Every block is below DeepSpeed's default persistence threshold (1e5):
   // without this stage 3 would keep them all gathered and test nothing.
   config.zero.stage3_param_persistence_threshold = 0;
+  config.zero.stage3_max_reuse_distance = 0;  // free every block between its forward and backward
   return config;
 }
 
@@ -264,6 +265,40 @@ TEST(DistZeroBuckets, ReduceBucketSizeDoesNotChangeTheNumbers) {
       }
     }
     EXPECT_EQ(losses[0], losses[1]);
+  });
+}
+
+}  // namespace
+
+namespace {
+
+TEST(DistZeroReuse, MaxReuseDistanceKeepsLateUnitsGatheredUntilTheirBackward) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    int64_t gathered_after_forward[2];
+    for (int keep = 0; keep < 2; ++keep) {
+      auto config = zero_config(3, shardtrain::MixedPrecision::kBf16);
+      config.zero.stage3_max_reuse_distance = keep ? 1000000000 : 0;
+      shardtrain::AcceleratorOptions accelerator_options;
+      accelerator_options.config = config;
+      accelerator_options.communicator = ctx.comm;
+      shardtrain::Accelerator accelerator(accelerator_options);
+      torch::manual_seed(0);
+      tiny::TinyConfig model_config;
+      tiny::TinyModel model(model_config);
+      shardtrain::RunInfo run;
+      run.micro_batch_size = 2;
+      auto prepared = accelerator.prepare(model, {}, run);
+      at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
+      for (int step = 0; step < 2; ++step) {  // the second forward has the recorded order
+        at::Tensor logits = prepared(tokens);
+        if (step == 1) gathered_after_forward[keep] = accelerator.memory().gathered;
+        accelerator.backward(logits.mean());
+        accelerator.step();
+      }
+    }
+    const int64_t block_bytes = (4 * 64 * 64 + 64 * 256 + 256 + 256 * 64 + 64 + 2 * 64) * 2;
+    EXPECT_GE(gathered_after_forward[1] - gathered_after_forward[0], 4 * block_bytes - 1024)
+        << "with a large stage3_max_reuse_distance every block stays gathered for its backward";
   });
 }
 
