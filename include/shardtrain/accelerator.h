@@ -3,7 +3,10 @@
 /// The front end users train with, modelled on Hugging Face Accelerate:
 ///
 ///     shardtrain::Accelerator accelerator;                 // config + ranks from the launcher
-///     auto model = accelerator.prepare(MyModel(...), {}, {.hidden_size = 64, .micro_batch_size = 8});
+///     shardtrain::RunInfo run;                             // what "auto" config values resolve from
+///     run.hidden_size = 64;
+///     run.micro_batch_size = 8;
+///     auto model = accelerator.prepare(MyModel(...), {}, run);
 ///     accelerator.prepare_scheduler(total_steps);
 ///     for (...) {
 ///       at::Tensor loss = compute_loss(model(x), y);
@@ -13,7 +16,7 @@
 ///       accelerator.zero_grad();
 ///     }
 ///
-/// The engine (zero stages 0-3 today; fsdp) is chosen by the config's
+/// The engine (zero stages 0-3, or fsdp) is chosen by the config's
 /// distributed_type; the optimizer is engine-owned because it steps the
 /// sharded FP32 master. At prepare time rank 0 prints the precision plan.
 
