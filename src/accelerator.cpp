@@ -191,6 +191,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
         ST_LOG_WARN("zero_optimization.offload_param is not implemented: parameter shards stay on the compute "
                     "device (the optimizer offload, offload_optimizer, is)");
       }
+      zo.activation_checkpointing = s.config.gradient_checkpointing;
       zo.loss_scale = s.config.fp16;
       zo.fp16 = low == DType::kFp16;
       zo.optimizer = spec;

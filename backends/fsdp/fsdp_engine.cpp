@@ -29,6 +29,7 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   o.sync_module_states = c.sync_module_states;
   o.sync_group = world;
   o.offload_optimizer = c.offload_params;
+  o.activation_checkpointing = c.activation_checkpointing;
   // FSDP sums and divides around the reduction by these factors of the whole world.
   o.average = false;
   std::tie(o.predivide, o.postdivide) = gradient_divide_factors(world->world_size());
@@ -90,9 +91,6 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   }
   o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (f.pure_low_precision ? " (pure low precision)" : "");
   if (world->rank() == 0) {
-    if (c.activation_checkpointing) {
-      ST_LOG_WARN("fsdp: fsdp_activation_checkpointing is not implemented yet; units run without recomputation");
-    }
     if (c.cpu_ram_efficient_loading) {
       ST_LOG_WARN("fsdp: fsdp_cpu_ram_efficient_loading is not implemented yet: every rank built the full model; "
                   "rank 0's values are broadcast (sync_module_states)");

@@ -27,6 +27,7 @@ engine::ShardingOptions to_sharding(const ZeroOptions& z) {
   o.max_reuse_distance = z.stage == 3 ? z.max_reuse_distance : 0;
   o.allgather_bucket_size = z.allgather_bucket_size;
   o.offload_optimizer = z.offload_optimizer;
+  o.activation_checkpointing = z.activation_checkpointing;
   o.sync_module_states = true;
   o.loss_scale = z.loss_scale;
   o.fp16 = z.fp16;

@@ -39,6 +39,7 @@ struct ZeroOptions {
   int64_t max_reuse_distance = 1000000000;      ///< stage 3: keep units reused within this many elements
   int64_t allgather_bucket_size = 500000000;    ///< stages 1/2: elements per post-step all-gather
   bool offload_optimizer = false;
+  bool activation_checkpointing = false;  ///< recompute each unit in backward (gradient_checkpointing)
   LossScaleConfig loss_scale;
   bool fp16 = false;
   engine::OptimizerSpec optimizer;

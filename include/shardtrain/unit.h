@@ -21,6 +21,7 @@
 /// belong to the root unit, which the prepared model gathers around the whole
 /// forward.
 
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -39,6 +40,19 @@ class UnitHooks {
   /// Receives the unit's output; may release parameters and attach backward
   /// hooks to the output. Returns the tensor the model continues with.
   virtual at::Tensor after_unit_forward(Unit& unit, at::Tensor output) = 0;
+  /// Activation checkpointing: recompute this unit's forward during backward
+  /// instead of keeping its activations.
+  virtual bool recompute_in_backward(const Unit& unit) const {
+    (void)unit;
+    return false;
+  }
+  /// Runs body(input) so that backward runs it again (with the unit's
+  /// parameters gathered) rather than keeping the activations it produced.
+  virtual at::Tensor run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,
+                                    const at::Tensor& input) {
+    (void)unit;
+    return body(input);
+  }
 };
 
 class Unit {
@@ -60,11 +74,17 @@ class Unit {
 
  protected:
   /// Runs `body(input)` between the engine's hooks. Call it from forward().
+  ///
+  /// With activation checkpointing on, the engine calls `body` a second time
+  /// during backward: the body must capture BY VALUE whatever else it reads
+  /// (masks, position ids) — a reference to a local of forward() dangles by then.
   template <typename Body>
   at::Tensor run_unit(const at::Tensor& input, Body&& body) {
     if (hooks_ == nullptr) return body(input);
     hooks_->before_unit_forward(*this);
-    at::Tensor output = body(input);
+    at::Tensor output = hooks_->recompute_in_backward(*this)
+                            ? hooks_->run_recomputed(*this, std::function<at::Tensor(const at::Tensor&)>(body), input)
+                            : body(input);
     return hooks_->after_unit_forward(*this, std::move(output));
   }
 

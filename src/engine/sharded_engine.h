@@ -79,6 +79,8 @@ struct ShardingOptions {
   bool wrap_units = true;
   std::vector<std::string> unit_classes;
   int64_t min_unit_params = 0;
+  /// Recompute every unit's forward during its backward (activation checkpointing).
+  bool activation_checkpointing = false;
   /// Rank 0's initial values are broadcast (fsdp_sync_module_states; zero always)
   /// over this group (null: the shard group; HYBRID_SHARD passes the world).
   bool sync_module_states = true;
@@ -97,6 +99,9 @@ class ShardedEngine : public Engine {
   std::string name() const override;
   void before_unit_forward(Unit& unit) override;
   at::Tensor after_unit_forward(Unit& unit, at::Tensor output) override;
+  bool recompute_in_backward(const Unit& unit) const override;
+  at::Tensor run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,
+                            const at::Tensor& input) override;
   void begin_forward() override;
   at::Tensor end_forward(at::Tensor output) override;
   void backward(const at::Tensor& loss, bool sync) override;

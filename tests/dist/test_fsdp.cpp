@@ -3,6 +3,7 @@
 // promise), pure low precision (bf16 optimizer state, the seeds' stall), the
 // dtypes at the collectives, resharding behaviour, injected delays, and
 // units mixing frozen and trainable parameters.
+#include <atomic>
 #include <fstream>
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include "engine/sharded_engine.h"
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
+#include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 
 namespace {
@@ -50,31 +52,11 @@ shardtrain::TrainingConfig zero3_config(MixedPrecision precision) {
 }
 
 tiny::TinyRunOptions options_for(const shardtrain::TrainingConfig& config, RankContext& ctx, int steps) {
-  tiny::TinyRunOptions options;
-  options.config = config;
-  options.steps = steps;
-  options.seed = 11;
-  options.micro_batch = 4;
-  options.communicator = ctx.comm;
-  options.quiet = true;
-  return options;
+  return shardtrain::testing::tiny_run_options(config, ctx, steps, /*seed=*/11);
 }
 
-double max_relative(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
-void expect_params_close(const tiny::TinyRunResult& actual, const tiny::TinyRunResult& reference, double tolerance) {
-  std::map<std::string, at::Tensor> by_name(reference.final_params.begin(), reference.final_params.end());
-  ASSERT_EQ(actual.final_params.size(), by_name.size());
-  for (const auto& [name, value] : actual.final_params) {
-    ASSERT_TRUE(by_name.count(name)) << name;
-    const double diff = (value - by_name[name]).abs().max().item<double>();
-    EXPECT_LE(diff / std::max(1.0, by_name[name].abs().max().item<double>()), tolerance) << name;
-  }
-}
+using shardtrain::testing::expect_params_close;
+using shardtrain::testing::max_relative;
 
 struct StrategyCase {
   ShardingStrategy strategy;
@@ -366,6 +348,77 @@ TEST(DistFsdpMemory, ModelStateBytesMatchThePrecisionPlan) {
         within("master", run.memory.master, plan.master_bytes);
         within("optimizer", run.memory.optimizer, plan.optimizer_bytes);
       }
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+std::atomic<int> g_block_calls{0};
+
+/// A unit that counts how often its body runs.
+struct CountingBlockImpl : torch::nn::Module, shardtrain::Unit {
+  CountingBlockImpl() : Unit("CountingBlock"), linear(register_module("linear", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return run_unit(x, [this](const at::Tensor& h) {
+      ++g_block_calls;
+      return at::gelu(linear(h)) + h;
+    });
+  }
+  torch::nn::Linear linear;
+};
+TORCH_MODULE(CountingBlock);
+
+struct CountingModelImpl : torch::nn::Module {
+  CountingModelImpl()
+      : embed(register_module("embed", torch::nn::Linear(4, 8))), a(register_module("a", CountingBlock())),
+        b(register_module("b", CountingBlock())), head(register_module("head", torch::nn::Linear(8, 1))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(b(a(embed(x)))); }
+  torch::nn::Linear embed;
+  CountingBlock a, b;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(CountingModel);
+
+TEST(DistFsdpCheckpointing, UnitsAreRecomputedInBackwardWithIdenticalResults) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    std::vector<std::pair<std::string, at::Tensor>> results[2];
+    std::vector<double> losses[2];
+    int calls[2];
+    for (int recompute = 0; recompute < 2; ++recompute) {
+      for (ShardingStrategy strategy : {ShardingStrategy::kFullShard}) {
+        auto config = fsdp_config(strategy, MixedPrecision::kNo);
+        config.fsdp.transformer_layer_cls_to_wrap = {"CountingBlock"};
+        config.fsdp.activation_checkpointing = recompute == 1;
+        config.optimizer.lr = 1e-2;
+        shardtrain::AcceleratorOptions accelerator_options;
+        accelerator_options.config = config;
+        accelerator_options.communicator = ctx.comm;
+        shardtrain::Accelerator accelerator(accelerator_options);
+        torch::manual_seed(2);
+        CountingModel model;
+        shardtrain::RunInfo run;
+        run.micro_batch_size = 3;
+        auto prepared = accelerator.prepare(model, {}, run);
+        g_block_calls = 0;
+        for (int step = 0; step < 4; ++step) {
+          at::Tensor x = at::cos(at::arange(12, at::kFloat).view({3, 4}) * (ctx.rank() + step + 1));
+          at::Tensor loss = prepared(x).pow(2).mean();
+          accelerator.backward(loss);
+          accelerator.step();
+          losses[recompute].push_back(loss.item<double>());
+        }
+        calls[recompute] = g_block_calls;
+        results[recompute] = accelerator.full_state_dict();
+      }
+    }
+    EXPECT_EQ(calls[0], 2 * 4) << "two blocks, four steps";
+    EXPECT_EQ(calls[1], 2 * 2 * 4) << "with checkpointing every block body runs again in backward";
+    EXPECT_EQ(losses[0], losses[1]);
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(results[0][i].second, results[1][i].second)) << results[0][i].first;
     }
   });
 }

@@ -7,6 +7,7 @@
 
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
+#include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 #include "zero/zero_engine.h"
 
@@ -37,33 +38,11 @@ shardtrain::TrainingConfig zero_config(int stage, shardtrain::MixedPrecision pre
 }
 
 tiny::TinyRunOptions tiny_options(const shardtrain::TrainingConfig& config, RankContext& ctx, int steps) {
-  tiny::TinyRunOptions options;
-  options.config = config;
-  options.steps = steps;
-  options.seed = 7;
-  options.micro_batch = 4;
-  options.communicator = ctx.comm;
-  options.quiet = true;
-  return options;
+  return shardtrain::testing::tiny_run_options(config, ctx, steps, /*seed=*/7);
 }
 
-double max_relative(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
-void expect_params_close(const tiny::TinyRunResult& actual, const tiny::TinyRunResult& reference, double tolerance) {
-  ASSERT_EQ(actual.final_params.size(), reference.final_params.size());
-  std::map<std::string, at::Tensor> by_name(reference.final_params.begin(), reference.final_params.end());
-  for (const auto& [name, value] : actual.final_params) {
-    ASSERT_TRUE(by_name.count(name)) << "parameter " << name << " missing from the reference";
-    const at::Tensor& ref = by_name[name];
-    const double diff = (value - ref).abs().max().item<double>();
-    const double scale = std::max(1.0, ref.abs().max().item<double>());
-    EXPECT_LE(diff / scale, tolerance) << name << ": max |difference| " << diff;
-  }
-}
+using shardtrain::testing::expect_params_close;
+using shardtrain::testing::max_relative;
 
 struct ParityCase {
   int stage;
@@ -137,11 +116,11 @@ TEST(DistZeroBf16, Stage3LossesTrackTheFp32Reference) {
     tiny::TinyRunResult bf16_run = tiny::run_tiny(options);
     if (ctx.rank() != 0) return;
     tiny::TinyRunResult reference = tiny::run_tiny_reference(options, 2);
-    // Measured on this machine: worst relative difference 0.4% over 30 steps
-    // (bf16 compute, fp32 master); the bound leaves room for other CPUs.
+    // Measured on this machine: worst relative difference 1.7e-4 over 30 steps
+    // (bf16 compute, fp32 master); the bound leaves 10x room for other CPUs.
     const double worst = max_relative(bf16_run.losses, reference.losses);
     std::cout << "bf16 zero-3 vs fp32 reference: worst relative loss difference " << worst << std::endl;
-    EXPECT_LE(worst, 0.02);
+    EXPECT_LE(worst, 2e-3);
     EXPECT_LT(bf16_run.losses.back(), bf16_run.losses.front() * 0.95);
   });
 }
