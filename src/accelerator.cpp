@@ -119,6 +119,15 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   ST_CHECK(module != nullptr, "prepare(): the model is null");
   s.module = std::move(module);
 
+  // Options given in code win over the config's optimizer block, before
+  // "auto" resolution (the scheduler's warmup_max_lr "auto" follows the lr).
+  if (optimizer.type) s.config.optimizer.type = *optimizer.type;
+  if (optimizer.lr) s.config.optimizer.lr = *optimizer.lr;
+  if (optimizer.betas) s.config.optimizer.betas = *optimizer.betas;
+  if (optimizer.eps) s.config.optimizer.eps = *optimizer.eps;
+  if (optimizer.weight_decay) s.config.optimizer.weight_decay = *optimizer.weight_decay;
+  if (optimizer.momentum) s.config.optimizer.momentum = *optimizer.momentum;
+
   AutoContext context;
   context.world_size = num_processes();
   context.micro_batch_size = run.micro_batch_size;

@@ -140,7 +140,9 @@ TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) 
   context.micro_batch_size = options.micro_batch;
   context.hidden_size = options.model.hidden;
   context.total_steps = options.steps;
-  const shardtrain::TrainingConfig config = shardtrain::resolve_auto(load(options), context);
+  shardtrain::TrainingConfig raw = load(options);
+  if (options.lr) raw.optimizer.lr = *options.lr;  // as the Accelerator applies it: before "auto" resolution
+  const shardtrain::TrainingConfig config = shardtrain::resolve_auto(raw, context);
   const int64_t accumulation = config.gradient_accumulation_steps.value_or(1);
 
   torch::manual_seed(options.seed);
