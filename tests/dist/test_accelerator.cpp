@@ -14,12 +14,15 @@
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "support/multirank.h"
+#include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 
 namespace {
 
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
+using shardtrain::testing::accelerator_for;
+using shardtrain::testing::micro_batch;
 
 std::vector<std::string> shipped_configs() {
   std::vector<std::string> files;
@@ -68,14 +71,7 @@ struct PairImpl : torch::nn::Module {
 TORCH_MODULE(Pair);
 
 shardtrain::TrainingConfig deepspeed(int stage, shardtrain::MixedPrecision precision) {
-  shardtrain::TrainingConfig config;
-  config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
-  config.zero.stage = stage;
-  config.mixed_precision = precision;
-  config.fp16.enabled = precision == shardtrain::MixedPrecision::kFp16;
-  config.bf16 = precision == shardtrain::MixedPrecision::kBf16;
-  config.zero.stage3_param_persistence_threshold = 0;
-  config.zero.stage3_max_reuse_distance = 0;  // free every block between its forward and backward
+  shardtrain::TrainingConfig config = shardtrain::testing::zero_test_config(stage, precision);
   config.optimizer.lr = 1e-2;
   return config;
 }
@@ -85,15 +81,11 @@ TEST(DistFp16, OverflowingStepIsSkippedAndTheScaleFollowsDeepSpeedsRule) {
     auto config = deepspeed(3, shardtrain::MixedPrecision::kFp16);
     config.fp16.initial_scale_power = 4;  // scale 16
     config.fp16.hysteresis = 1;
-    shardtrain::AcceleratorOptions options;
-    options.config = config;
-    options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(options);
+    auto accelerator_holder = accelerator_for(config, ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     torch::manual_seed(0);
     Pair model;
-    shardtrain::RunInfo run;
-    run.micro_batch_size = 2;
-    auto prepared = accelerator.prepare(model, {}, run);
+    auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     EXPECT_NE(accelerator.precision_plan().notes.find("fp16 on CPU"), std::string::npos);
     EXPECT_EQ(accelerator.engine().loss_scale(), 16.0);
     at::Tensor x = at::ones({2, 4});
@@ -171,14 +163,10 @@ TEST(DistZeroTrace, ChangedUnitOrderRebuildsThePrefetchTraceWithAWarning) {
   run_on_ranks(2, [](RankContext& ctx) {
     auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
     shardtrain::logger().sinks().push_back(sink);
-    shardtrain::AcceleratorOptions options;
-    options.config = deepspeed(3, shardtrain::MixedPrecision::kNo);
-    options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(options);
+    auto accelerator_holder = accelerator_for(deepspeed(3, shardtrain::MixedPrecision::kNo), ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     FlipModel model;
-    shardtrain::RunInfo run;
-    run.micro_batch_size = 2;
-    auto prepared = accelerator.prepare(model, {}, run);
+    auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     at::Tensor x = at::ones({2, 4});
     for (int step = 0; step < 4; ++step) {
       model->flipped = step >= 2;
@@ -194,18 +182,14 @@ TEST(DistZeroTrace, ChangedUnitOrderRebuildsThePrefetchTraceWithAWarning) {
 
 TEST(DistZeroUnmarked, ModelWithoutUnitsRunsAsOneUnitAndMatchesPlainTraining) {
   run_on_ranks(2, [](RankContext& ctx) {
-    shardtrain::AcceleratorOptions options;
-    options.config = deepspeed(3, shardtrain::MixedPrecision::kNo);
-    options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(options);
+    auto accelerator_holder = accelerator_for(deepspeed(3, shardtrain::MixedPrecision::kNo), ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     torch::manual_seed(5);
     Pair model;
     torch::manual_seed(5);
     Pair reference;
     torch::optim::AdamW optimizer(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-    shardtrain::RunInfo run;
-    run.micro_batch_size = 2;
-    auto prepared = accelerator.prepare(model, {}, run);
+    auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     for (int step = 0; step < 5; ++step) {
       at::Tensor all = at::arange(16, at::kFloat).view({4, 4}) / (step + 1);
       accelerator.backward(prepared(all.narrow(0, 2 * ctx.rank(), 2)).pow(2).mean());
@@ -229,10 +213,8 @@ TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
       auto config = deepspeed(2, shardtrain::MixedPrecision::kNo);
       config.optimizer.type = "SGD";
       config.optimizer.momentum = 0.9;
-      shardtrain::AcceleratorOptions options;
-      options.config = config;
-      options.communicator = ctx.comm;
-      shardtrain::Accelerator accelerator(options);
+      auto accelerator_holder = accelerator_for(config, ctx);
+      shardtrain::Accelerator& accelerator = *accelerator_holder;
       torch::manual_seed(1);
       Pair model;
       shardtrain::OptimizerOptions optimizer;

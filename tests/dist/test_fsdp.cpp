@@ -38,18 +38,11 @@ shardtrain::TrainingConfig fsdp_config(ShardingStrategy strategy, MixedPrecision
 }
 
 shardtrain::TrainingConfig zero3_config(MixedPrecision precision) {
-  shardtrain::TrainingConfig config;
-  config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
-  config.zero.stage = 3;
-  config.zero.stage3_param_persistence_threshold = 0;
-  config.zero.stage3_max_reuse_distance = 0;  // free every block between its forward and backward
-  config.mixed_precision = precision;
-  config.bf16 = precision == MixedPrecision::kBf16;
-  config.optimizer.type = "AdamW";
-  config.optimizer.lr = 1e-3;
-  config.steps_per_print = 1000;
-  return config;
+  return shardtrain::testing::zero_test_config(3, precision);
 }
+
+using shardtrain::testing::accelerator_for;
+using shardtrain::testing::micro_batch;
 
 tiny::TinyRunOptions options_for(const shardtrain::TrainingConfig& config, RankContext& ctx, int steps) {
   return shardtrain::testing::tiny_run_options(config, ctx, steps, /*seed=*/11);
@@ -121,17 +114,13 @@ INSTANTIATE_TEST_SUITE_P(DistWorlds, DistCrossEngine, ::testing::Values(2, 4),
 TEST(DistFsdpPure, OptimizerStateIsBf16AtFourBytesPerParameter) {
   run_on_ranks(2, [](RankContext& ctx) {
     auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
-    shardtrain::AcceleratorOptions accelerator_options;
-    accelerator_options.config = config;
-    accelerator_options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(accelerator_options);
+    auto accelerator_holder = accelerator_for(config, ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     torch::manual_seed(0);
     tiny::TinyConfig model_config;
     tiny::TinyModel model(model_config);
     model->to(at::kBFloat16);  // a bf16 load with mixed_precision: no is Accelerate's pure mode
-    shardtrain::RunInfo run;
-    run.micro_batch_size = 2;
-    auto prepared = accelerator.prepare(model, {}, run);
+    auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(accelerator.engine());
     EXPECT_TRUE(engine.options().pure_low_precision);
     EXPECT_EQ(engine.exp_avg_partition().scalar_type(), at::kBFloat16);
@@ -207,16 +196,12 @@ TEST(DistFsdpReshard, ShardGradOpKeepsUnitsGatheredUntilBackwardFullShardDoesNot
     int64_t at_rest[2] = {0, 0};
     const ShardingStrategy strategies[2] = {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp};
     for (int k = 0; k < 2; ++k) {
-      shardtrain::AcceleratorOptions accelerator_options;
-      accelerator_options.config = fsdp_config(strategies[k], MixedPrecision::kBf16);
-      accelerator_options.communicator = ctx.comm;
-      shardtrain::Accelerator accelerator(accelerator_options);
+      auto accelerator_holder = accelerator_for(fsdp_config(strategies[k], MixedPrecision::kBf16), ctx);
+      shardtrain::Accelerator& accelerator = *accelerator_holder;
       torch::manual_seed(0);
       tiny::TinyConfig model_config;
       tiny::TinyModel model(model_config);
-      shardtrain::RunInfo run;
-      run.micro_batch_size = 2;
-      auto prepared = accelerator.prepare(model, {}, run);
+      auto prepared = accelerator.prepare(model, {}, micro_batch(2));
       at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
       at::Tensor logits = prepared(tokens);
       gathered_after_forward[k] = accelerator.memory().gathered;
@@ -284,10 +269,8 @@ TEST(DistFsdpFrozen, FrozenParametersNeverChangeTrainableOnesMatchTheReference) 
     auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
     config.fsdp.transformer_layer_cls_to_wrap = {"AdapterBlock"};
     config.optimizer.lr = 1e-2;
-    shardtrain::AcceleratorOptions accelerator_options;
-    accelerator_options.config = config;
-    accelerator_options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(accelerator_options);
+    auto accelerator_holder = accelerator_for(config, ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     torch::manual_seed(4);
     AdapterModel model;
     torch::manual_seed(4);
@@ -299,9 +282,7 @@ TEST(DistFsdpFrozen, FrozenParametersNeverChangeTrainableOnesMatchTheReference) 
       if (p.requires_grad()) trainable.push_back(p);
     }
     torch::optim::AdamW optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-    shardtrain::RunInfo run;
-    run.micro_batch_size = 2;
-    auto prepared = accelerator.prepare(model, {}, run);
+    auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     for (int step = 0; step < 5; ++step) {
       at::Tensor all = at::sin(at::arange(32, at::kFloat).view({4, 8}) * (step + 1));
       accelerator.backward(prepared(all.narrow(0, 2 * ctx.rank(), 2)).pow(2).mean());
@@ -393,15 +374,11 @@ TEST(DistFsdpCheckpointing, UnitsAreRecomputedInBackwardWithIdenticalResults) {
         config.fsdp.transformer_layer_cls_to_wrap = {"CountingBlock"};
         config.fsdp.activation_checkpointing = recompute == 1;
         config.optimizer.lr = 1e-2;
-        shardtrain::AcceleratorOptions accelerator_options;
-        accelerator_options.config = config;
-        accelerator_options.communicator = ctx.comm;
-        shardtrain::Accelerator accelerator(accelerator_options);
+        auto accelerator_holder = accelerator_for(config, ctx);
+        shardtrain::Accelerator& accelerator = *accelerator_holder;
         torch::manual_seed(2);
         CountingModel model;
-        shardtrain::RunInfo run;
-        run.micro_batch_size = 3;
-        auto prepared = accelerator.prepare(model, {}, run);
+        auto prepared = accelerator.prepare(model, {}, micro_batch(3));
         g_block_calls = 0;
         for (int step = 0; step < 4; ++step) {
           at::Tensor x = at::cos(at::arange(12, at::kFloat).view({3, 4}) * (ctx.rank() + step + 1));

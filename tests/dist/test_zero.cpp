@@ -16,25 +16,12 @@ namespace {
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
 
+using shardtrain::testing::accelerator_for;
+using shardtrain::testing::micro_batch;
+
 shardtrain::TrainingConfig zero_config(int stage, shardtrain::MixedPrecision precision, int64_t accumulation = 1,
                                        double clip = 0.0) {
-  shardtrain::TrainingConfig config;
-  config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
-  config.zero.stage = stage;
-  config.mixed_precision = precision;
-  config.bf16 = precision == shardtrain::MixedPrecision::kBf16;
-  config.fp16.enabled = precision == shardtrain::MixedPrecision::kFp16;
-  config.gradient_accumulation_steps = accumulation;
-  config.gradient_clipping = clip;
-  config.optimizer.specified = true;
-  config.optimizer.type = "AdamW";
-  config.optimizer.lr = 1e-3;
-  config.steps_per_print = 1000;
-  // Every block is below DeepSpeed's default persistence threshold (1e5):
-  // without this stage 3 would keep them all gathered and test nothing.
-  config.zero.stage3_param_persistence_threshold = 0;
-  config.zero.stage3_max_reuse_distance = 0;  // free every block between its forward and backward
-  return config;
+  return shardtrain::testing::zero_test_config(stage, precision, accumulation, clip);
 }
 
 tiny::TinyRunOptions tiny_options(const shardtrain::TrainingConfig& config, RankContext& ctx, int steps) {
@@ -77,10 +64,8 @@ INSTANTIATE_TEST_SUITE_P(DistStagesWorlds, DistZeroParity,
 TEST(DistZeroBf16, Stage3MastersAreFp32AndTheLowPrecisionCopyIsTheirRounding) {
   run_on_ranks(2, [](RankContext& ctx) {
     auto config = zero_config(3, shardtrain::MixedPrecision::kBf16);
-    shardtrain::AcceleratorOptions accelerator_options;
-    accelerator_options.config = config;
-    accelerator_options.communicator = ctx.comm;
-    shardtrain::Accelerator accelerator(accelerator_options);
+    auto accelerator_holder = accelerator_for(config, ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
     torch::manual_seed(3);
     tiny::TinyConfig model_config;
     tiny::TinyModel model(model_config);
@@ -257,16 +242,12 @@ TEST(DistZeroReuse, MaxReuseDistanceKeepsLateUnitsGatheredUntilTheirBackward) {
     for (int keep = 0; keep < 2; ++keep) {
       auto config = zero_config(3, shardtrain::MixedPrecision::kBf16);
       config.zero.stage3_max_reuse_distance = keep ? 1000000000 : 0;
-      shardtrain::AcceleratorOptions accelerator_options;
-      accelerator_options.config = config;
-      accelerator_options.communicator = ctx.comm;
-      shardtrain::Accelerator accelerator(accelerator_options);
+      auto accelerator_holder = accelerator_for(config, ctx);
+      shardtrain::Accelerator& accelerator = *accelerator_holder;
       torch::manual_seed(0);
       tiny::TinyConfig model_config;
       tiny::TinyModel model(model_config);
-      shardtrain::RunInfo run;
-      run.micro_batch_size = 2;
-      auto prepared = accelerator.prepare(model, {}, run);
+      auto prepared = accelerator.prepare(model, {}, micro_batch(2));
       at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
       for (int step = 0; step < 2; ++step) {  // the second forward has the recorded order
         at::Tensor logits = prepared(tokens);

@@ -4,15 +4,54 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "shardtrain/accelerator.h"
 #include "support/multirank.h"
 #include "tiny/tiny_train.h"
 
 namespace shardtrain::testing {
+
+/// A DeepSpeed config for the engine tests. Blocks are freed between their
+/// forward and backward (no persistence threshold, no reuse distance) so
+/// stage 3 really gathers: every block is below DeepSpeed's defaults.
+inline TrainingConfig zero_test_config(int stage, MixedPrecision precision, int64_t accumulation = 1,
+                                       double clip = 0.0) {
+  TrainingConfig config;
+  config.distributed_type = DistributedType::kDeepSpeed;
+  config.zero.stage = stage;
+  config.mixed_precision = precision;
+  config.bf16 = precision == MixedPrecision::kBf16;
+  config.fp16.enabled = precision == MixedPrecision::kFp16;
+  config.gradient_accumulation_steps = accumulation;
+  config.gradient_clipping = clip;
+  config.optimizer.specified = true;
+  config.optimizer.type = "AdamW";
+  config.optimizer.lr = 1e-3;
+  config.steps_per_print = 1000;
+  config.zero.stage3_param_persistence_threshold = 0;
+  config.zero.stage3_max_reuse_distance = 0;
+  return config;
+}
+
+/// An Accelerator on the harness's communicator.
+inline std::unique_ptr<Accelerator> accelerator_for(const TrainingConfig& config, RankContext& ctx) {
+  AcceleratorOptions options;
+  options.config = config;
+  options.communicator = ctx.comm;
+  return std::make_unique<Accelerator>(options);
+}
+
+/// RunInfo with the data loader's micro batch size.
+inline RunInfo micro_batch(int64_t size) {
+  RunInfo run;
+  run.micro_batch_size = size;
+  return run;
+}
 
 /// train_tiny options for a run inside the multi-rank harness.
 inline tiny::TinyRunOptions tiny_run_options(const TrainingConfig& config, RankContext& ctx, int steps,
