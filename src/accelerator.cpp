@@ -1,12 +1,16 @@
 #include "shardtrain/accelerator.h"
 
 #include <fstream>
+
+#include <nlohmann/json.hpp>
 #include <iostream>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include "checkpoint/checkpoint.h"
 #include "engine/engine.h"
+#include "engine/sharded_engine.h"
 #include "engine/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -58,6 +62,7 @@ struct Accelerator::State {
   bool clipped_this_window = false;
   StepInfo last;
   bool prepared = false;
+  std::map<std::string, int64_t> extras;
 };
 
 Accelerator::Accelerator(AcceleratorOptions options) : state_(std::make_unique<State>()) {
@@ -331,6 +336,39 @@ void Accelerator::print(const std::string& text) const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Accelerator::full_state_dict() { return engine().full_state_dict(); }
+
+std::map<std::string, int64_t>& Accelerator::checkpoint_extras() { return state_->extras; }
+
+std::string Accelerator::save_state(const std::string& dir, const std::string& tag) {
+  State& s = *state_;
+  auto* sharded = dynamic_cast<engine::ShardedEngine*>(&engine());
+  ST_CHECK(sharded != nullptr, "save_state: this engine cannot be checkpointed");
+  ST_CHECK(s.micro_in_window == 0 || s.micro_in_window == s.accumulation,
+           "save_state in the middle of a gradient-accumulation window (", s.micro_in_window, " of ", s.accumulation,
+           " micro-batches done): the accumulated gradients are not saved; call it after accelerator.step()");
+  nlohmann::json training = {{"step", s.last.step},
+                             {"skipped_total", s.last.skipped_total},
+                             {"optimizer_steps", sharded->optimizer_steps()},
+                             {"loss_scaler", sharded->loss_scaler_state()},
+                             {"extras", s.extras}};
+  return checkpoint::save(*sharded, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
+                          training, to_yaml(s.config), s.plan.to_string());
+}
+
+void Accelerator::load_state(const std::string& dir, const std::string& tag) {
+  State& s = *state_;
+  auto* sharded = dynamic_cast<engine::ShardedEngine*>(&engine());
+  ST_CHECK(sharded != nullptr, "load_state: this engine cannot load checkpoints");
+  const nlohmann::json training = checkpoint::load(*sharded, *s.comm, dir, tag);
+  s.last = StepInfo();
+  s.last.step = training.at("step").get<int64_t>();
+  s.last.skipped_total = training.at("skipped_total").get<int64_t>();
+  sharded->set_optimizer_steps(training.at("optimizer_steps").get<int64_t>());
+  sharded->load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
+  s.extras = training.at("extras").get<std::map<std::string, int64_t>>();
+  s.micro_in_window = 0;
+  s.clipped_this_window = false;
+}
 
 MemoryReport Accelerator::memory() const {
   MemoryReport report;

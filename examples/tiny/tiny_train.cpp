@@ -83,7 +83,13 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
   }
   TinyRunResult result;
   result.plan = accelerator.precision_plan();
-  for (int step = 0; step < options.steps; ++step) {
+  int first_step = 0;
+  if (!options.resume_dir.empty()) {
+    accelerator.load_state(options.resume_dir);
+    first_step = static_cast<int>(accelerator.last_step().step);
+  }
+  const int last_step = options.stop_after > 0 ? std::min(options.steps, first_step + options.stop_after) : options.steps;
+  for (int step = first_step; step < last_step; ++step) {
     const auto start = std::chrono::steady_clock::now();
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
@@ -120,6 +126,9 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
                                {"gathered", mem.gathered_peak},
                                {"peak_rss", mem.peak_rss}}}};
       metrics << line.dump() << "\n" << std::flush;
+    }
+    if (!options.save_dir.empty() && options.save_every > 0 && (step + 1) % options.save_every == 0) {
+      accelerator.save_state(options.save_dir);
     }
     if (!options.quiet && accelerator.is_main_process() &&
         (step == 0 || (step + 1) % std::max(1, accelerator.config().steps_per_print) == 0 || step + 1 == options.steps)) {

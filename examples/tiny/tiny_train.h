@@ -28,6 +28,13 @@ struct TinyRunOptions {
   /// Run inside an existing job (tests); otherwise connect from the environment.
   shardtrain::comm::CommunicatorPtr communicator;
   bool quiet = false;
+  /// Save the state here (DIR) after every `save_every` steps and at the end (0: never).
+  std::string save_dir;
+  int save_every = 0;
+  /// Resume from DIR's latest checkpoint and train on up to `steps`.
+  std::string resume_dir;
+  /// Stop after this many steps of this process (0: run to `steps`): a run "killed" mid-way.
+  int stop_after = 0;
 };
 
 struct TinyRunResult {

@@ -23,6 +23,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -173,6 +174,18 @@ class Accelerator {
   void wait_for_everyone();
   /// Prints on the main process only.
   void print(const std::string& text) const;
+
+  // ---- checkpoints (both engines, any world size; see DESIGN.md)
+  /// Saves the run's whole state under DIR/TAG (TAG empty: "step_<N>") and
+  /// points DIR/latest at it once it is complete. Collective. Returns DIR/TAG.
+  /// Call it after step() (not inside an accumulation window: that throws).
+  std::string save_state(const std::string& dir, const std::string& tag = "");
+  /// Restores the state under DIR/TAG (empty: the tag DIR/latest names), saved
+  /// by either engine at any world size. Collective. Damaged or mismatched
+  /// checkpoints throw before anything is changed.
+  void load_state(const std::string& dir, const std::string& tag = "");
+  /// Integers stored with the checkpoint for the training loop (data position, epoch, ...).
+  std::map<std::string, int64_t>& checkpoint_extras();
 
   // ---- state
   /// Every parameter's full fp32 value by name (collective; rank 0 gets all, so do others).

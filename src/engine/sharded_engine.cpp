@@ -880,6 +880,89 @@ const at::Tensor& ShardedEngine::low_precision_partition() const { return state_
 const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->exp_avg_flat; }
 const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->exp_avg_sq_flat; }
 
+std::vector<ShardedEngine::CheckpointSlice> ShardedEngine::checkpoint_slices() const {
+  const State& s = *state_;
+  std::vector<CheckpointSlice> slices;
+  const bool is_copy = s.options.replicate_group ? s.options.replicate_group->rank() != 0
+                                                  : (!s.options.shard_params && s.comm->rank() != 0);
+  if (is_copy) return slices;
+  for (const auto& u : s.units) {
+    for (const auto& seg : u.layout->segments_of_rank(s.layout_rank())) {
+      CheckpointSlice slice;
+      slice.name = u.names[seg.param_index];
+      slice.shape = u.shapes[seg.param_index];
+      slice.trainable = u.trainable;
+      slice.begin = seg.param_offset;
+      slice.length = seg.length;
+      auto view = [&](const at::Tensor& t) { return t.narrow(0, seg.shard_offset, seg.length); };
+      slice.state.emplace_back("master", view(u.master.defined() ? u.master : u.lp_shard));
+      if (u.trainable && u.exp_avg.defined()) {
+        slice.state.emplace_back("exp_avg", view(u.exp_avg));
+        slice.state.emplace_back("exp_avg_sq", view(u.exp_avg_sq));
+      }
+      if (u.trainable && s.momentum_flat.defined()) {
+        slice.state.emplace_back("momentum", s.momentum_flat.narrow(0, u.shard_offset + seg.shard_offset, seg.length));
+      }
+      slices.push_back(std::move(slice));
+    }
+  }
+  return slices;
+}
+
+void ShardedEngine::load_slices(const std::function<at::Tensor(const std::string&, const std::string&, int64_t,
+                                                               int64_t)>& source) {
+  State& s = *state_;
+  for (auto& u : s.units) {
+    for (const auto& seg : u.layout->segments_of_rank(s.layout_rank())) {
+      const std::string& name = u.names[seg.param_index];
+      auto fill = [&](const at::Tensor& target, const std::string& kind) {
+        at::Tensor dst = target.narrow(0, seg.shard_offset, seg.length);
+        at::Tensor value = source(name, kind, seg.param_offset, seg.length);
+        ST_CHECK(value.numel() == seg.length, "checkpoint: '", name, "' ", kind, " [", seg.param_offset, ", +",
+                 seg.length, ") came back with ", value.numel(), " elements");
+        dst.copy_(value.reshape({-1}));
+      };
+      fill(u.master.defined() ? u.master : u.lp_shard, "master");
+      if (u.trainable && u.exp_avg.defined()) {
+        fill(u.exp_avg, "exp_avg");
+        fill(u.exp_avg_sq, "exp_avg_sq");
+      }
+      if (u.trainable && s.momentum_flat.defined()) {
+        fill(s.momentum_flat.narrow(0, u.shard_offset, u.layout->shard_numel()), "momentum");
+      }
+    }
+    if (u.master.defined() && !u.lp_shard.is_same(u.master)) u.lp_shard.copy_(u.master);
+  }
+  // The gathered parameters held the old values: free them, regather what stays gathered.
+  for (auto& u : s.units) s.release(u);
+  for (auto& u : s.units) {
+    if (s.options.reshard == Reshard::kNever || u.persistent) s.start_gather(u);
+  }
+  for (auto& u : s.units) {
+    if (u.gather_work) s.finish_gather(u);
+  }
+}
+
+int64_t ShardedEngine::optimizer_steps() const { return state_->optimizer_steps; }
+void ShardedEngine::set_optimizer_steps(int64_t steps) { state_->optimizer_steps = steps; }
+
+std::vector<double> ShardedEngine::loss_scaler_state() const {
+  const LossScalerState st = state_->scaler.state();
+  return {st.scale, static_cast<double>(st.cur_hysteresis), static_cast<double>(st.cur_iter),
+          static_cast<double>(st.last_overflow_iter), static_cast<double>(st.skipped_steps)};
+}
+
+void ShardedEngine::load_loss_scaler_state(const std::vector<double>& v) {
+  ST_CHECK(v.size() == 5, "loss scaler state needs 5 values, got ", v.size());
+  LossScalerState st;
+  st.scale = v[0];
+  st.cur_hysteresis = static_cast<int>(v[1]);
+  st.cur_iter = static_cast<int64_t>(v[2]);
+  st.last_overflow_iter = static_cast<int64_t>(v[3]);
+  st.skipped_steps = static_cast<int64_t>(v[4]);
+  state_->scaler.load_state(st);
+}
+
 std::vector<std::string> ShardedEngine::unit_paths() const {
   std::vector<std::string> paths;
   for (const auto& u : state_->units) paths.push_back(u.path);

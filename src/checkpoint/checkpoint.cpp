@@ -1,0 +1,247 @@
+#include "checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+#include "shardtrain/safetensors.h"
+
+namespace shardtrain::checkpoint {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string rank_file(int rank, const char* extension) {
+  std::ostringstream name;
+  name << "rank" << std::setw(5) << std::setfill('0') << rank << extension;
+  return name.str();
+}
+
+std::string slice_key(const std::string& name, int64_t begin, const std::string& kind) {
+  return name + "@" + std::to_string(begin) + "/" + kind;
+}
+
+/// fsync a file or directory: the rename that publishes a checkpoint must not
+/// reach the disk before the data it publishes.
+void sync_path(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  ST_CHECK(fd >= 0, "checkpoint: cannot open ", path.string(), " to fsync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  ST_CHECK(rc == 0, "checkpoint: fsync of ", path.string(), " failed: ", std::strerror(errno));
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    ST_CHECK(out.good(), "checkpoint: cannot write ", path.string());
+    out << text;
+    out.flush();
+    ST_CHECK(out.good(), "checkpoint: writing ", path.string(), " failed (disk full?)");
+  }
+  sync_path(path, false);
+}
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  ST_CHECK(in.good(), "checkpoint: ", path.string(), " is missing");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    ST_THROW(Error, "checkpoint: ", path.string(), " is not valid JSON (", e.what(),
+             "); the checkpoint is damaged — load another tag");
+  }
+}
+
+}  // namespace
+
+std::string latest_tag(const std::string& dir) {
+  const fs::path latest = fs::path(dir) / "latest";
+  std::ifstream in(latest);
+  ST_CHECK(in.good(), "no checkpoint in ", dir, ": ", latest.string(),
+           " does not exist (save_state writes it); pass the tag to load explicitly");
+  std::string tag;
+  std::getline(in, tag);
+  ST_CHECK(!tag.empty(), "checkpoint: ", latest.string(), " is empty");
+  return tag;
+}
+
+std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+                 const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
+                 const std::string& precision_plan) {
+  ST_CHECK(!tag.empty() && tag.find('/') == std::string::npos && tag[0] != '.', "checkpoint tag '", tag,
+           "' must be a plain directory name");
+  const int rank = comm.rank();
+  const fs::path root(dir);
+  const fs::path final_dir = root / tag;
+  const fs::path tmp = root / (".tmp-" + tag);
+  if (rank == 0) {
+    fs::create_directories(root);
+    fs::remove_all(tmp);  // a save killed earlier
+    fs::create_directories(tmp);
+  }
+  comm.barrier();
+
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  nlohmann::json slices = nlohmann::json::array();
+  for (const auto& slice : engine.checkpoint_slices()) {
+    nlohmann::json kinds = nlohmann::json::array();
+    std::string dtype;
+    for (const auto& [kind, value] : slice.state) {
+      tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.contiguous());
+      kinds.push_back(kind);
+      if (kind == "master") dtype = c10::toString(value.scalar_type());
+    }
+    slices.push_back({{"name", slice.name}, {"shape", slice.shape}, {"trainable", slice.trainable},
+                      {"begin", slice.begin}, {"length", slice.length}, {"kinds", kinds}, {"dtype", dtype}});
+  }
+  // Per-rank RNG, so a resume at the same world size continues the same random stream.
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    tensors.emplace_back("rng/cpu", generator.get_state());
+  }
+  const std::string file = rank_file(rank, ".safetensors");
+  safetensors::write_file((tmp / file).string(), tensors, {{"format", "shardtrain-checkpoint"}, {"rank", std::to_string(rank)}});
+  nlohmann::json manifest = {{"file", file},
+                             {"rank", rank},
+                             {"size", fs::file_size(tmp / file)},
+                             {"crc32", safetensors::crc32_of_file((tmp / file).string())},
+                             {"slices", slices}};
+  write_text(tmp / rank_file(rank, ".json"), manifest.dump());
+  comm.barrier();
+
+  if (rank == 0) {
+    nlohmann::json index = {{"format_version", kFormatVersion},
+                            {"engine", engine.name()},
+                            {"world_size", comm.world_size()},
+                            {"training_state", training_state},
+                            {"config", config_yaml},
+                            {"precision_plan", precision_plan}};
+    nlohmann::json params = nlohmann::json::object();
+    nlohmann::json files = nlohmann::json::object();
+    for (int r = 0; r < comm.world_size(); ++r) {
+      const nlohmann::json m = read_json(tmp / rank_file(r, ".json"));
+      files[m["file"].get<std::string>()] = {{"size", m["size"]}, {"crc32", m["crc32"]}, {"rank", r}};
+      for (const auto& s : m["slices"]) {
+        auto& p = params[s["name"].get<std::string>()];
+        p["shape"] = s["shape"];
+        p["dtype"] = s["dtype"];
+        p["trainable"] = s["trainable"];
+        p["slices"].push_back({{"file", m["file"]}, {"begin", s["begin"]}, {"length", s["length"]}, {"kinds", s["kinds"]}});
+      }
+    }
+    index["params"] = params;
+    index["files"] = files;
+    write_text(tmp / "index.json", index.dump(1));
+    sync_path(tmp, true);
+    // Publish: the new directory first, `latest` last.
+    const fs::path old = root / (".old-" + tag);
+    fs::remove_all(old);
+    if (fs::exists(final_dir)) fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    sync_path(root, true);
+    write_text(root / "latest.tmp", tag + "\n");
+    fs::rename(root / "latest.tmp", root / "latest");
+    sync_path(root, true);
+    fs::remove_all(old);
+  }
+  comm.barrier();
+  return final_dir.string();
+}
+
+nlohmann::json load(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+                    const std::string& tag_or_empty) {
+  const std::string tag = tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty;
+  const fs::path ckpt = fs::path(dir) / tag;
+  ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist");
+  const nlohmann::json index = read_json(ckpt / "index.json");
+  ST_CHECK(index.value("format_version", 0) == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ",
+           index.value("format_version", 0), "; this shardtrain reads version ", kFormatVersion);
+
+  // Damage is found before anything is loaded: no partial load.
+  for (const auto& [file, meta] : index.at("files").items()) {
+    const fs::path path = ckpt / file;
+    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file, " (rank ", meta.value("rank", -1),
+             ") is missing");
+    const auto size = fs::file_size(path);
+    ST_CHECK(size == meta.at("size").get<uint64_t>(), "checkpoint ", ckpt.string(), ": file ", file, " has ", size,
+             " bytes but the index says ", meta.at("size").get<uint64_t>(), " (truncated or replaced)");
+    ST_CHECK(safetensors::crc32_of_file(path.string()) == meta.at("crc32").get<uint32_t>(), "checkpoint ",
+             ckpt.string(), ": file ", file, " fails its CRC-32 check (its bytes were altered)");
+  }
+  const nlohmann::json& params = index.at("params");
+  std::map<std::string, std::vector<int64_t>> model_shapes;
+  for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
+  // Replicas own slices too (they load what the first copy saved).
+  for (const auto& [name, shape] : model_shapes) {
+    ST_CHECK(params.contains(name), "checkpoint ", ckpt.string(), " has no parameter '", name,
+             "' that the model has: it was saved from a different model");
+    ST_CHECK(params.at(name).at("shape").get<std::vector<int64_t>>() == shape, "checkpoint ", ckpt.string(),
+             ": parameter '", name, "' has shape ", params.at(name).at("shape").dump(), " but the model's is ",
+             nlohmann::json(shape).dump());
+  }
+
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  auto reader = [&](const std::string& file) -> safetensors::Reader& {
+    auto& slot = readers[file];
+    if (!slot) slot = std::make_unique<safetensors::Reader>((ckpt / file).string());
+    return *slot;
+  };
+  bool warned_rounding = false;
+  engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
+    ST_CHECK(params.contains(name), "checkpoint ", ckpt.string(), " has no parameter '", name, "'");
+    at::Tensor result;
+    int64_t covered = 0;
+    for (const auto& s : params.at(name).at("slices")) {
+      const int64_t s_begin = s.at("begin").get<int64_t>();
+      const int64_t s_end = s_begin + s.at("length").get<int64_t>();
+      const int64_t lo = std::max(begin, s_begin);
+      const int64_t hi = std::min(begin + length, s_end);
+      if (lo >= hi) continue;
+      const auto kinds = s.at("kinds").get<std::vector<std::string>>();
+      ST_CHECK(std::find(kinds.begin(), kinds.end(), kind) != kinds.end(), "checkpoint ", ckpt.string(),
+               " holds no '", kind, "' for '", name, "': it was saved with a different optimizer");
+      at::Tensor part = reader(s.at("file").get<std::string>())
+                            .read_slice(slice_key(name, s_begin, kind), lo - s_begin, hi - lo);
+      if (!result.defined()) result = at::empty({length}, part.options());
+      result.narrow(0, lo - begin, hi - lo).copy_(part);
+      covered += hi - lo;
+    }
+    ST_CHECK(covered == length, "checkpoint ", ckpt.string(), ": parameter '", name, "' elements [", begin, ", ",
+             begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
+    if (kind == "master" && !warned_rounding && result.scalar_type() == at::kFloat && comm.rank() == 0 &&
+        engine.options().pure_low_precision) {
+      ST_LOG_WARN("checkpoint: loading fp32 masters into a pure low-precision run rounds them to {}",
+                  c10::toString(engine.options().param_dtype));
+      warned_rounding = true;
+    }
+    return result;
+  });
+  // Same world size: continue each rank's random stream.
+  if (index.value("world_size", 0) == comm.world_size()) {
+    const std::string own = rank_file(comm.rank(), ".safetensors");
+    if (index.at("files").contains(own) && reader(own).contains("rng/cpu")) {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(reader(own).read("rng/cpu"));
+    }
+  }
+  comm.barrier();
+  return index.at("training_state");
+}
+
+}  // namespace shardtrain::checkpoint

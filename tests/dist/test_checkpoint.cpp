@@ -1,0 +1,221 @@
+// Checkpoints: exact resume in new processes, resume across engines and world
+// sizes, and damaged checkpoints refused with the file and parameter named.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "shardtrain/error.h"
+#include "support/multirank.h"
+#include "support/tiny_compare.h"
+#include "tiny/tiny_train.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using shardtrain::MixedPrecision;
+using shardtrain::testing::MultiRankOptions;
+using shardtrain::testing::RankContext;
+using shardtrain::testing::run_on_ranks;
+
+struct RunSpec {
+  shardtrain::TrainingConfig config;
+  int world;
+  int micro_batch;  ///< world x micro_batch is the same global batch in every spec
+};
+
+RunSpec zero(int stage, int world, int micro) { return {shardtrain::testing::zero_test_config(stage, MixedPrecision::kNo), world, micro}; }
+
+RunSpec fsdp(int world, int micro) {
+  shardtrain::TrainingConfig config;
+  config.distributed_type = shardtrain::DistributedType::kFsdp;
+  config.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
+  config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
+  config.optimizer.lr = 1e-3;
+  config.steps_per_print = 1000;
+  return {config, world, micro};
+}
+
+fs::path scratch(const std::string& name) {
+  fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-ckpt-" + name + "-" + std::to_string(::getpid()));
+  // Rank processes get their paths from the parent's environment; only the parent prepares them.
+  if (shardtrain::testing::is_rank_process()) return dir;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+/// Runs train_tiny on spec.world ranks; rank 0 writes the step losses to `losses_out`.
+void run(const RunSpec& spec, int steps, const std::string& save_dir, int save_every, int stop_after,
+         const std::string& resume_dir, const fs::path& losses_out) {
+  MultiRankOptions harness;
+  harness.env["CKPT_LOSSES"] = losses_out.string();
+  harness.env["CKPT_SAVE"] = save_dir;
+  harness.env["CKPT_RESUME"] = resume_dir;
+  harness.env["CKPT_SAVE_EVERY"] = std::to_string(save_every);
+  harness.env["CKPT_STOP_AFTER"] = std::to_string(stop_after);
+  harness.env["CKPT_STEPS"] = std::to_string(steps);
+  harness.env["CKPT_MICRO"] = std::to_string(spec.micro_batch);
+  const shardtrain::TrainingConfig config = spec.config;
+  run_on_ranks(spec.world, [config](RankContext& ctx) {
+    tiny::TinyRunOptions options = shardtrain::testing::tiny_run_options(config, ctx, std::atoi(std::getenv("CKPT_STEPS")), 5);
+    options.micro_batch = std::atoi(std::getenv("CKPT_MICRO"));
+    options.save_dir = std::getenv("CKPT_SAVE");
+    options.save_every = std::atoi(std::getenv("CKPT_SAVE_EVERY"));
+    options.stop_after = std::atoi(std::getenv("CKPT_STOP_AFTER"));
+    options.resume_dir = std::getenv("CKPT_RESUME");
+    tiny::TinyRunResult result = tiny::run_tiny(options);
+    if (ctx.rank() != 0) return;
+    std::ofstream out(std::getenv("CKPT_LOSSES"));
+    out.precision(17);
+    for (double loss : result.losses) out << loss << "\n";
+  }, harness);
+}
+
+std::vector<double> read_losses(const fs::path& path) {
+  std::vector<double> losses;
+  std::ifstream in(path);
+  for (double v; in >> v;) losses.push_back(v);
+  return losses;
+}
+
+TEST(DistCheckpoint, ResumeInNewProcessesIsBitwiseIdenticalInFp32) {
+  for (const RunSpec& spec : {zero(3, 2, 4), fsdp(2, 4)}) {
+    const fs::path dir = scratch("exact");
+    run(spec, 40, "", 0, 0, "", dir / "straight.txt");
+    run(spec, 40, (dir / "ckpt").string(), 20, 20, "", dir / "first.txt");
+    run(spec, 40, "", 0, 0, (dir / "ckpt").string(), dir / "second.txt");
+    if (shardtrain::testing::is_rank_process()) continue;
+    const auto straight = read_losses(dir / "straight.txt");
+    const auto first = read_losses(dir / "first.txt");
+    const auto second = read_losses(dir / "second.txt");
+    ASSERT_EQ(straight.size(), 40u);
+    ASSERT_EQ(first.size(), 20u);
+    ASSERT_EQ(second.size(), 20u);
+    EXPECT_TRUE(std::equal(first.begin(), first.end(), straight.begin()));
+    EXPECT_TRUE(std::equal(second.begin(), second.end(), straight.begin() + 20))
+        << "resumed step 21: " << second[0] << " vs uninterrupted " << straight[20];
+    EXPECT_TRUE(fs::exists(dir / "ckpt" / "latest"));
+    EXPECT_TRUE(fs::exists(dir / "ckpt" / "step_20" / "index.json"));
+  }
+}
+
+struct CrossCase {
+  RunSpec from;
+  RunSpec to;
+  const char* name;
+};
+
+TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
+  const CrossCase cases[] = {
+      {zero(3, 4, 2), fsdp(2, 4), "zero-3 world 4 -> fsdp FULL_SHARD world 2"},
+      {fsdp(2, 4), zero(2, 4, 2), "fsdp world 2 -> zero-2 world 4"},
+      {zero(3, 2, 4), zero(3, 1, 8), "zero-3 world 2 -> zero-3 world 1"},
+  };
+  for (const auto& c : cases) {
+    const fs::path dir = scratch("cross");
+    run(c.from, 30, "", 0, 0, "", dir / "straight.txt");
+    run(c.from, 30, (dir / "ckpt").string(), 15, 15, "", dir / "first.txt");
+    run(c.to, 30, "", 0, 0, (dir / "ckpt").string(), dir / "second.txt");
+    if (shardtrain::testing::is_rank_process()) continue;
+    const auto straight = read_losses(dir / "straight.txt");
+    const auto second = read_losses(dir / "second.txt");
+    ASSERT_EQ(second.size(), 15u) << c.name;
+    const std::vector<double> tail(straight.begin() + 15, straight.end());
+    EXPECT_LE(shardtrain::testing::max_relative(second, tail), 1e-6) << c.name;
+  }
+}
+
+/// Loads `dir` on 2 ranks and expects an error containing `needle`.
+void expect_load_error(const fs::path& dir, const std::string& needle) {
+  MultiRankOptions harness;
+  harness.env["CKPT_DIR"] = dir.string();
+  harness.env["CKPT_NEEDLE"] = needle;
+  run_on_ranks(2, [](RankContext& ctx) {
+    tiny::TinyRunOptions options = shardtrain::testing::tiny_run_options(
+        shardtrain::testing::zero_test_config(3, MixedPrecision::kNo), ctx, 2, 5);
+    options.resume_dir = std::getenv("CKPT_DIR");
+    try {
+      tiny::run_tiny(options);
+      ADD_FAILURE() << "a damaged checkpoint loaded";
+    } catch (const shardtrain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::getenv("CKPT_NEEDLE")), std::string::npos) << e.what();
+    }
+  }, harness);
+}
+
+TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
+  const fs::path base = scratch("damage");
+  run(zero(3, 2, 4), 4, (base / "good").string(), 2, 2, "", base / "losses.txt");
+  auto fresh = [&](const std::string& name) {
+    const fs::path copy = base / name;
+    if (!shardtrain::testing::is_rank_process()) fs::copy(base / "good", copy, fs::copy_options::recursive);
+    return copy;
+  };
+  {  // truncated shard file
+    const fs::path d = fresh("truncated");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "rank00001.safetensors";
+      fs::resize_file(f, fs::file_size(f) - 7);
+    }
+    expect_load_error(d, "rank00001.safetensors has");
+  }
+  {  // altered byte
+    const fs::path d = fresh("altered");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "rank00000.safetensors";
+      std::fstream file(f, std::ios::in | std::ios::out | std::ios::binary);
+      file.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
+      file.put('\x7f');
+    }
+    expect_load_error(d, "rank00000.safetensors fails its CRC-32 check");
+  }
+  {  // missing file
+    const fs::path d = fresh("missing");
+    if (!shardtrain::testing::is_rank_process()) fs::remove(d / "step_2" / "rank00001.safetensors");
+    expect_load_error(d, "file rank00001.safetensors (rank 1) is missing");
+  }
+  {  // edited index: a shape that no longer matches the model
+    const fs::path d = fresh("edited");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "index.json";
+      std::ifstream in(f);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      in.close();
+      const auto at = text.find("\"head.weight\"");
+      ASSERT_NE(at, std::string::npos);
+      const auto shape = text.find("256", at);
+      text.replace(shape, 3, "255");
+      std::ofstream(f) << text;
+    }
+    expect_load_error(d, "parameter 'head.weight' has shape [255,64]");
+  }
+  {  // no checkpoint at all
+    const fs::path d = base / "empty";
+    if (!shardtrain::testing::is_rank_process()) fs::create_directories(d);
+    expect_load_error(d, "does not exist (save_state writes it)");
+  }
+}
+
+TEST(DistCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto accelerator = shardtrain::testing::accelerator_for(shardtrain::testing::zero_test_config(2, MixedPrecision::kNo, 2), ctx);
+    torch::manual_seed(0);
+    tiny::TinyConfig model_config;
+    tiny::TinyModel model(model_config);
+    auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(1));
+    at::Tensor tokens = tiny::synthetic_sample(0, ctx.rank(), model_config).unsqueeze(0);
+    accelerator->backward(prepared(tokens).mean());
+    try {
+      accelerator->save_state(::testing::TempDir() + "/never");
+      ADD_FAILURE() << "saved in the middle of an accumulation window";
+    } catch (const shardtrain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("middle of a gradient-accumulation window"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
