@@ -25,6 +25,11 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-out", options.metrics_out, "Write one JSON object per step here (rank 0)");
   app.add_option("--load-dtype", options.load_dtype, "Model load dtype: fp32 or bf16")->capture_default_str()
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--save-dir", options.save_dir, "Save checkpoints here (with --save-every)");
+  app.add_option("--save-every", options.save_every, "Save every N steps")->capture_default_str();
+  app.add_option("--resume", options.resume_dir, "Resume from this checkpoint directory's latest checkpoint");
+  app.add_option("--stop-after", options.stop_after, "Stop after N steps of this run (0: run to --steps)");
+  app.add_option("--keep-last", options.keep_last, "Keep at most N checkpoints (0: all)")->capture_default_str();
   app.add_flag("--reference", reference, "Plain LibTorch loop in one process (no engine), same init and global batch");
   app.add_option("--world-size", reference_world, "With --reference: the world size whose global batch to use")
       ->capture_default_str();

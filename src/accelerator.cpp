@@ -352,7 +352,7 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"loss_scaler", sharded->loss_scaler_state()},
                              {"extras", s.extras}};
   return checkpoint::save(*sharded, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
-                          training, to_yaml(s.config), s.plan.to_string());
+                          training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {

@@ -58,6 +58,7 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
   shardtrain::AcceleratorOptions accelerator_options;
   accelerator_options.config = load(options);
   accelerator_options.communicator = options.communicator;
+  accelerator_options.checkpoint_total_limit = options.keep_last;
   shardtrain::Accelerator accelerator(accelerator_options);
 
   torch::manual_seed(options.seed);

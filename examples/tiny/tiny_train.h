@@ -35,6 +35,8 @@ struct TinyRunOptions {
   std::string resume_dir;
   /// Stop after this many steps of this process (0: run to `steps`): a run "killed" mid-way.
   int stop_after = 0;
+  /// Keep at most this many checkpoints in save_dir (0: all).
+  int keep_last = 0;
 };
 
 struct TinyRunResult {

@@ -62,6 +62,8 @@ struct AcceleratorOptions {
   std::optional<std::string> mixed_precision;
   std::optional<int64_t> gradient_accumulation_steps;
   InitOptions init;
+  /// save_state keeps at most this many checkpoints in a directory (0: all), as Accelerate's total_limit.
+  int checkpoint_total_limit = 0;
   /// Use this communicator instead of connecting from the environment (tests, embedding).
   comm::CommunicatorPtr communicator;
 };

@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -66,6 +68,23 @@ nlohmann::json read_json(const fs::path& path) {
   }
 }
 
+/// Fault-injection for the crash-safety tests: SHARDTRAIN_CHECKPOINT_KILL_AT=<point>
+/// makes rank 0 die by SIGKILL at that point of a save, as a crash would.
+void crash_point(int rank, const char* point) {
+  const char* wanted = std::getenv("SHARDTRAIN_CHECKPOINT_KILL_AT");
+  if (rank == 0 && wanted != nullptr && std::string(wanted) == point) ::raise(SIGKILL);
+}
+
+/// Published checkpoints in save order (the history file lists them).
+std::vector<std::string> read_history(const fs::path& root) {
+  std::vector<std::string> tags;
+  std::ifstream in(root / "history");
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) tags.push_back(line);
+  }
+  return tags;
+}
+
 }  // namespace
 
 std::string latest_tag(const std::string& dir) {
@@ -81,7 +100,7 @@ std::string latest_tag(const std::string& dir) {
 
 std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
-                 const std::string& precision_plan) {
+                 const std::string& precision_plan, int keep_last) {
   ST_CHECK(!tag.empty() && tag.find('/') == std::string::npos && tag[0] != '.', "checkpoint tag '", tag,
            "' must be a plain directory name");
   const int rank = comm.rank();
@@ -122,6 +141,7 @@ std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const 
                              {"crc32", safetensors::crc32_of_file((tmp / file).string())},
                              {"slices", slices}};
   write_text(tmp / rank_file(rank, ".json"), manifest.dump());
+  crash_point(rank, "after_rank_files");
   comm.barrier();
 
   if (rank == 0) {
@@ -148,16 +168,31 @@ std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const 
     index["files"] = files;
     write_text(tmp / "index.json", index.dump(1));
     sync_path(tmp, true);
+    crash_point(rank, "after_index");
     // Publish: the new directory first, `latest` last.
     const fs::path old = root / (".old-" + tag);
     fs::remove_all(old);
     if (fs::exists(final_dir)) fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
     sync_path(root, true);
+    crash_point(rank, "after_rename");
     write_text(root / "latest.tmp", tag + "\n");
+    crash_point(rank, "before_latest_rename");
     fs::rename(root / "latest.tmp", root / "latest");
     sync_path(root, true);
     fs::remove_all(old);
+    // Keep-last-N (Accelerate's total_limit): oldest first, never the one just written.
+    std::vector<std::string> history = read_history(root);
+    history.erase(std::remove(history.begin(), history.end(), tag), history.end());
+    history.push_back(tag);
+    while (keep_last > 0 && static_cast<int>(history.size()) > keep_last) {
+      fs::remove_all(root / history.front());
+      history.erase(history.begin());
+    }
+    std::string lines;
+    for (const auto& t : history) lines += t + "\n";
+    write_text(root / "history.tmp", lines);
+    fs::rename(root / "history.tmp", root / "history");
   }
   comm.barrier();
   return final_dir.string();

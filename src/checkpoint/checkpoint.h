@@ -28,10 +28,11 @@ namespace shardtrain::checkpoint {
 
 constexpr int kFormatVersion = 1;
 
-/// Collective. Returns the checkpoint directory DIR/TAG.
+/// Collective. Returns the checkpoint directory DIR/TAG. `keep_last` > 0
+/// removes the oldest published checkpoints beyond that many (never the new one).
 std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
-                 const std::string& precision_plan);
+                 const std::string& precision_plan, int keep_last = 0);
 
 /// Collective. Verifies every file (size, CRC-32) and that the checkpoint
 /// holds exactly the model's parameters with their shapes, loads every slice

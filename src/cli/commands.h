@@ -12,5 +12,7 @@ void register_launch_command(CLI::App& app, int& exit_code);
 void register_env_command(CLI::App& app, int& exit_code);
 /// `shardtrain config check FILE [...]` and `shardtrain config convert FILE --to fsdp|deepspeed`.
 void register_config_command(CLI::App& app, int& exit_code);
+/// `shardtrain checkpoint inspect|verify PATH` and `shardtrain checkpoint export PATH --out DIR [...]`.
+void register_checkpoint_command(CLI::App& app, int& exit_code);
 
 }  // namespace shardtrain::cli
