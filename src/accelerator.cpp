@@ -1,5 +1,6 @@
 #include "shardtrain/accelerator.h"
 
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include <torch/nn/module.h>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
 #include "engine/engine.h"
 #include "engine/sharded_engine.h"
 #include "engine/lr_scheduler.h"
@@ -346,13 +348,39 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
   ST_CHECK(s.micro_in_window == 0 || s.micro_in_window == s.accumulation,
            "save_state in the middle of a gradient-accumulation window (", s.micro_in_window, " of ", s.accumulation,
            " micro-batches done): the accumulated gradients are not saved; call it after accelerator.step()");
+  // The scheduler is a pure function of the step, so the step is its state.
+  const int64_t global_batch = s.config.train_batch_size.value_or(0);
   nlohmann::json training = {{"step", s.last.step},
+                             {"scheduler_step", s.last.step},
+                             {"samples_seen", (s.last.step + s.last.skipped_total) * global_batch},
                              {"skipped_total", s.last.skipped_total},
                              {"optimizer_steps", sharded->optimizer_steps()},
                              {"loss_scaler", sharded->loss_scaler_state()},
                              {"extras", s.extras}};
   return checkpoint::save(*sharded, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
                           training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
+}
+
+void Accelerator::save_model(const std::string& out_dir, const std::string& dtype, uint64_t max_shard_bytes,
+                             const std::string& config_json) {
+  State& s = *state_;
+  std::string resolved = dtype;
+  if (resolved == "auto") resolved = s.config.zero.stage3_gather_16bit_weights_on_model_save ? "bf16" : "fp32";
+  ST_CHECK_T(ConfigError, resolved == "fp32" || resolved == "bf16", "save_model: dtype '", dtype,
+             "' is not one of auto, fp32, bf16");
+  // Every rank writes its own slices (no rank gathers the model); rank 0 then
+  // streams them into the Hugging Face layout one parameter at a time.
+  const std::string staging = out_dir + "/.shardtrain-export";
+  const std::string written = save_state(staging, "weights");
+  if (is_main_process()) {
+    checkpoint::ExportOptions options;
+    options.dtype = resolved;
+    options.max_shard_bytes = max_shard_bytes;
+    options.config_json_path = config_json;
+    checkpoint::export_hf(written, out_dir, options);
+    std::filesystem::remove_all(staging);
+  }
+  wait_for_everyone();
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {

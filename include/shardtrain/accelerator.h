@@ -186,6 +186,14 @@ class Accelerator {
   /// by either engine at any world size. Collective. Damaged or mismatched
   /// checkpoints throw before anything is changed.
   void load_state(const std::string& dir, const std::string& tag = "");
+  /// Writes a consolidated Hugging Face weights directory (model.safetensors,
+  /// or shards of at most `max_shard_bytes` with model.safetensors.index.json;
+  /// `config_json` copied to config.json when given). dtype "auto": bf16 when
+  /// zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save is on,
+  /// else fp32. Streams one parameter at a time: no rank holds the whole model.
+  /// Collective.
+  void save_model(const std::string& out_dir, const std::string& dtype = "auto",
+                  uint64_t max_shard_bytes = 5000000000ULL, const std::string& config_json = "");
   /// Integers stored with the checkpoint for the training loop (data position, epoch, ...).
   std::map<std::string, int64_t>& checkpoint_extras();
 

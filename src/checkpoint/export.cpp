@@ -541,7 +541,8 @@ void export_hf(const std::string& path, const std::string& out_dir, const Export
     std::ifstream in(options.config_json_path);
     ST_CHECK(in.good(), "export: config file ", options.config_json_path, " cannot be read");
     try {
-      (void)json::parse(in);
+      const json parsed = json::parse(in);
+      ST_CHECK(parsed.is_object(), "export: config file ", options.config_json_path, " is not a JSON object");
     } catch (const json::exception& e) {
       ST_THROW(Error, "export: config file ", options.config_json_path, " is not valid JSON (", e.what(), ")");
     }

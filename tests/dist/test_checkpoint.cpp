@@ -7,6 +7,9 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/safetensors.h"
 
 #include "shardtrain/error.h"
 #include "support/multirank.h"
@@ -216,6 +219,111 @@ TEST(DistCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
       EXPECT_NE(std::string(e.what()).find("middle of a gradient-accumulation window"), std::string::npos) << e.what();
     }
   });
+}
+
+}  // namespace
+
+namespace {
+
+TEST(DistCheckpoint, ExportedHuggingFaceWeightsGiveTheTrainedModelsLogits) {
+  MultiRankOptions harness;
+  const fs::path dir = scratch("export");
+  harness.env["EXPORT_DIR"] = dir.string();
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto config = shardtrain::testing::zero_test_config(3, MixedPrecision::kBf16);
+    auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+    torch::manual_seed(9);
+    tiny::TinyConfig model_config;
+    tiny::TinyModel model(model_config);
+    auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+    at::Tensor tokens = at::stack({tiny::synthetic_sample(3, 0, model_config), tiny::synthetic_sample(3, 1, model_config)});
+    for (int step = 0; step < 3; ++step) {
+      accelerator->backward(prepared(tokens).mean());
+      accelerator->step();
+    }
+    at::Tensor trained_logits;
+    {
+      at::NoGradGuard no_grad;
+      trained_logits = prepared(tokens);
+    }
+    const std::string out = std::string(std::getenv("EXPORT_DIR")) + "/hf";
+    accelerator->save_model(out, "fp32", /*max_shard_bytes=*/200000);  // small shards: the index path
+    if (ctx.rank() != 0) return;
+    EXPECT_TRUE(fs::exists(out + "/model.safetensors.index.json"));
+    // Load the Hugging Face directory into a plain (unsharded) model.
+    std::ifstream index_file(out + "/model.safetensors.index.json");
+    const nlohmann::json index = nlohmann::json::parse(index_file);
+    torch::manual_seed(123);  // different init: every value must come from the files
+    tiny::TinyModel plain(model_config);
+    auto params = plain->named_parameters();
+    ASSERT_EQ(index.at("weight_map").size(), params.size());
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& [name, file] : index.at("weight_map").items()) {
+        shardtrain::safetensors::Reader reader(out + "/" + file.get<std::string>());
+        params[name].copy_(reader.read(name));
+      }
+    }
+    // Same bf16 compute as the engine ran: the exported fp32 masters rounded to bf16.
+    plain->to(at::kBFloat16);
+    at::NoGradGuard no_grad;
+    at::Tensor plain_logits = plain->forward(tokens);
+    EXPECT_TRUE(at::equal(plain_logits, trained_logits)) << "max diff "
+        << (plain_logits - trained_logits).abs().max().item<double>();
+  }, harness);
+}
+
+}  // namespace
+
+namespace {
+
+/// fsdp pure (bf16 load, mixed_precision: no) <-> fsdp standard (bf16 mixed precision).
+shardtrain::TrainingConfig fsdp_precision(bool pure) {
+  RunSpec spec = fsdp(2, 4);
+  spec.config.mixed_precision = pure ? MixedPrecision::kNo : MixedPrecision::kBf16;
+  spec.config.bf16 = !pure;
+  return spec.config;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> train_and_state(RankContext& ctx, bool pure, const std::string& save,
+                                                                const std::string& load) {
+  auto accelerator = shardtrain::testing::accelerator_for(fsdp_precision(pure), ctx);
+  torch::manual_seed(1);
+  tiny::TinyConfig model_config;
+  tiny::TinyModel model(model_config);
+  if (pure) model->to(at::kBFloat16);
+  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+  if (!load.empty()) accelerator->load_state(load);
+  at::Tensor tokens = at::stack({tiny::synthetic_sample(4, ctx.rank(), model_config)});
+  for (int step = 0; step < 2 && load.empty(); ++step) {
+    accelerator->backward(prepared(tokens).mean());
+    accelerator->step();
+  }
+  if (!save.empty()) accelerator->save_state(save);
+  return accelerator->full_state_dict();
+}
+
+TEST(DistCheckpoint, PureLowPrecisionAndStandardCheckpointsConvert) {
+  MultiRankOptions harness;
+  const fs::path dir = scratch("precision");
+  harness.env["PRECISION_DIR"] = dir.string();
+  run_on_ranks(2, [](RankContext& ctx) {
+    const std::string base = std::getenv("PRECISION_DIR");
+    // pure -> standard: the bf16 parameters are upcast exactly into fp32 masters.
+    auto saved_pure = train_and_state(ctx, /*pure=*/true, base + "/pure", "");
+    auto loaded_standard = train_and_state(ctx, /*pure=*/false, "", base + "/pure");
+    ASSERT_EQ(saved_pure.size(), loaded_standard.size());
+    for (std::size_t i = 0; i < saved_pure.size(); ++i) {
+      EXPECT_TRUE(at::equal(saved_pure[i].second, loaded_standard[i].second)) << saved_pure[i].first;
+    }
+    // standard -> pure: fp32 masters are rounded to bf16 (with a warning).
+    auto saved_standard = train_and_state(ctx, /*pure=*/false, base + "/standard", "");
+    auto loaded_pure = train_and_state(ctx, /*pure=*/true, "", base + "/standard");
+    for (std::size_t i = 0; i < saved_standard.size(); ++i) {
+      EXPECT_TRUE(at::equal(saved_standard[i].second.to(at::kBFloat16).to(at::kFloat), loaded_pure[i].second))
+          << saved_standard[i].first;
+    }
+  }, harness);
 }
 
 }  // namespace
