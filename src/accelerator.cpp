@@ -65,6 +65,7 @@ struct Accelerator::State {
   StepInfo last;
   bool prepared = false;
   std::map<std::string, int64_t> extras;
+  std::unique_ptr<DistributedSampler> sampler;
 };
 
 Accelerator::Accelerator(AcceleratorOptions options) : state_(std::make_unique<State>()) {
@@ -249,9 +250,10 @@ void Accelerator::prepare_scheduler(int64_t total_steps, std::optional<Scheduler
   s.scheduler = std::make_unique<engine::LRScheduler>(config, s.base_lr);
 }
 
-DistributedSampler Accelerator::prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle,
-                                                bool drop_last) const {
-  return DistributedSampler(dataset_size, num_processes(), process_index(), seed, shuffle, drop_last);
+DistributedSampler& Accelerator::prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle, bool drop_last) {
+  state_->sampler = std::make_unique<DistributedSampler>(dataset_size, num_processes(), process_index(), seed, shuffle,
+                                                         drop_last);
+  return *state_->sampler;
 }
 
 void Accelerator::begin_forward() { engine().begin_forward(); }
@@ -354,9 +356,14 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"scheduler_step", s.last.step},
                              {"samples_seen", (s.last.step + s.last.skipped_total) * global_batch},
                              {"skipped_total", s.last.skipped_total},
+                             {"world_size", num_processes()},
                              {"optimizer_steps", sharded->optimizer_steps()},
                              {"loss_scaler", sharded->loss_scaler_state()},
                              {"extras", s.extras}};
+  if (s.sampler) {
+    const SamplerState sampler = s.sampler->state();
+    training["sampler"] = {{"seed", sampler.seed}, {"epoch", sampler.epoch}, {"position", sampler.position}};
+  }
   return checkpoint::save(*sharded, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
                           training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
 }
@@ -394,6 +401,16 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
   sharded->set_optimizer_steps(training.at("optimizer_steps").get<int64_t>());
   sharded->load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
   s.extras = training.at("extras").get<std::map<std::string, int64_t>>();
+  if (s.sampler && training.contains("sampler")) {
+    // Positions are per rank; at another world size the epoch position maps by samples consumed.
+    SamplerState sampler;
+    sampler.seed = training["sampler"].at("seed").get<uint64_t>();
+    sampler.epoch = training["sampler"].at("epoch").get<int64_t>();
+    sampler.position = training["sampler"].at("position").get<int64_t>();
+    const int saved_world = training.value("world_size", num_processes());
+    if (saved_world != num_processes()) sampler.position = sampler.position * saved_world / num_processes();
+    s.sampler->load_state(sampler);
+  }
   s.micro_in_window = 0;
   s.clipped_this_window = false;
 }

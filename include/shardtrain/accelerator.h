@@ -148,9 +148,11 @@ class Accelerator {
                       const RunInfo& run);
   /// LR schedule from the config's scheduler block (or `override`), over `total_steps`.
   void prepare_scheduler(int64_t total_steps, std::optional<SchedulerConfig> override_config = std::nullopt);
-  /// This rank's distinct, seed-determined slice of a dataset of `dataset_size` items.
-  DistributedSampler prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true,
-                                     bool drop_last = false) const;
+  /// This rank's distinct, seed-determined slice of a dataset of `dataset_size`
+  /// items. The Accelerator owns it: save_state stores its epoch and position
+  /// and load_state restores them, so a resumed run continues at the exact sample.
+  DistributedSampler& prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true,
+                                      bool drop_last = false);
   const PrecisionPlan& precision_plan() const;
 
   // ---- training step

@@ -327,3 +327,47 @@ TEST(DistCheckpoint, PureLowPrecisionAndStandardCheckpointsConvert) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(DistCheckpoint, SamplerPositionAndKeepLastN) {
+  MultiRankOptions harness;
+  const fs::path dir = scratch("sampler");
+  harness.env["SAMPLER_DIR"] = dir.string();
+  run_on_ranks(2, [](RankContext& ctx) {
+    const std::string base = std::getenv("SAMPLER_DIR");
+    std::vector<int64_t> expected_next;
+    {
+      shardtrain::AcceleratorOptions options;
+      options.config = shardtrain::testing::zero_test_config(2, MixedPrecision::kNo);
+      options.communicator = ctx.comm;
+      options.checkpoint_total_limit = 2;
+      shardtrain::Accelerator accelerator(options);
+      tiny::TinyModel model(tiny::TinyConfig{});
+      accelerator.prepare(model, {}, shardtrain::testing::micro_batch(2));
+      auto& sampler = accelerator.prepare_sampler(100, /*seed=*/3);
+      sampler.set_epoch(2);
+      sampler.advance(7);
+      expected_next = sampler.remaining_indices();
+      for (const char* tag : {"a", "b", "c"}) accelerator.save_state(base, tag);
+    }
+    if (ctx.rank() == 0) {
+      EXPECT_FALSE(fs::exists(base + "/a")) << "keep-last 2 must remove the oldest checkpoint";
+      EXPECT_TRUE(fs::exists(base + "/b/index.json"));
+      EXPECT_TRUE(fs::exists(base + "/c/index.json"));
+    }
+    shardtrain::AcceleratorOptions options;
+    options.config = shardtrain::testing::zero_test_config(2, MixedPrecision::kNo);
+    options.communicator = ctx.comm;
+    shardtrain::Accelerator accelerator(options);
+    tiny::TinyModel model(tiny::TinyConfig{});
+    accelerator.prepare(model, {}, shardtrain::testing::micro_batch(2));
+    auto& sampler = accelerator.prepare_sampler(100, /*seed=*/3);
+    accelerator.load_state(base);
+    EXPECT_EQ(sampler.epoch(), 2);
+    EXPECT_EQ(sampler.position(), 7);
+    EXPECT_EQ(sampler.remaining_indices(), expected_next) << "the resumed sampler continues at the exact sample";
+  }, harness);
+}
+
+}  // namespace
