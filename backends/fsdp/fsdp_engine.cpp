@@ -91,6 +91,10 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   }
   o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (f.pure_low_precision ? " (pure low precision)" : "");
   if (world->rank() == 0) {
+    if (c.keep_low_precision_grads) {
+      ST_LOG_WARN("fsdp: fsdp_keep_low_precision_grads is not implemented yet; gradients are reduced into the "
+                  "shard's dtype");
+    }
     if (c.cpu_ram_efficient_loading) {
       ST_LOG_WARN("fsdp: fsdp_cpu_ram_efficient_loading is not implemented yet: every rank built the full model; "
                   "rank 0's values are broadcast (sync_module_states)");
