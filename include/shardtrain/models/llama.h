@@ -1,0 +1,160 @@
+#pragma once
+/// @file models/llama.h
+/// Llama and Mistral decoder-only language models with Hugging Face
+/// parameter names, so checkpoints from the Hub load with load_hf_weights()
+/// and hf_state_dict() names match the safetensors files one to one.
+///
+/// The math follows transformers' modeling_llama.py / modeling_mistral.py
+/// (eager attention): RMSNorm in fp32, rotate_half RoPE (default, "linear"
+/// and "llama3" scaling), grouped-query attention, fp32 softmax, SwiGLU MLP,
+/// Mistral's sliding window. Each decoder layer is a shardtrain::Unit named
+/// "LlamaDecoderLayer" or "MistralDecoderLayer" (by model_type), which is what
+/// `fsdp_transformer_layer_cls_to_wrap` selects.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "shardtrain/unit.h"
+
+namespace shardtrain::models {
+
+/// config.json's "rope_scaling".
+struct RopeScaling {
+  /// "linear" or "llama3" ("type" or "rope_type" in the JSON).
+  std::string type = "linear";
+  double factor = 1.0;
+  // llama3 only:
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+/// The fields of a Hugging Face LlamaConfig / MistralConfig that the model uses.
+struct LlamaConfig {
+  std::string model_type = "llama";  // "llama" or "mistral"
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;
+  /// 0: hidden_size / num_attention_heads (config.json's optional "head_dim").
+  int64_t head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int64_t max_position_embeddings = 2048;
+  bool tie_word_embeddings = false;
+  /// Mistral: a query at position i attends to keys j with i - sliding_window < j <= i.
+  std::optional<int64_t> sliding_window;
+  std::optional<RopeScaling> rope_scaling;
+  int64_t bos_token_id = 1;
+  /// First id when config.json lists several.
+  int64_t eos_token_id = 2;
+  /// Standard deviation of the random init (weights not loaded from a checkpoint).
+  double initializer_range = 0.02;
+
+  int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  /// "LlamaDecoderLayer" or "MistralDecoderLayer".
+  std::string decoder_layer_class_name() const;
+  /// Throws shardtrain::ConfigError on inconsistent values (heads not dividing, ...).
+  void validate() const;
+
+  /// Parses a Hugging Face config.json; throws shardtrain::ConfigError naming
+  /// the file and field on errors. Missing fields take transformers' defaults.
+  static LlamaConfig from_json_file(const std::string& path);
+  static LlamaConfig from_json_string(const std::string& json, const std::string& source = "<string>");
+};
+
+/// The rotary inverse frequencies [head_dim / 2] (fp32) after rope_scaling,
+/// as transformers' ROPE_INIT_FUNCTIONS compute them.
+at::Tensor rope_inv_freq(const LlamaConfig& config);
+
+struct LlamaRMSNormImpl : torch::nn::Module {
+  LlamaRMSNormImpl(int64_t hidden, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(LlamaRMSNorm);
+
+struct LlamaAttentionImpl : torch::nn::Module {
+  explicit LlamaAttentionImpl(const LlamaConfig& config);
+  /// x [B,T,H]; cos/sin [B,T,head_dim]; allowed [B,1,T,T] bool (true: may attend).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& allowed);
+  LlamaConfig config;
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+};
+TORCH_MODULE(LlamaAttention);
+
+struct LlamaMLPImpl : torch::nn::Module {
+  explicit LlamaMLPImpl(const LlamaConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMLP);
+
+/// One pre-norm decoder layer; a sharding unit.
+struct LlamaDecoderLayerImpl : torch::nn::Module, shardtrain::Unit {
+  explicit LlamaDecoderLayerImpl(const LlamaConfig& config);
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& allowed);
+  LlamaAttention self_attn{nullptr};
+  LlamaMLP mlp{nullptr};
+  LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+/// Embeddings, decoder layers and the final norm ("model." in HF names).
+struct LlamaModelImpl : torch::nn::Module {
+  explicit LlamaModelImpl(const LlamaConfig& config);
+  /// Returns the final normed hidden states [B,T,H]. See LlamaForCausalLMImpl::forward.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
+                     const at::Tensor& document_ids = {});
+  LlamaConfig config;
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  LlamaRMSNorm norm{nullptr};
+  at::Tensor inv_freq;  // buffer-like, not a parameter and not in the state dict
+};
+TORCH_MODULE(LlamaModel);
+
+/// The model with its LM head: LlamaForCausalLM / MistralForCausalLM.
+struct LlamaForCausalLMImpl : torch::nn::Module {
+  explicit LlamaForCausalLMImpl(const LlamaConfig& config);
+  /// input_ids [B,T] int64 -> logits [B,T,vocab] fp32.
+  /// position_ids [B,T] (default: 0..T-1, or restarting at each document when
+  /// document_ids is given). document_ids [B,T] int64: packed sequences; a token
+  /// attends only to earlier tokens with the same document id.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
+                     const at::Tensor& document_ids = {});
+  LlamaConfig config;
+  LlamaModel model{nullptr};
+  /// Null when config.tie_word_embeddings (logits then use model->embed_tokens).
+  torch::nn::Linear lm_head{nullptr};
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+/// Mean next-token cross entropy: logits[:, :-1] against input_ids[:, 1:]
+/// (targets equal to ignore_index are skipped), computed in fp32.
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index = -100);
+
+/// Positions restarting at 0 at every change of document id along dim 1.
+at::Tensor positions_from_document_ids(const at::Tensor& document_ids);
+
+/// Parameters under their Hugging Face names, in registration order.
+std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(LlamaForCausalLM& model);
+
+/// Loads model_dir/model.safetensors, or the shards that
+/// model_dir/model.safetensors.index.json maps. Every parameter must be present
+/// with the right shape (shardtrain::Error names the parameter and the file
+/// otherwise); values are converted to each parameter's dtype. Extra tensors
+/// in the files (e.g. rotary inv_freq) are ignored.
+void load_hf_weights(LlamaForCausalLM& model, const std::string& model_dir);
+
+}  // namespace shardtrain::models

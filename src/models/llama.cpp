@@ -1,0 +1,395 @@
+#include "shardtrain/models/llama.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/error.h"
+#include "shardtrain/safetensors.h"
+
+namespace shardtrain::models {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---- config ---------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+T get_or(const json& j, const char* key, T fallback, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception& e) {
+    ST_THROW(ConfigError, source, ": field '", key, "' has the wrong type: ", e.what());
+  }
+}
+
+}  // namespace
+
+std::string LlamaConfig::decoder_layer_class_name() const {
+  return model_type == "mistral" ? "MistralDecoderLayer" : "LlamaDecoderLayer";
+}
+
+void LlamaConfig::validate() const {
+  ST_CHECK_T(ConfigError, model_type == "llama" || model_type == "mistral",
+             "model_type '", model_type, "' is not supported (llama, mistral)");
+  ST_CHECK_T(ConfigError, vocab_size > 0 && hidden_size > 0 && intermediate_size > 0 && num_hidden_layers >= 0,
+             "vocab_size, hidden_size, intermediate_size must be positive");
+  ST_CHECK_T(ConfigError, num_attention_heads > 0 && num_key_value_heads > 0 &&
+                              num_attention_heads % num_key_value_heads == 0,
+             "num_attention_heads (", num_attention_heads, ") must be a multiple of num_key_value_heads (",
+             num_key_value_heads, ")");
+  ST_CHECK_T(ConfigError, head_dim > 0 || hidden_size % num_attention_heads == 0,
+             "hidden_size (", hidden_size, ") is not divisible by num_attention_heads (", num_attention_heads, ")");
+  ST_CHECK_T(ConfigError, resolved_head_dim() % 2 == 0, "head_dim must be even for rotary embeddings");
+  ST_CHECK_T(ConfigError, !sliding_window || *sliding_window > 0, "sliding_window must be positive");
+  if (rope_scaling) {
+    ST_CHECK_T(ConfigError, rope_scaling->type == "linear" || rope_scaling->type == "llama3",
+               "rope_scaling type '", rope_scaling->type, "' is not supported (linear, llama3)");
+    ST_CHECK_T(ConfigError, rope_scaling->factor > 0, "rope_scaling.factor must be positive");
+    if (rope_scaling->type == "llama3") {
+      ST_CHECK_T(ConfigError, rope_scaling->high_freq_factor != rope_scaling->low_freq_factor,
+                 "rope_scaling high_freq_factor must differ from low_freq_factor");
+    }
+  }
+}
+
+LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    ST_THROW(ConfigError, source, ": invalid JSON: ", e.what());
+  }
+  ST_CHECK_T(ConfigError, j.is_object(), source, ": config must be a JSON object");
+  LlamaConfig c;
+  c.model_type = get_or<std::string>(j, "model_type", "llama", source);
+  c.vocab_size = get_or<int64_t>(j, "vocab_size", c.vocab_size, source);
+  c.hidden_size = get_or<int64_t>(j, "hidden_size", c.hidden_size, source);
+  c.intermediate_size = get_or<int64_t>(j, "intermediate_size", c.intermediate_size, source);
+  c.num_hidden_layers = get_or<int64_t>(j, "num_hidden_layers", c.num_hidden_layers, source);
+  c.num_attention_heads = get_or<int64_t>(j, "num_attention_heads", c.num_attention_heads, source);
+  c.num_key_value_heads = get_or<int64_t>(j, "num_key_value_heads", c.num_attention_heads, source);
+  c.head_dim = get_or<int64_t>(j, "head_dim", 0, source);
+  c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", c.rms_norm_eps, source);
+  c.rope_theta = get_or<double>(j, "rope_theta", c.rope_theta, source);
+  c.max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings",
+                                              c.model_type == "mistral" ? 4096 * 32 : 2048, source);
+  c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);
+  c.initializer_range = get_or<double>(j, "initializer_range", c.initializer_range, source);
+  c.bos_token_id = get_or<int64_t>(j, "bos_token_id", c.bos_token_id, source);
+  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
+    if (it->is_array()) {
+      ST_CHECK_T(ConfigError, !it->empty() && (*it)[0].is_number_integer(), source,
+                 ": field 'eos_token_id' must be an integer or a non-empty list of integers");
+      c.eos_token_id = (*it)[0].get<int64_t>();
+    } else {
+      c.eos_token_id = get_or<int64_t>(j, "eos_token_id", c.eos_token_id, source);
+    }
+  }
+  // transformers' MistralConfig defaults sliding_window to 4096; null disables it.
+  if (auto it = j.find("sliding_window"); it != j.end()) {
+    if (!it->is_null()) c.sliding_window = get_or<int64_t>(j, "sliding_window", 0, source);
+  } else if (c.model_type == "mistral") {
+    c.sliding_window = 4096;
+  }
+  if (auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
+    ST_CHECK_T(ConfigError, it->is_object(), source, ": field 'rope_scaling' must be an object or null");
+    RopeScaling r;
+    const json& rs = *it;
+    r.type = get_or<std::string>(rs, "rope_type", get_or<std::string>(rs, "type", "", source), source);
+    ST_CHECK_T(ConfigError, !r.type.empty(), source, ": rope_scaling needs 'type' or 'rope_type'");
+    if (r.type != "default") {
+      r.factor = get_or<double>(rs, "factor", 1.0, source);
+      r.low_freq_factor = get_or<double>(rs, "low_freq_factor", r.low_freq_factor, source);
+      r.high_freq_factor = get_or<double>(rs, "high_freq_factor", r.high_freq_factor, source);
+      r.original_max_position_embeddings =
+          get_or<int64_t>(rs, "original_max_position_embeddings", r.original_max_position_embeddings, source);
+      c.rope_scaling = r;
+    }
+  }
+  try {
+    c.validate();
+  } catch (const ConfigError& e) {
+    throw ConfigError(source + ": " + e.what());
+  }
+  return c;
+}
+
+LlamaConfig LlamaConfig::from_json_file(const std::string& path) {
+  std::ifstream in(path);
+  ST_CHECK_T(ConfigError, in.good(), "cannot open model config '", path, "'");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return from_json_string(buffer.str(), path);
+}
+
+// ---- rotary embeddings ------------------------------------------------------
+
+at::Tensor rope_inv_freq(const LlamaConfig& config) {
+  const int64_t dim = config.resolved_head_dim();
+  // fp32 throughout, like transformers (base ** (arange(0, dim, 2).float() / dim)).
+  at::Tensor exponent = at::arange(0, dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / dim;
+  at::Tensor inv_freq = 1.0 / at::pow(config.rope_theta, exponent);
+  if (!config.rope_scaling) return inv_freq;
+  const RopeScaling& r = *config.rope_scaling;
+  if (r.type == "linear") return inv_freq / r.factor;
+  // llama3: transformers' _compute_llama3_parameters.
+  const double old_len = static_cast<double>(r.original_max_position_embeddings);
+  const double low_freq_wavelen = old_len / r.low_freq_factor;
+  const double high_freq_wavelen = old_len / r.high_freq_factor;
+  at::Tensor wavelen = 2 * M_PI / inv_freq;
+  at::Tensor inv_freq_llama = at::where(wavelen > low_freq_wavelen, inv_freq / r.factor, inv_freq);
+  at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  at::Tensor smoothed = (1 - smooth) * inv_freq_llama / r.factor + smooth * inv_freq_llama;
+  at::Tensor is_medium = at::logical_not(wavelen < high_freq_wavelen) & at::logical_not(wavelen > low_freq_wavelen);
+  return at::where(is_medium, smoothed, inv_freq_llama);
+}
+
+namespace {
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+}  // namespace
+
+at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {
+  ST_CHECK(document_ids.dim() == 2, "document_ids must be [B, T], got ", document_ids.sizes());
+  const int64_t T = document_ids.size(1);
+  at::Tensor idx = at::arange(T, document_ids.options().dtype(at::kLong)).expand_as(document_ids);
+  at::Tensor is_start = at::ones_like(document_ids, at::kBool);
+  if (T > 1) {
+    is_start.slice(1, 1).copy_(document_ids.slice(1, 1) != document_ids.slice(1, 0, T - 1));
+  }
+  at::Tensor start = std::get<0>(at::cummax(at::where(is_start, idx, at::zeros_like(idx)), 1));
+  return idx - start;
+}
+
+// ---- modules --------------------------------------------------------------
+
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden, double eps_)
+    : weight(register_parameter("weight", torch::ones({hidden}))), eps(eps_) {}
+
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
+  const auto input_dtype = x.scalar_type();
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(input_dtype);
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c) : config(c) {
+  const int64_t d = c.resolved_head_dim();
+  q_proj = register_module("q_proj", linear(c.hidden_size, c.num_attention_heads * d));
+  k_proj = register_module("k_proj", linear(c.hidden_size, c.num_key_value_heads * d));
+  v_proj = register_module("v_proj", linear(c.hidden_size, c.num_key_value_heads * d));
+  o_proj = register_module("o_proj", linear(c.num_attention_heads * d, c.hidden_size));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& allowed) {
+  const int64_t B = x.size(0), T = x.size(1), d = config.resolved_head_dim();
+  const int64_t nh = config.num_attention_heads, nkv = config.num_key_value_heads;
+  at::Tensor q = q_proj(x).view({B, T, nh, d}).transpose(1, 2);
+  at::Tensor k = k_proj(x).view({B, T, nkv, d}).transpose(1, 2);
+  at::Tensor v = v_proj(x).view({B, T, nkv, d}).transpose(1, 2);
+  at::Tensor c = cos.unsqueeze(1).to(x.scalar_type());
+  at::Tensor s = sin.unsqueeze(1).to(x.scalar_type());
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  if (nh != nkv) {
+    const int64_t rep = nh / nkv;
+    k = k.unsqueeze(2).expand({B, nkv, rep, T, d}).reshape({B, nh, T, d});
+    v = v.unsqueeze(2).expand({B, nkv, rep, T, d}).reshape({B, nh, T, d});
+  }
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
+  scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({B, T, nh * d});
+  return o_proj(out);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
+  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size));
+  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size));
+  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
+}
+
+at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c) : Unit(c.decoder_layer_class_name()) {
+  self_attn = register_module("self_attn", LlamaAttention(c));
+  mlp = register_module("mlp", LlamaMLP(c));
+  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                                          const at::Tensor& allowed) {
+  // By value: with activation checkpointing the body runs again in backward.
+  return run_unit(hidden, [this, cos, sin, allowed](const at::Tensor& h) {
+    at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, allowed);
+    return x + mlp(post_attention_layernorm(x));
+  });
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
+  c.validate();
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c));
+  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  inv_freq = rope_inv_freq(c);
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
+                                   const at::Tensor& document_ids) {
+  ST_CHECK(input_ids.dim() == 2, "input_ids must be [B, T], got ", input_ids.sizes());
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  const auto long_opts = input_ids.options().dtype(at::kLong);
+  if (document_ids.defined()) {
+    ST_CHECK(document_ids.sizes() == input_ids.sizes(), "document_ids ", document_ids.sizes(),
+             " must match input_ids ", input_ids.sizes());
+  }
+  at::Tensor positions;
+  if (position_ids.defined()) {
+    ST_CHECK(position_ids.sizes() == input_ids.sizes(), "position_ids ", position_ids.sizes(),
+             " must match input_ids ", input_ids.sizes());
+    positions = position_ids.to(at::kLong);
+  } else if (document_ids.defined()) {
+    positions = positions_from_document_ids(document_ids.to(input_ids.device()));
+  } else {
+    positions = at::arange(T, long_opts).unsqueeze(0).expand({B, T});
+  }
+  // cos/sin [B,T,d]: freqs = positions x inv_freq in fp32, emb = cat(freqs, freqs).
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(input_ids.device()).view({1, 1, -1});
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+
+  // allowed[b,0,i,j]: j <= i, within the sliding window, same document.
+  at::Tensor idx = at::arange(T, long_opts);
+  at::Tensor diff = idx.unsqueeze(1) - idx.unsqueeze(0);  // i - j
+  at::Tensor allowed = diff >= 0;
+  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
+  allowed = allowed.view({1, 1, T, T});
+  if (document_ids.defined()) {
+    at::Tensor doc = document_ids.to(input_ids.device());
+    allowed = allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
+  } else {
+    allowed = allowed.expand({B, 1, T, T});
+  }
+
+  at::Tensor h = embed_tokens(input_ids);
+  for (auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed);
+  return norm(h);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
+  model = register_module("model", LlamaModel(c));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", linear(c.hidden_size, c.vocab_size));
+  // transformers' _init_weights: normal(0, initializer_range) for matrices, ones for norms.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    at::Tensor p = item.value();
+    if (p.dim() >= 2) p.normal_(0.0, c.initializer_range);
+    else p.fill_(1.0);
+  }
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
+                                         const at::Tensor& document_ids) {
+  at::Tensor h = model(input_ids, position_ids, document_ids);
+  at::Tensor logits = lm_head ? lm_head(h) : at::linear(h, model->embed_tokens->weight);
+  return logits.to(at::kFloat);
+}
+
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index) {
+  ST_CHECK(logits.dim() == 3 && input_ids.dim() == 2 && logits.size(0) == input_ids.size(0) &&
+               logits.size(1) == input_ids.size(1),
+           "causal_lm_loss: logits ", logits.sizes(), " do not match input_ids ", input_ids.sizes());
+  const int64_t V = logits.size(2), T = logits.size(1);
+  at::Tensor shifted = logits.slice(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  at::Tensor targets = input_ids.slice(1, 1).reshape({-1}).to(at::kLong);
+  return at::cross_entropy_loss(shifted, targets, /*weight=*/{}, at::Reduction::Mean, ignore_index);
+}
+
+// ---- Hugging Face weights ---------------------------------------------------
+
+std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(LlamaForCausalLM& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& item : model->named_parameters(/*recurse=*/true)) {
+    if (item.value().defined()) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+void load_hf_weights(LlamaForCausalLM& model, const std::string& model_dir) {
+  const fs::path dir(model_dir);
+  const fs::path single = dir / "model.safetensors";
+  const fs::path index = dir / "model.safetensors.index.json";
+  std::map<std::string, std::string> weight_map;  // parameter -> file
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  std::string where;  // for messages
+  if (fs::exists(single)) {
+    where = single.string();
+  } else {
+    ST_CHECK(fs::exists(index), "no model.safetensors or model.safetensors.index.json in '", model_dir, "'");
+    where = index.string();
+    std::ifstream in(index);
+    ST_CHECK(in.good(), "cannot open '", where, "'");
+    json j;
+    try {
+      in >> j;
+    } catch (const json::exception& e) {
+      ST_THROW(Error, where, ": invalid JSON: ", e.what());
+    }
+    auto it = j.find("weight_map");
+    ST_CHECK(it != j.end() && it->is_object(), where, ": no \"weight_map\" object");
+    for (auto& [name, file] : it->items()) {
+      ST_CHECK(file.is_string(), where, ": weight_map entry '", name, "' is not a file name");
+      weight_map[name] = (dir / file.get<std::string>()).string();
+    }
+  }
+  auto reader_for = [&](const std::string& path) -> safetensors::Reader& {
+    auto& slot = readers[path];
+    if (!slot) slot = std::make_unique<safetensors::Reader>(path);
+    return *slot;
+  };
+
+  torch::NoGradGuard no_grad;
+  for (auto& [name, param] : hf_state_dict(model)) {
+    std::string file;
+    if (weight_map.empty()) {
+      file = single.string();
+    } else {
+      auto it = weight_map.find(name);
+      ST_CHECK(it != weight_map.end(), "missing parameter '", name, "': not listed in ", where);
+      file = it->second;
+    }
+    safetensors::Reader& reader = reader_for(file);
+    ST_CHECK(reader.contains(name), "missing parameter '", name, "' in ", file);
+    const auto& info = reader.info(name);
+    ST_CHECK(at::IntArrayRef(info.shape) == param.sizes(), "parameter '", name, "' in ", file, " has shape ",
+             at::IntArrayRef(info.shape), ", the model expects ", param.sizes());
+    param.copy_(reader.read(name).to(param.scalar_type()));
+  }
+}
+
+}  // namespace shardtrain::models

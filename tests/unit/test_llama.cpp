@@ -1,0 +1,233 @@
+// Llama / Mistral models against golden logits from scripts/make_llama_golden.py
+// (an independent plain-PyTorch transcription of transformers' math).
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "build_config.h"
+#include "shardtrain/error.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/safetensors.h"
+
+namespace fs = std::filesystem;
+namespace sm = shardtrain::models;
+namespace st = shardtrain::safetensors;
+
+namespace {
+
+std::string golden_dir(const std::string& name) {
+  return std::string(SHARDTRAIN_SOURCE_DIR) + "/tests/data/golden/" + name;
+}
+
+sm::LlamaForCausalLM load_case(const std::string& name) {
+  auto config = sm::LlamaConfig::from_json_file(golden_dir(name) + "/config.json");
+  sm::LlamaForCausalLM model(config);
+  sm::load_hf_weights(model, golden_dir(name));
+  model->eval();
+  return model;
+}
+
+class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(UnitLlamaGolden, LogitsAndLossMatch) {
+  const std::string name = GetParam();
+  auto model = load_case(name);
+  st::Reader golden(golden_dir(name) + "/golden.safetensors");
+  at::Tensor input_ids = golden.read("input_ids");
+  at::Tensor expected = golden.read("logits");
+  torch::NoGradGuard no_grad;
+  at::Tensor logits = model->forward(input_ids);
+  ASSERT_EQ(logits.scalar_type(), at::kFloat);
+  ASSERT_EQ(logits.sizes(), expected.sizes());
+  const double max_diff = (logits - expected).abs().max().item<double>();
+  EXPECT_LE(max_diff, 1e-5) << name;
+  const double loss = sm::causal_lm_loss(logits, input_ids).item<double>();
+  EXPECT_NEAR(loss, golden.read("loss").item<double>(), 1e-5) << name;
+}
+
+// Prefix "UnitLlama" so the suite matches the Unit* label filter.
+INSTANTIATE_TEST_SUITE_P(UnitLlama, UnitLlamaGolden,
+                         ::testing::Values("llama", "llama_tied_llama3", "llama_linear_mha", "mistral_swa"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+TEST(UnitLlama, ConfigParsesHfFields) {
+  auto tied = sm::LlamaConfig::from_json_file(golden_dir("llama_tied_llama3") + "/config.json");
+  EXPECT_TRUE(tied.tie_word_embeddings);
+  ASSERT_TRUE(tied.rope_scaling.has_value());
+  EXPECT_EQ(tied.rope_scaling->type, "llama3");
+  EXPECT_DOUBLE_EQ(tied.rope_scaling->factor, 8.0);
+  EXPECT_EQ(tied.rope_scaling->original_max_position_embeddings, 1024);
+  EXPECT_EQ(tied.eos_token_id, 2);  // first of [2, 3]
+  EXPECT_FALSE(tied.sliding_window.has_value());
+  EXPECT_EQ(tied.num_key_value_heads, 2);
+  auto mistral = sm::LlamaConfig::from_json_file(golden_dir("mistral_swa") + "/config.json");
+  EXPECT_EQ(mistral.model_type, "mistral");
+  ASSERT_TRUE(mistral.sliding_window.has_value());
+  EXPECT_EQ(*mistral.sliding_window, 4);
+  EXPECT_EQ(mistral.decoder_layer_class_name(), "MistralDecoderLayer");
+  EXPECT_THROW(sm::LlamaConfig::from_json_string(R"({"hidden_size": 30, "num_attention_heads": 4})"),
+               shardtrain::ConfigError);
+  EXPECT_THROW(sm::LlamaConfig::from_json_string("{not json"), shardtrain::ConfigError);
+}
+
+TEST(UnitLlama, DecoderLayersAreNamedUnits) {
+  auto llama = sm::LlamaConfig::from_json_file(golden_dir("llama") + "/config.json");
+  sm::LlamaForCausalLM model(llama);
+  ASSERT_EQ(model->model->layers->size(), 2u);
+  for (auto& layer : *model->model->layers) {
+    auto* unit = dynamic_cast<shardtrain::Unit*>(layer.get());
+    ASSERT_NE(unit, nullptr);
+    EXPECT_EQ(unit->unit_class_name(), "LlamaDecoderLayer");
+  }
+}
+
+TEST(UnitLlama, HfNamesRoundTrip) {
+  for (const std::string name : {"llama", "llama_tied_llama3", "mistral_swa"}) {
+    auto model = load_case(name);
+    st::Reader weights(golden_dir(name) + "/model.safetensors");
+    auto state = sm::hf_state_dict(model);
+    std::set<std::string> model_names, file_names;
+    for (auto& [n, t] : state) model_names.insert(n);
+    for (auto& n : weights.names()) file_names.insert(n);
+    EXPECT_EQ(model_names, file_names) << name;
+    EXPECT_EQ(state.size(), model_names.size()) << name;
+    const bool has_head = model_names.count("lm_head.weight") > 0;
+    EXPECT_EQ(has_head, !model->config.tie_word_embeddings) << name;
+    for (auto& [n, t] : state) {
+      ASSERT_TRUE(weights.contains(n)) << n;
+      EXPECT_TRUE(at::equal(t, weights.read(n))) << name << ": " << n;
+    }
+  }
+}
+
+TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
+  for (const std::string name : {"llama", "mistral_swa"}) {
+    auto model = load_case(name);
+    torch::NoGradGuard no_grad;
+    const int64_t V = model->config.vocab_size;
+    const std::vector<int64_t> lengths = {5, 3, 7};  // 7 > sliding_window 4
+    at::Tensor ids = at::randint(V, {1, 15}, at::TensorOptions().dtype(at::kLong));
+    std::vector<at::Tensor> docs, positions;
+    for (size_t d = 0; d < lengths.size(); ++d) {
+      docs.push_back(at::full({lengths[d]}, static_cast<int64_t>(d), at::kLong));
+      positions.push_back(at::arange(lengths[d], at::kLong));
+    }
+    at::Tensor doc_ids = at::cat(docs).unsqueeze(0);
+    at::Tensor pos_ids = at::cat(positions).unsqueeze(0);
+    EXPECT_TRUE(at::equal(sm::positions_from_document_ids(doc_ids), pos_ids));
+    at::Tensor packed = model->forward(ids, pos_ids, doc_ids);
+    at::Tensor packed_default_pos = model->forward(ids, {}, doc_ids);
+    EXPECT_TRUE(at::equal(packed, packed_default_pos)) << name;
+    int64_t start = 0;
+    for (int64_t len : lengths) {
+      at::Tensor alone = model->forward(ids.slice(1, start, start + len));
+      const double diff = (packed.slice(1, start, start + len) - alone).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5) << name << " document at " << start;
+      start += len;
+    }
+    // Without document ids the later documents see earlier ones: logits differ.
+    at::Tensor unpacked = model->forward(ids);
+    EXPECT_GT((unpacked.slice(1, 5) - packed.slice(1, 5)).abs().max().item<double>(), 1e-3) << name;
+  }
+}
+
+class UnitLlamaLoad : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / ("shardtrain_llama_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    config_ = sm::LlamaConfig::from_json_file(golden_dir("llama") + "/config.json");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<std::pair<std::string, at::Tensor>> golden_weights() {
+    st::Reader reader(golden_dir("llama") + "/model.safetensors");
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (auto& n : reader.names()) out.emplace_back(n, reader.read(n));
+    return out;
+  }
+
+  fs::path dir_;
+  sm::LlamaConfig config_;
+};
+
+TEST_F(UnitLlamaLoad, MissingParameterIsNamed) {
+  auto weights = golden_weights();
+  const std::string dropped = "model.layers.1.mlp.up_proj.weight";
+  std::vector<std::pair<std::string, at::Tensor>> kept;
+  for (auto& w : weights) if (w.first != dropped) kept.push_back(w);
+  st::write_file((dir_ / "model.safetensors").string(), kept, {}, false);
+  sm::LlamaForCausalLM model(config_);
+  try {
+    sm::load_hf_weights(model, dir_.string());
+    FAIL() << "expected an error";
+  } catch (const shardtrain::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(dropped), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.safetensors"), std::string::npos) << msg;
+  }
+}
+
+TEST_F(UnitLlamaLoad, WrongShapeIsNamed) {
+  auto weights = golden_weights();
+  for (auto& w : weights) {
+    if (w.first == "model.norm.weight") w.second = at::ones({3});
+  }
+  st::write_file((dir_ / "model.safetensors").string(), weights, {}, false);
+  sm::LlamaForCausalLM model(config_);
+  try {
+    sm::load_hf_weights(model, dir_.string());
+    FAIL() << "expected an error";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.norm.weight"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(UnitLlamaLoad, ShardedIndexAndDtypeConversion) {
+  auto weights = golden_weights();
+  std::vector<std::pair<std::string, at::Tensor>> a, b;
+  std::string map;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto& w = weights[i];
+    const bool first = i % 2 == 0;
+    (first ? a : b).emplace_back(w.first, w.second.to(at::kDouble));
+    map += std::string(map.empty() ? "" : ",") + "\"" + w.first + "\":\"" +
+           (first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors") + "\"";
+  }
+  st::write_file((dir_ / "model-00001-of-00002.safetensors").string(), a, {}, false);
+  st::write_file((dir_ / "model-00002-of-00002.safetensors").string(), b, {}, false);
+  std::ofstream(dir_ / "model.safetensors.index.json") << "{\"metadata\":{},\"weight_map\":{" << map << "}}";
+  sm::LlamaForCausalLM model(config_);
+  sm::load_hf_weights(model, dir_.string());
+  auto reference = load_case("llama");
+  auto got = sm::hf_state_dict(model);
+  auto want = sm::hf_state_dict(reference);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first);
+    EXPECT_EQ(got[i].second.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(got[i].second, want[i].second)) << got[i].first;
+  }
+}
+
+TEST_F(UnitLlamaLoad, BackwardThroughModel) {
+  sm::LlamaForCausalLM model(config_);
+  at::Tensor ids = at::randint(config_.vocab_size, {2, 6}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor loss = sm::causal_lm_loss(model->forward(ids), ids);
+  loss.backward();
+  for (auto& [n, p] : sm::hf_state_dict(model)) {
+    ASSERT_TRUE(p.grad().defined()) << n;
+  }
+}
+
+}  // namespace
