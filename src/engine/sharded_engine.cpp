@@ -488,7 +488,6 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     }
   };
   // Units first (so they claim their parameters), then the root takes the rest.
-  std::vector<UnitState> root_states;
   for (const auto& [path, module] : unit_modules) collect(path, dynamic_cast<Unit*>(module.get()), *module);
   const std::size_t unit_state_count = s.units.size();
   collect("", nullptr, *s.model);

@@ -179,7 +179,6 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   std::vector<int> codes(world_size, -1);
   int remaining = world_size;
-  bool timed_out = false;
   while (remaining > 0) {
     for (int r = 0; r < world_size; ++r) {
       if (codes[r] != -1) continue;
@@ -191,7 +190,6 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     }
     if (remaining == 0) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      timed_out = true;
       for (int r = 0; r < world_size; ++r) {
         if (codes[r] == -1) kill(-pids[r], SIGKILL);
       }
@@ -224,7 +222,6 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     ADD_FAILURE() << "rank " << r << " of " << world_size << " " << why << "; its output:\n"
                   << tail(read_file(logs[r]), 6000);
   }
-  (void)timed_out;
   for (const auto& log : logs) std::remove(log.c_str());
   rmdir(dir.c_str());
 }
