@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/scratch_dir.h"
 #include "build_config.h"
 #include "shardtrain/config.h"
 #include "shardtrain/error.h"
@@ -40,29 +41,7 @@ const fs::path kSourceDir = SHARDTRAIN_SOURCE_DIR;
 const fs::path kConfigsDir = kSourceDir / "configs";
 const fs::path kBadDir = kSourceDir / "tests/data/configs/bad";
 
-/// A scratch directory removed with everything in it at the end of a test.
-class ScratchDir {
- public:
-  ScratchDir() {
-    char path_template[] = "/tmp/shardtrain-config-test-XXXXXX";
-    const char* made = mkdtemp(path_template);
-    if (made == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = made;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string file = path_ + "/" + name;
-    std::ofstream(file, std::ios::binary) << text;
-    return file;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using shardtrain::testing::ScratchDir;
 
 /// Sets environment variables for one test and restores the old values.
 class ScopedEnvironment {

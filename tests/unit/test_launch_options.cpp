@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <gtest/gtest.h>
 
+#include "support/scratch_dir.h"
 #include "launcher/launch_options.h"
 #include "shardtrain/error.h"
 
@@ -22,29 +23,7 @@ using shardtrain::launcher::LaunchOptions;
 using shardtrain::launcher::parse_launch_options;
 namespace fs = std::filesystem;
 
-/// A scratch directory removed with everything in it at the end of a test.
-class ScratchDir {
- public:
-  ScratchDir() {
-    char path_template[] = "/tmp/shardtrain-launch-options-XXXXXX";
-    const char* made = mkdtemp(path_template);
-    if (made == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = made;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string file = path_ + "/" + name;
-    std::ofstream(file) << text;
-    return file;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using shardtrain::testing::ScratchDir;
 
 /// The message of the ConfigError that parsing `args` throws ("" if none).
 std::string config_error_of(const std::vector<std::string>& args) {
