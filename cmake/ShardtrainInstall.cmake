@@ -6,6 +6,8 @@ install(TARGETS shardtrain shardtrain_models EXPORT shardtrainTargets
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS shardtrain_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# load_sentencepiece() finds the shim in the directory libshardtrain is loaded from.
+install(TARGETS shardtrain_spm LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(DIRECTORY include/shardtrain DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   FILES_MATCHING PATTERN "*.h")
 install(FILES ${PROJECT_BINARY_DIR}/include/shardtrain/version.h

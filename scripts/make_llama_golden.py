@@ -9,6 +9,12 @@ installed here. For each case it writes under tests/data/golden/<name>/:
   model.safetensors  random fp32 weights under HF parameter names
   golden.safetensors input_ids [B,T] int64, logits [B,T,V] fp32, loss [] fp32
                      (mean next-token cross entropy)
+  greedy.json        (GREEDY_CASES only) greedy continuation of a prompt (the
+                     first ids of one row of input_ids), recomputing the
+                     whole sequence each step as transformers' generate() with
+                     do_sample=False does; stops after eos_token_id (included),
+                     like generate(). tests/unit/test_generation.cpp checks the
+                     KV-cached generation and the `generate` program against it.
 Safetensors files are written by hand (no safetensors package on Debian 12).
 
 Usage: /usr/bin/python3 scripts/make_llama_golden.py [out_dir]
@@ -129,6 +135,29 @@ def forward(cfg, w, input_ids):
     return logits, loss
 
 
+def eos_of(cfg):
+    eos = cfg["eos_token_id"]
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def greedy(cfg, w, prompt, max_new_tokens):
+    """Greedy ids after `prompt` (a list), and the smallest gap between the two
+    best logits over the steps (a tie-break margin the C++ side must not cross)."""
+    ids = list(prompt)
+    out, min_gap = [], float("inf")
+    for _ in range(max_new_tokens):
+        logits, _ = forward(cfg, w, torch.tensor([ids], dtype=torch.int64))
+        last = logits[0, -1]
+        top2 = torch.topk(last, 2).values
+        min_gap = min(min_gap, (top2[0] - top2[1]).item())
+        token = int(torch.argmax(last).item())
+        out.append(token)
+        ids.append(token)
+        if token == eos_of(cfg):
+            break
+    return out, min_gap
+
+
 def random_weights(cfg, gen):
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -205,6 +234,14 @@ def cases():
             ("mistral_swa", mistral, 4)]
 
 
+# Cases that also get greedy.json, with the prompt (row of input_ids, length):
+# GQA Llama, and Mistral with a generation longer than its sliding window (4)
+# so the cached window is exercised. Prompts picked for continuations that do
+# not just repeat one token.
+GREEDY_CASES = {"llama": (1, 8), "mistral_swa": (0, 5)}
+MAX_NEW_TOKENS = 12
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "tests", "data", "golden")
@@ -225,6 +262,18 @@ def main():
         write_safetensors(os.path.join(out, "golden.safetensors"),
                           [("input_ids", input_ids), ("logits", logits), ("loss", loss.reshape(()))])
         print(f"{name}: loss {loss.item():.6f}")
+        if name in GREEDY_CASES:
+            # After the random draws above, and drawing none: the other outputs stay as they were.
+            row, length = GREEDY_CASES[name]
+            prompt = input_ids[row, :length].tolist()
+            with torch.no_grad():
+                ids, gap = greedy(cfg, dict(weights), prompt, MAX_NEW_TOKENS)
+            assert gap > 1e-3, f"{name}: greedy step with near-tied logits ({gap}); pick another prompt"
+            with open(os.path.join(out, "greedy.json"), "w") as f:
+                json.dump({"prompt_ids": prompt, "max_new_tokens": MAX_NEW_TOKENS, "eos_token_id": eos_of(cfg),
+                           "greedy_ids": ids, "min_top2_logit_gap": round(gap, 6)}, f, indent=2)
+                f.write("\n")
+            print(f"{name}: greedy {ids} (min top-2 gap {gap:.4f})")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,13 @@ comm::Communicator& Accelerator::communicator() { return *state_->comm; }
 const TrainingConfig& Accelerator::config() const { return state_->config; }
 const PrecisionPlan& Accelerator::precision_plan() const { return state_->plan; }
 
+bool Accelerator::materialize_full_weights() const {
+  const TrainingConfig& c = state_->config;
+  const bool rank0_loads = (c.distributed_type == DistributedType::kFsdp && c.fsdp.cpu_ram_efficient_loading) ||
+                           (c.distributed_type == DistributedType::kDeepSpeed && c.zero.stage == 3 && c.zero3_init_flag);
+  return !rank0_loads || process_index() == 0;
+}
+
 engine::Engine& Accelerator::engine() {
   ST_CHECK(state_->engine != nullptr, "no engine yet: call accelerator.prepare(model) first");
   return *state_->engine;
@@ -141,6 +148,8 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   context.micro_batch_size = run.micro_batch_size;
   context.hidden_size = run.hidden_size;
   context.total_steps = run.total_steps;
+  context.warmup_steps = run.warmup_steps;
+  context.max_grad_norm = run.max_grad_norm;
   s.config = resolve_auto(s.config, context);
   s.accumulation = s.config.gradient_accumulation_steps.value_or(1);
 
@@ -212,6 +221,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       zo.loss_scale = s.config.fp16;
       zo.fp16 = low == DType::kFp16;
       zo.optimizer = spec;
+      zo.weight_source = run.weight_source;
       s.engine = std::make_unique<zero::ZeroEngine>(s.module, s.comm, zo);
       break;
     }
@@ -229,6 +239,8 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       fo.loss_scale = s.config.fp16;
       fo.fp16 = shard == DType::kFp16;
       fo.optimizer = spec;
+      if (s.config.fsdp.buffer_dtype) fo.buffer_dtype = to_scalar(*s.config.fsdp.buffer_dtype);
+      fo.weight_source = run.weight_source;
       s.engine = std::make_unique<fsdp::FsdpEngine>(s.module, s.comm, fo);
       break;
     }
@@ -425,6 +437,7 @@ MemoryReport Accelerator::memory() const {
     report.optimizer = m.optimizer;
     report.gathered = m.gathered;
     report.gathered_peak = m.gathered_peak;
+    report.load_peak = m.load_peak;
   }
   report.peak_rss = peak_rss_bytes();
   return report;

@@ -74,16 +74,23 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);
+  // fsdp_keep_low_precision_grads: the gradient shard stays in the 16-bit param dtype.
+  const bool low_grads = pure || (fsdp && config.fsdp.keep_low_precision_grads && low != DType::kFp32);
+  plan.grad_dtype = low_grads ? name_of(low) : "fp32";
   plan.master_dtype = pure ? "none" : "fp32";
   plan.optimizer_dtype = pure ? name_of(low) : "fp32";
   plan.params_bytes = shard / shards;
   plan.master_is_params = !pure && low == DType::kFp32;
   plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
-  plan.grads_bytes = (pure ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
+  plan.grads_bytes = (low_grads ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
   plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
   plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";
+  if (low_grads && !pure) {
+    plan.notes += "keep_low_precision_grads: gradients are kept (and accumulated) in " + std::string(name_of(low)) +
+                  "; the optimizer widens them as it reads them. ";
+  }
   if (pure) {
     plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost. ";
   }
@@ -94,7 +101,7 @@ std::string PrecisionPlan::to_string() const {
   std::ostringstream out;
   out << "precision plan (" << engine << ", " << num_params << " parameters, " << world_size << " ranks)\n";
   out << "  load " << load_dtype << " | shard at rest " << shard_dtype << " | compute " << compute_dtype
-      << " | grad reduce " << reduce_dtype << " | master " << master_dtype << " | optimizer state "
+      << " | grad reduce " << reduce_dtype << " | grads " << grad_dtype << " | master " << master_dtype << " | optimizer state "
       << optimizer_dtype << "\n";
   out << std::fixed << std::setprecision(3);
   auto row = [&](const char* kind, double per_param) {

@@ -23,10 +23,16 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   o.param_dtype = f.param_dtype;
   o.reduce_dtype = f.reduce_dtype;
   o.pure_low_precision = f.pure_low_precision;
+  // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
+  o.keep_low_precision_grads = c.keep_low_precision_grads && !f.pure_low_precision && f.param_dtype != at::kFloat;
+  o.buffer_dtype = f.buffer_dtype;
+  o.weight_source = f.weight_source;
   o.loss_scale = f.loss_scale;
   o.fp16 = f.fp16;
   o.optimizer = f.optimizer;
-  o.sync_module_states = c.sync_module_states;
+  // cpu_ram_efficient_loading needs rank 0's values (Accelerate forces sync_module_states with it);
+  // parameters a rank built without storage come from rank 0 either way.
+  o.sync_module_states = c.sync_module_states || c.cpu_ram_efficient_loading;
   o.sync_group = world;
   o.offload_optimizer = c.offload_params;
   o.activation_checkpointing = c.activation_checkpointing;
@@ -91,13 +97,10 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   }
   o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (f.pure_low_precision ? " (pure low precision)" : "");
   if (world->rank() == 0) {
-    if (c.keep_low_precision_grads) {
-      ST_LOG_WARN("fsdp: fsdp_keep_low_precision_grads is not implemented yet; gradients are reduced into the "
-                  "shard's dtype");
-    }
-    if (c.cpu_ram_efficient_loading) {
-      ST_LOG_WARN("fsdp: fsdp_cpu_ram_efficient_loading is not implemented yet: every rank built the full model; "
-                  "rank 0's values are broadcast (sync_module_states)");
+    if (c.keep_low_precision_grads && !o.keep_low_precision_grads) {
+      ST_LOG_WARN("fsdp: fsdp_keep_low_precision_grads has no effect here: {}",
+                  f.pure_low_precision ? "pure low precision keeps every gradient in the low dtype already"
+                                       : "param_dtype is fp32, so gradients are fp32 anyway");
     }
     if (f.pure_low_precision) {
       ST_LOG_WARN("fsdp pure low precision: parameters, gradients and optimizer state are {}; an update smaller "

@@ -17,6 +17,13 @@
 //    runs in FP32, compute uses param_dtype — numerically the zero engine's.
 //  * pure low precision: flat parameter, gradients and optimizer state in the
 //    low dtype; half the optimizer memory; updates below half an ulp are lost.
+// keep_low_precision_grads keeps the sharded gradient in param_dtype (the
+// optimizer widens it as it reads it); buffer_dtype casts floating-point
+// buffers for compute (state dicts return them in their original dtype).
+//
+// cpu_ram_efficient_loading: only rank 0 materialises the weights; the other
+// ranks build the model without parameter storage (see
+// shardtrain/weight_loading.h) and receive only their shard from rank 0.
 
 #include "engine/sharded_engine.h"
 
@@ -29,6 +36,10 @@ struct FsdpOptions {
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
   bool pure_low_precision = false;
+  /// Resolved fsdp_buffer_dtype (unset: buffers are not cast).
+  std::optional<at::ScalarType> buffer_dtype;
+  /// Fills the shards of parameters built without storage (else rank 0 sends them).
+  WeightSource weight_source;
   /// Processes per machine (HYBRID_SHARD shards within a machine).
   int local_world_size = 1;
   LossScaleConfig loss_scale;

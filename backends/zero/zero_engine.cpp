@@ -32,6 +32,7 @@ engine::ShardingOptions to_sharding(const ZeroOptions& z) {
   o.loss_scale = z.loss_scale;
   o.fp16 = z.fp16;
   o.optimizer = z.optimizer;
+  o.weight_source = z.weight_source;
   return o;
 }
 

@@ -43,6 +43,8 @@ struct ZeroOptions {
   LossScaleConfig loss_scale;
   bool fp16 = false;
   engine::OptimizerSpec optimizer;
+  /// Fills the shards of parameters built without storage (zero3_init_flag; else rank 0 sends them).
+  WeightSource weight_source;
 };
 
 class ZeroEngine final : public engine::ShardedEngine {

@@ -37,6 +37,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/precision_plan.h"
+#include "shardtrain/weight_loading.h"
 
 namespace torch::nn {
 class Module;
@@ -73,7 +74,14 @@ struct RunInfo {
   std::optional<int64_t> hidden_size;       ///< H for reduce_bucket_size = H^2 etc.
   std::optional<int64_t> micro_batch_size;  ///< the data loader's batch size
   std::optional<int64_t> total_steps;       ///< optimizer steps (scheduler "auto")
+  std::optional<int64_t> warmup_steps;      ///< scheduler warmup_num_steps "auto" (else 0)
+  std::optional<double> max_grad_norm;      ///< gradient_clipping "auto" (else 1.0)
   std::string load_dtype = "fp32";
+  /// Fills the shards of parameters the program built without storage
+  /// (release_parameter_storage; see materialize_full_weights()), each rank
+  /// reading only its own slices, e.g. models::hf_weight_source. Unset: those
+  /// shards come from rank 0, which must then hold the weights.
+  WeightSource weight_source;
 };
 
 /// Optimizer settings given in code; unset fields come from the config's optimizer block.
@@ -98,6 +106,8 @@ struct StepInfo {
 /// Bytes of model state on this rank (see PrecisionPlan for the prediction).
 struct MemoryReport {
   int64_t params = 0, grads = 0, master = 0, optimizer = 0, gathered = 0, gathered_peak = 0, peak_rss = 0;
+  /// Most bytes of unsharded parameter values held at once while prepare() sharded the model.
+  int64_t load_peak = 0;
 };
 
 class Accelerator;
@@ -111,6 +121,16 @@ class PreparedModel {
   at::Tensor operator()(Args&&... args);
   ModuleHolder& module() { return module_; }
   ModuleHolder& operator->() { return module_; }
+  /// Runs `f(module())` — any forward of the module other than forward(),
+  /// e.g. a KV-cached one — between the engine's begin_forward/end_forward,
+  /// as operator() does, so parameters outside the units (the root unit:
+  /// embeddings, final norm, LM head) are gathered around it:
+  ///     at::Tensor logits = prepared.run([&](auto& m) { return m->forward_cached(ids, cache); });
+  /// Collective under ZeRO-3 / FSDP: every rank must make the same calls.
+  /// Under torch::NoGradGuard the engine attaches no backward hooks (the units
+  /// release their parameters after their forward as usual).
+  template <typename F>
+  at::Tensor run(F&& f);
 
  private:
   ModuleHolder module_;
@@ -154,6 +174,13 @@ class Accelerator {
   DistributedSampler& prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true,
                                       bool drop_last = false);
   const PrecisionPlan& precision_plan() const;
+  /// Whether this rank should build the model with its weights (and load
+  /// them). False on ranks other than 0 under fsdp_cpu_ram_efficient_loading
+  /// or ZeRO-3's zero3_init_flag: build the model with
+  /// release_parameter_storage() there (shardtrain/weight_loading.h) and
+  /// prepare() sends each rank its shard from rank 0, so only rank 0 ever
+  /// holds the full weights.
+  bool materialize_full_weights() const;
 
   // ---- training step
   /// Backward with loss scaling (fp16) and division by the accumulation steps.
@@ -220,6 +247,14 @@ template <typename... Args>
 at::Tensor PreparedModel<ModuleHolder>::operator()(Args&&... args) {
   accelerator_->begin_forward();
   at::Tensor output = module_->forward(std::forward<Args>(args)...);
+  return accelerator_->end_forward(std::move(output));
+}
+
+template <typename ModuleHolder>
+template <typename F>
+at::Tensor PreparedModel<ModuleHolder>::run(F&& f) {
+  accelerator_->begin_forward();
+  at::Tensor output = std::forward<F>(f)(module_);
   return accelerator_->end_forward(std::move(output));
 }
 

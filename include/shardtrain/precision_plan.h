@@ -17,6 +17,9 @@ struct PrecisionPlan {
   std::string compute_dtype;    ///< dtype forward/backward run in
   std::string shard_dtype;      ///< dtype of the sharded parameters at rest (and the all-gather)
   std::string reduce_dtype;     ///< dtype of the gradient reduction
+  /// dtype of the sharded gradient the optimizer reads: fp32, or the low
+  /// dtype in pure mode and with fsdp_keep_low_precision_grads.
+  std::string grad_dtype;
   std::string master_dtype;     ///< "fp32" or "none"
   std::string optimizer_dtype;  ///< dtype of m, v
   /// Bytes per model parameter held by ONE rank, by kind (already divided by the world size).

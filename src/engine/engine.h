@@ -28,6 +28,12 @@ struct MemoryStats {
   int64_t optimizer = 0;  ///< optimizer state (m, v, momentum)
   int64_t gathered = 0;   ///< currently gathered (unsharded) parameter buffers
   int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
+  /// The most bytes of unsharded parameter values this rank held at once
+  /// while the engine sharded the model: the module's own parameter storage
+  /// not yet replaced by shards, plus the engine's gathered and loading
+  /// buffers. With weights loaded on rank 0 only (cpu_ram_efficient_loading)
+  /// the other ranks stay near one unit; a normal load holds the whole model.
+  int64_t load_peak = 0;
 };
 
 struct StepResult {
@@ -68,7 +74,8 @@ class Engine : public UnitHooks {
   /// Multiplies the loss before backward (fp16 loss scaling; 1 otherwise).
   virtual double loss_scale() const = 0;
 
-  /// Every parameter's full fp32 value by fully-qualified name. Collective.
+  /// Every parameter's full fp32 value by fully-qualified name, then every
+  /// buffer in its original dtype (as a state dict holds them). Collective.
   virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
   virtual MemoryStats memory() const = 0;
   virtual void reset_gathered_peak() = 0;

@@ -28,6 +28,21 @@ namespace {
 
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
+/// A 1-D tensor of `numel` elements whose storage claims their bytes but owns
+/// no memory (a null data pointer). ATen bounds-checks views against the
+/// storage's byte size, so the module's parameters can become views into a
+/// unit's buffer before anything is allocated; resize_storage_bytes() gives
+/// it memory when the unit is gathered. Loading parameters built without
+/// storage must not allocate (and touch) a full unit per unit: glibc keeps
+/// freed heap memory resident, so that churn alone grew a rank's resident set
+/// by most of the model (measured: 52 MB over 8 layers of a 60 MB model).
+at::Tensor unallocated_buffer(int64_t numel, const at::TensorOptions& options) {
+  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(options.dtype().toScalarType());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, at::DataPtr(nullptr, options.device()),
+                       c10::GetAllocator(options.device().type()), /*resizable=*/true);
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
+}
+
 std::string join_path(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
@@ -80,6 +95,13 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 
 }  // namespace
 
+/// How a parameter's shard gets its initial values (settled identically on every rank).
+enum class LoadMode {
+  kLocal,     ///< this rank's own values (sync_module_states off)
+  kFromRoot,  ///< rank 0's values, sent one rank's chunk at a time
+  kSource,    ///< the weight source, each rank reading its own slices
+};
+
 /// One unit's parameters of one kind (trainable or frozen: they are flattened
 /// separately, so frozen weights never enter the optimizer).
 struct UnitState {
@@ -101,6 +123,16 @@ struct UnitState {
   at::Tensor gather_buffer;
   std::vector<at::Tensor> pending_grads;
   int grads_seen = 0;
+  bool loads_released = false;        // some rank built a parameter of it without storage
+  int64_t original_storage_bytes = 0; // the module's own storage behind its parameters, before set-up
+};
+
+/// A module buffer and, when buffer_dtype cast it, what it was.
+struct BufferState {
+  std::string name;
+  at::Tensor buffer;     // the module's buffer (identity kept)
+  bool cast = false;
+  at::Tensor original;   // its value before the cast (full precision)
 };
 
 struct ReduceBucket {
@@ -133,6 +165,19 @@ struct ShardedEngine::State {
   std::vector<ReduceBucket> in_flight;
   std::unique_ptr<torch::optim::Optimizer> custom_optimizer;
   std::vector<at::Tensor> custom_leaves;
+  std::vector<BufferState> buffers;
+  // Set-up accounting (MemoryStats::load_peak).
+  int64_t load_held = 0;       // the module's parameter storage not yet replaced by shards
+  int64_t load_transient = 0;  // value copies and loading chunks of the unit being set up
+  int64_t load_peak = 0;
+  // Loading units with released parameters reuses one shard buffer and one
+  // chunk buffer, sized for the largest unit (no per-unit heap churn).
+  at::Tensor load_shard_buffer, load_chunk_buffer;
+
+  at::Tensor load_buffer(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
+    if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
+    return buffer.narrow(0, 0, numel);
+  }
 
   State(std::shared_ptr<torch::nn::Module> m, comm::CommunicatorPtr c, ShardingOptions o)
       : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale) {}
@@ -153,6 +198,118 @@ struct ShardedEngine::State {
   void add_gathered(int64_t delta) {
     gathered_bytes += delta;
     gathered_peak = std::max(gathered_peak, gathered_bytes);
+  }
+
+  void note_load() { load_peak = std::max(load_peak, load_held + gathered_bytes + load_transient); }
+
+  // ---- loading parameters built without storage ------------------------------
+  /// Fills this rank's shard of a unit some rank built (partly) without
+  /// storage. Rank 0's values travel one rank's chunk (S elements) at a time,
+  /// so a receiving rank never holds more than its shard plus one chunk, and
+  /// rank 0 nothing beyond the module it already holds; the weight source is
+  /// asked for this rank's slices only.
+  void fill_released_unit(UnitState& u, const std::vector<LoadMode>& modes, const at::Tensor& shard,
+                          comm::Communicator& sync) {
+    const int64_t S = u.layout->shard_numel();
+    const auto segments = u.layout->segments_of_rank(layout_rank());
+    shard.zero_();  // the padding
+    bool from_root = false, from_source = false;
+    for (LoadMode m : modes) {
+      from_root = from_root || m == LoadMode::kFromRoot;
+      from_source = from_source || m == LoadMode::kSource;
+    }
+    if (from_root) {
+      std::vector<at::Tensor> root_values(u.params.size());
+      if (sync.rank() == 0) {
+        for (std::size_t k = 0; k < u.params.size(); ++k) {
+          if (modes[k] == LoadMode::kFromRoot) root_values[k] = u.params[k].detach();
+        }
+      }
+      at::Tensor chunk = load_buffer(load_chunk_buffer, S, shard.options());
+      load_transient = bytes_of(chunk);
+      note_load();
+      for (int r = 0; r < layout_world(); ++r) {
+        if (sync.rank() == 0) u.layout->pack_shard(root_values, r, chunk);
+        if (sync.world_size() > 1) sync.broadcast(chunk, 0);
+        if (r != layout_rank()) continue;
+        for (const auto& seg : segments) {
+          if (modes[seg.param_index] != LoadMode::kFromRoot) continue;
+          shard.narrow(0, seg.shard_offset, seg.length).copy_(chunk.narrow(0, seg.shard_offset, seg.length));
+        }
+      }
+      load_transient = 0;
+    }
+    for (const auto& seg : segments) {
+      if (modes[seg.param_index] != LoadMode::kLocal) continue;
+      shard.narrow(0, seg.shard_offset, seg.length)
+          .copy_(u.params[seg.param_index].detach().reshape({-1}).narrow(0, seg.param_offset, seg.length));
+    }
+    if (!from_source) return;
+    std::string failure;
+    try {
+      for (const auto& seg : segments) {
+        if (modes[seg.param_index] != LoadMode::kSource) continue;
+        at::Tensor out = shard.narrow(0, seg.shard_offset, seg.length);
+        // NaN first: a source that returns without writing (or rebinds `out`) is caught below.
+        out.fill_(std::numeric_limits<double>::quiet_NaN());
+        options.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
+        ST_CHECK(!out.isnan().any().item<bool>(), "the weight source left elements of '", u.names[seg.param_index],
+                 "' [", seg.param_offset, ", +", seg.length, ") unwritten (or wrote NaN); it must copy into `out`");
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    // Every rank learns whether any failed, so none waits in the next collective.
+    at::Tensor failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::TensorOptions().dtype(at::kDouble));
+    if (sync.world_size() > 1) sync.all_reduce(failed, ReduceOp::kMax);
+    if (!failure.empty()) {
+      ST_THROW(Error, options.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
+               "' from the weight source failed: ", failure);
+    }
+    ST_CHECK(failed.item<double>() == 0, options.name, ": another rank failed to read its slices of unit '",
+             u.path.empty() ? "<root>" : u.path, "' from the weight source (its log names the cause)");
+  }
+
+  // ---- buffers ------------------------------------------------------------------
+  /// A buffer's compute value under buffer_dtype. As for parameters, fp16 on a
+  /// CPU computes in fp32 on fp16-rounded values (LibTorch has no fp16 matmul there).
+  at::Tensor cast_buffer(const at::Tensor& value) const {
+    at::Tensor cast = value.detach().to(*options.buffer_dtype);
+    if (cast.scalar_type() == at::kHalf && cast.is_cpu()) cast = cast.to(at::kFloat);
+    return cast;
+  }
+
+  /// Buffers are replicated, not sharded: rank 0's are broadcast
+  /// (sync_module_states, as FSDP's _sync_module_params_and_buffers), then
+  /// floating-point ones are cast to buffer_dtype in place for compute, as
+  /// FSDP1's root does in _lazy_init (integer buffers are never cast).
+  void setup_buffers(comm::Communicator& sync) {
+    at::NoGradGuard no_grad;
+    for (const auto& item : model->named_buffers(/*recurse=*/true)) {
+      at::Tensor b = item.value();
+      if (!b.defined()) continue;
+      if (options.sync_module_states && sync.world_size() > 1 && b.numel() > 0) {
+        at::Tensor wire = b.detach().contiguous();
+        if (!comm::is_supported_dtype(wire.scalar_type()) && !at::isComplexType(wire.scalar_type())) {
+          // Exact widenings for the wire (bool, int8..int32, uint8; float64 has its own support).
+          wire = wire.to(at::isFloatingType(wire.scalar_type()) ? at::kDouble : at::kLong);
+        }
+        sync.broadcast(wire, 0);
+        if (!wire.is_same(b)) b.detach().copy_(wire);
+      }
+      BufferState state;
+      state.name = item.key();
+      state.buffer = b;
+      if (options.buffer_dtype && at::isFloatingType(b.scalar_type())) {
+        at::Tensor cast = cast_buffer(b);
+        if (cast.scalar_type() != b.scalar_type() || !at::equal(cast, b)) {
+          state.original = b.detach();  // keeps the full-precision storage; b gets a new one
+          b.set_data(cast);
+          state.cast = true;
+        }
+      }
+      buffers.push_back(std::move(state));
+    }
   }
 
   // ---- gathering ------------------------------------------------------------
@@ -359,7 +516,9 @@ struct ShardedEngine::State {
       UnitState& u = units[i];
       if (!u.trainable) continue;
       const bool kept = options.reshard == Reshard::kNever || u.persistent;
-      if (!kept) continue;  // gathered on demand by the next forward
+      // Gathered on demand by the next forward. Released here too: a no-grad
+      // forward after the last backward left it gathered with pre-step values.
+      if (!kept) { release(u); continue; }
       release(u);
       bucket.push_back(static_cast<int>(i));
       bucket_numel += u.layout->gathered_numel();
@@ -521,7 +680,11 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     }
   }
   if (!s.pure()) s.master_flat = at::zeros({total_shard}, fp32);
-  s.grad_flat = at::zeros({total_shard}, state_options);
+  // keep_low_precision_grads: the reduced gradient stays in param_dtype (the
+  // optimizer kernels widen it as they read it), as FSDP1 leaves flat_param.grad.
+  const bool low_grads = s.pure() || (s.options.keep_low_precision_grads && s.options.param_dtype != at::kFloat);
+  const at::TensorOptions grad_options = low_grads ? low : fp32;
+  s.grad_flat = at::zeros({total_shard}, grad_options);
   s.lp_flat = (!s.pure() && s.options.param_dtype == at::kFloat) ? s.master_flat : at::zeros({total_shard}, low);
   const std::string& opt = s.options.optimizer.type;
   if (!s.options.optimizer.custom_factory) {
@@ -543,11 +706,98 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
       if (s.exp_avg_sq_flat.defined()) s.exp_avg_sq_flat = s.exp_avg_sq_flat.cpu();
       if (s.momentum_flat.defined()) s.momentum_flat = s.momentum_flat.cpu();
     }
-    s.host_grad_flat = at::zeros({total_shard}, host);
+    s.host_grad_flat = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
     s.host_lp_flat = at::zeros({total_shard}, host.dtype(s.options.param_dtype));
   }
 
+  // ---- which parameters some rank built without storage ------------------------
+  // One collective settles, identically on every rank, how each parameter's
+  // shard is filled: parameters some rank released (release_parameter_storage:
+  // cpu_ram_efficient_loading / zero3_init_flag, or a weight source) take the
+  // loading path below; the others keep the plain one. The same all-reduce
+  // checks that the ranks built the same model and agree on the weight source,
+  // so a mismatch fails here with a message instead of hanging in a collective.
+  comm::Communicator& sync = s.options.sync_group ? *s.options.sync_group : *s.comm;
+  std::vector<std::vector<LoadMode>> modes(s.units.size());
+  {
+    int64_t count = 0;
+    for (const auto& u : s.units) count += static_cast<int64_t>(u.params.size());
+    at::Tensor flags = at::zeros({2 * count + 4}, at::TensorOptions().dtype(at::kDouble));
+    double* f = flags.data_ptr<double>();
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over names, shapes, dtypes, requires_grad
+    auto mix = [&](const void* data, std::size_t n) {
+      const auto* bytes = static_cast<const unsigned char*>(data);
+      for (std::size_t b = 0; b < n; ++b) hash = (hash ^ bytes[b]) * 1099511628211ull;
+    };
+    int64_t idx = 0;
+    std::unordered_set<const c10::StorageImpl*> seen;
+    for (auto& u : s.units) {
+      for (std::size_t k = 0; k < u.params.size(); ++k, ++idx) {
+        const at::Tensor& p = u.params[k];
+        const bool released = is_storage_released(p);
+        f[idx] = released ? 1.0 : 0.0;
+        if (sync.rank() == 0) f[count + idx] = released ? 1.0 : 0.0;
+        mix(u.names[k].data(), u.names[k].size());
+        mix(u.shapes[k].data(), u.shapes[k].size() * sizeof(int64_t));
+        const int dtype = static_cast<int>(p.scalar_type());
+        mix(&dtype, sizeof dtype);
+        const bool grad = p.requires_grad();
+        mix(&grad, sizeof grad);
+        if (p.has_storage() && seen.insert(p.storage().unsafeGetStorageImpl()).second) {
+          const int64_t bytes = static_cast<int64_t>(p.storage().nbytes());
+          u.original_storage_bytes += bytes;
+          s.load_held += bytes;
+        }
+      }
+    }
+    const bool has_source = static_cast<bool>(s.options.weight_source);
+    const double h = static_cast<double>(hash >> 12);  // 52 bits: exact in a double
+    f[2 * count] = has_source ? 1.0 : 0.0;
+    f[2 * count + 1] = has_source ? 0.0 : 1.0;
+    f[2 * count + 2] = h;
+    f[2 * count + 3] = -h;
+    s.note_load();
+    if (sync.world_size() > 1) sync.all_reduce(flags, ReduceOp::kMax);
+    ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], s.options.name,
+             ": the ranks built different models (parameter names, shapes, dtypes or requires_grad differ between "
+             "ranks); every rank must construct the same architecture, with or without its weights");
+    ST_CHECK_T(ConfigError, !(f[2 * count] > 0 && f[2 * count + 1] > 0), s.options.name,
+               ": a weight source (RunInfo::weight_source) was given on some ranks but not on others; give it on "
+               "every rank or on none");
+    idx = 0;
+    int64_t released_params = 0, released_elements = 0;
+    for (std::size_t i = 0; i < s.units.size(); ++i) {
+      UnitState& u = s.units[i];
+      for (std::size_t k = 0; k < u.params.size(); ++k, ++idx) {
+        LoadMode mode = s.options.sync_module_states ? LoadMode::kFromRoot : LoadMode::kLocal;
+        if (f[idx] > 0) {
+          ++released_params;
+          released_elements += u.params[k].numel();
+          if (has_source) {
+            mode = LoadMode::kSource;
+          } else {
+            ST_CHECK(f[count + idx] == 0, s.options.name, ": parameter '", u.names[k],
+                     "' has no storage on rank 0 and no weight source was given. Rank 0 must build the model with "
+                     "its weights (accelerator.materialize_full_weights() is true there), or pass "
+                     "RunInfo::weight_source to read every rank's slices");
+            mode = LoadMode::kFromRoot;
+          }
+          u.loads_released = true;
+        }
+        modes[i].push_back(mode);
+      }
+    }
+    if (sync.rank() == 0 && released_params > 0) {
+      ST_LOG_INFO("{}: {} parameters ({} elements) were built without storage on some rank; their shards are "
+                  "filled {}, one unit at a time", s.options.name, released_params, released_elements,
+                  has_source ? "from the weight source (each rank reads its own slices)" : "from rank 0");
+    }
+  }
+
   // ---- shard the initial values ----------------------------------------------
+  // A failure part-way (a weight source that throws) leaves no unit pointing
+  // at this half-built engine.
+  try {
   for (std::size_t i = 0; i < s.units.size(); ++i) {
     UnitState& u = s.units[i];
     const int64_t S = u.layout->shard_numel();
@@ -564,27 +814,51 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
       u.lp_shard = at::zeros({S}, low);
       if (!s.pure()) u.master = at::zeros({S}, fp32);
     }
+    const at::TensorOptions init_options = (s.pure() ? low : fp32).device(device);
+    at::Tensor shard_init = u.loads_released ? s.load_buffer(s.load_shard_buffer, S, init_options)
+                                             : at::empty({S}, init_options);
     std::vector<at::Tensor> values;
-    for (auto& p : u.params) {
-      // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
-      at::Tensor v = p.detach().to(s.pure() ? s.options.param_dtype : at::kFloat).contiguous();
-      if (s.options.sync_module_states) (s.options.sync_group ? s.options.sync_group : s.comm)->broadcast(v, 0);
-      values.push_back(v);
+    if (!u.loads_released) {
+      int64_t value_bytes = 0;
+      for (auto& p : u.params) {
+        // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
+        at::Tensor v = p.detach().to(s.pure() ? s.options.param_dtype : at::kFloat).contiguous();
+        if (s.options.sync_module_states) sync.broadcast(v, 0);
+        if (!v.is_alias_of(p)) value_bytes += bytes_of(v);
+        values.push_back(v);
+      }
+      s.load_transient = value_bytes;
+      u.layout->pack_shard(values, s.layout_rank(), shard_init);
+    } else {
+      s.fill_released_unit(u, modes[i], shard_init, sync);
     }
-    at::Tensor shard_init = at::empty({S}, (s.pure() ? low : fp32).device(device));
-    u.layout->pack_shard(values, s.layout_rank(), shard_init);
     if (u.master.defined()) u.master.copy_(shard_init);
     if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(shard_init);
+    shard_init = at::Tensor();
     // The module's parameters become views into one compute-dtype buffer.
-    u.full = at::empty({u.layout->full_numel()}, fp32.dtype(s.options.compute_dtype));
+    u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(s.options.compute_dtype))
+                              : at::empty({u.layout->full_numel()}, fp32.dtype(s.options.compute_dtype));
+    if (!u.loads_released) {
+      s.load_transient += s.full_bytes(u);
+      s.note_load();
+    }
     for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
       at::Tensor view = u.full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
       // Compute on the values the shard holds (fp16-on-CPU computes in fp32 on fp16-rounded values).
-      view.copy_(values[k].to(s.options.param_dtype));
+      if (!u.loads_released) view.copy_(values[k].to(s.options.param_dtype));
       u.params[k].set_data(view);
     }
-    u.gathered = true;
-    s.add_gathered(s.full_bytes(u));
+    // A unit with released parameters: its buffer owns no memory; make its
+    // byte size say so too (this rank holds only its shard until it is gathered).
+    if (u.loads_released) compat::resize_storage_bytes(u.full, 0);
+    values.clear();
+    s.load_transient = 0;
+    s.load_held -= u.original_storage_bytes;  // the module's own storage is replaced (as far as the engine holds it)
+    if (!u.loads_released) {
+      u.gathered = true;
+      s.add_gathered(s.full_bytes(u));
+      s.note_load();
+    }
     if (s.options.reduce_at_boundary_only && u.trainable) {
       u.boundary_grad_accumulator = at::zeros({u.layout->gathered_numel()}, fp32);
     }
@@ -598,10 +872,27 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
       }
     }
     if (u.unit) u.unit->attach_unit_hooks(this, static_cast<int>(i));
-    if (s.options.reshard != Reshard::kNever && !u.persistent) s.release(u);
+    const bool stays_gathered = s.options.reshard == Reshard::kNever || u.persistent;
+    if (!u.loads_released) {
+      if (!stays_gathered) s.release(u);
+    } else if (stays_gathered) {
+      // Its values exist only as shards: gather them like any later regather.
+      s.start_gather(u);
+      s.finish_gather(u);
+      s.note_load();
+    }
+  }
+  } catch (...) {
+    for (auto& u : s.units) {
+      if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
+    }
+    throw;
   }
   // Set-up held every unit at once; the working-set peak counts from here.
   s.gathered_peak = s.gathered_bytes;
+  s.load_shard_buffer = at::Tensor();
+  s.load_chunk_buffer = at::Tensor();
+  s.setup_buffers(sync);
 
   if (s.options.optimizer.custom_factory) {
     // The escape hatch steps the master shard directly; its .grad() is the
@@ -658,7 +949,8 @@ void ShardedEngine::before_unit_forward(Unit& unit) {
 
 at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
   State& s = *state_;
-  const bool reused_soon = s.options.max_reuse_distance > 0 && s.trace_valid &&
+  // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
+  const bool reused_soon = at::GradMode::is_enabled() && s.options.max_reuse_distance > 0 && s.trace_valid &&
                            s.reuse_distance(&unit) <= s.options.max_reuse_distance;
   if (!reused_soon) s.release_unit(&unit, /*after_forward=*/true);
   bool frees = false;
@@ -773,7 +1065,8 @@ StepResult ShardedEngine::step(double lr) {
   const auto& o = s.options.optimizer;
   if (s.custom_optimizer) {
     at::Tensor& leaf = s.custom_leaves[0];
-    leaf.mutable_grad() = grad * grad_scale;
+    // torch optimizers need the leaf's dtype (keep_low_precision_grads keeps a 16-bit partition).
+    leaf.mutable_grad() = grad.to(leaf.scalar_type()) * grad_scale;
     {
       at::NoGradGuard no_grad;
       s.custom_optimizer->step();
@@ -849,6 +1142,17 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
                                                   u.params[k].numel()).view(u.shapes[k]).clone());
     }
   }
+  for (const auto& b : s.buffers) {
+    if (!b.cast) {
+      result.emplace_back(b.name, b.buffer.detach().clone());
+    } else if (at::equal(b.buffer, s.cast_buffer(b.original))) {
+      // Unchanged since the cast (constants such as rotary tables): the original full-precision values.
+      result.emplace_back(b.name, b.original.clone());
+    } else {
+      // Changed in forward (running statistics): the current values widened, as FSDP1's state_dict does.
+      result.emplace_back(b.name, b.buffer.detach().to(b.original.scalar_type()));
+    }
+  }
   return result;
 }
 
@@ -866,6 +1170,7 @@ MemoryStats ShardedEngine::memory() const {
   }
   m.gathered = s.gathered_bytes;
   m.gathered_peak = s.gathered_peak;
+  m.load_peak = s.load_peak;
   return m;
 }
 
@@ -876,6 +1181,7 @@ const at::Tensor& ShardedEngine::parameter_partition() const {
 }
 const at::Tensor& ShardedEngine::master_partition() const { return state_->master_flat; }
 const at::Tensor& ShardedEngine::low_precision_partition() const { return state_->lp_flat; }
+const at::Tensor& ShardedEngine::gradient_partition() const { return state_->grad_flat; }
 const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->exp_avg_flat; }
 const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->exp_avg_sq_flat; }
 

@@ -12,6 +12,7 @@
 // engines compute identical numbers from identical inputs.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "engine/unit_layout.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config.h"
+#include "shardtrain/weight_loading.h"
 
 namespace torch::nn {
 class Module;
@@ -46,6 +48,18 @@ struct ShardingOptions {
   bool reduce_at_boundary_only = false;
   /// fsdp pure low precision: shard, gradients and optimizer state in param_dtype; no fp32 master.
   bool pure_low_precision = false;
+  /// fsdp keep_low_precision_grads: the sharded gradient the optimizer reads
+  /// stays in param_dtype (the kernels widen it to fp32 as they read it)
+  /// instead of an fp32 gradient partition. Half the gradient memory with a
+  /// 16-bit param_dtype; gradients accumulate rounded to that dtype.
+  bool keep_low_precision_grads = false;
+  /// fsdp buffer_dtype: floating-point buffers are cast to it for compute
+  /// (FSDP1's MixedPrecision.buffer_dtype); full_state_dict returns them in
+  /// their original dtype. Unset: buffers are left as the model made them.
+  std::optional<at::ScalarType> buffer_dtype;
+  /// Fills the shards of parameters built without storage
+  /// (release_parameter_storage); without one they come from rank 0.
+  WeightSource weight_source;
   at::ScalarType compute_dtype = at::kFloat;  ///< dtype the module computes in
   at::ScalarType param_dtype = at::kFloat;    ///< shard at rest / all-gather dtype
   at::ScalarType reduce_dtype = at::kFloat;   ///< gradient reduction dtype
@@ -120,6 +134,9 @@ class ShardedEngine : public Engine {
   const at::Tensor& master_partition() const;
   /// The low-precision partition (aliases the master when param_dtype is fp32).
   const at::Tensor& low_precision_partition() const;
+  /// The sharded gradient the optimizer reads (fp32; param_dtype in pure
+  /// mode or with keep_low_precision_grads).
+  const at::Tensor& gradient_partition() const;
   /// exp_avg / exp_avg_sq (Adam) partitions; undefined for SGD.
   const at::Tensor& exp_avg_partition() const;
   const at::Tensor& exp_avg_sq_partition() const;

@@ -1,5 +1,6 @@
 #include "shardtrain/models/llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -7,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -166,6 +168,13 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
+/// cos/sin [B,T,d] for positions [B,T]: freqs = positions x inv_freq in fp32, emb = cat(freqs, freqs).
+std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(positions.device()).view({1, 1, -1});
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
 }  // namespace
 
 at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {
@@ -203,6 +212,12 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c) : config(c) {
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                        const at::Tensor& allowed) {
+  return forward_with_past(x, cos, sin, allowed, at::Tensor(), at::Tensor());
+}
+
+at::Tensor LlamaAttentionImpl::forward_with_past(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                                 const at::Tensor& allowed, const at::Tensor& past_k,
+                                                 const at::Tensor& past_v, at::Tensor* k_all, at::Tensor* v_all) {
   const int64_t B = x.size(0), T = x.size(1), d = config.resolved_head_dim();
   const int64_t nh = config.num_attention_heads, nkv = config.num_key_value_heads;
   at::Tensor q = q_proj(x).view({B, T, nh, d}).transpose(1, 2);
@@ -212,10 +227,24 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor s = sin.unsqueeze(1).to(x.scalar_type());
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
+  if (past_k.defined()) {
+    ST_CHECK(past_k.dim() == 4 && past_k.size(0) == B && past_k.size(1) == nkv && past_k.size(3) == d &&
+                 past_v.defined() && past_v.sizes() == past_k.sizes(),
+             "cached keys ", past_k.sizes(), " do not fit new keys ", k.sizes());
+    // Cached in the compute dtype of the call that produced them; a model
+    // whose dtype changed since would mix dtypes in the matmul below.
+    k = at::cat({past_k.to(k.scalar_type()), k}, 2);
+    v = at::cat({past_v.to(v.scalar_type()), v}, 2);
+  }
+  if (k_all != nullptr) *k_all = k;
+  if (v_all != nullptr) *v_all = v;
+  const int64_t S = k.size(2);  // keys attended to: cached + new
+  ST_CHECK(allowed.size(-1) == S && allowed.size(-2) == T, "attention mask ", allowed.sizes(), " does not cover ",
+           T, " queries over ", S, " keys");
   if (nh != nkv) {
     const int64_t rep = nh / nkv;
-    k = k.unsqueeze(2).expand({B, nkv, rep, T, d}).reshape({B, nh, T, d});
-    v = v.unsqueeze(2).expand({B, nkv, rep, T, d}).reshape({B, nh, T, d});
+    k = k.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
+    v = v.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
   }
   at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
   scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
@@ -250,6 +279,25 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const at::Te
   });
 }
 
+at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& hidden, const at::Tensor& cos,
+                                                 const at::Tensor& sin, const at::Tensor& allowed,
+                                                 const at::Tensor& past_k, const at::Tensor& past_v,
+                                                 at::Tensor& k_all, at::Tensor& v_all) {
+  // The body may run twice (activation checkpointing recomputes it in a
+  // backward), so it does not touch the cache: it reads the past by value and
+  // leaves the joined keys/values in `slot`, which a second run overwrites
+  // with the same values. The caller commits them to the cache afterwards.
+  auto slot = std::make_shared<std::pair<at::Tensor, at::Tensor>>();
+  at::Tensor out = run_unit(hidden, [this, cos, sin, allowed, past_k, past_v, slot](const at::Tensor& h) {
+    at::Tensor x = h + self_attn->forward_with_past(input_layernorm(h), cos, sin, allowed, past_k, past_v,
+                                                    &slot->first, &slot->second);
+    return x + mlp(post_attention_layernorm(x));
+  });
+  k_all = slot->first;
+  v_all = slot->second;
+  return out;
+}
+
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   c.validate();
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
@@ -278,10 +326,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   } else {
     positions = at::arange(T, long_opts).unsqueeze(0).expand({B, T});
   }
-  // cos/sin [B,T,d]: freqs = positions x inv_freq in fp32, emb = cat(freqs, freqs).
-  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(input_ids.device()).view({1, 1, -1});
-  at::Tensor emb = at::cat({freqs, freqs}, -1);
-  at::Tensor cos = emb.cos(), sin = emb.sin();
+  auto [cos, sin] = rope_cos_sin(positions, inv_freq);
 
   // allowed[b,0,i,j]: j <= i, within the sliding window, same document.
   at::Tensor idx = at::arange(T, long_opts);
@@ -301,6 +346,59 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   return norm(h);
 }
 
+at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& input_ids, KVCache& cache) {
+  ST_CHECK(input_ids.dim() == 2 && input_ids.size(1) > 0, "input_ids must be [B, T] with T > 0, got ",
+           input_ids.sizes());
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  const int64_t L = static_cast<int64_t>(layers->size());
+  const int64_t S = cache.cached_tokens();
+  ST_CHECK(cache.start >= 0 && S >= 0, "KVCache: start ", cache.start, " is past length ", cache.length);
+  if (cache.length == 0) {
+    cache.keys.assign(static_cast<std::size_t>(L), at::Tensor());
+    cache.values.assign(static_cast<std::size_t>(L), at::Tensor());
+  }
+  ST_CHECK(static_cast<int64_t>(cache.keys.size()) == L && static_cast<int64_t>(cache.values.size()) == L,
+           "KVCache holds ", cache.keys.size(), " layers, the model has ", L, " (a cache of another model?)");
+  if (S > 0 && L > 0) {
+    ST_CHECK(cache.keys[0].defined() && cache.keys[0].size(2) == S, "KVCache: ", S,
+             " tokens should be cached, the keys hold ", cache.keys[0].defined() ? cache.keys[0].size(2) : 0);
+    ST_CHECK(cache.keys[0].size(0) == B, "KVCache was filled with batch size ", cache.keys[0].size(0),
+             ", this call has ", B);
+  }
+  const auto long_opts = input_ids.options().dtype(at::kLong);
+  // Positions continue after the cached tokens.
+  at::Tensor query_pos = at::arange(cache.length, cache.length + T, long_opts);
+  auto [cos, sin] = rope_cos_sin(query_pos.unsqueeze(0).expand({B, T}), inv_freq);
+  // allowed[b,0,i,j]: key j (absolute position start + j, cached then new) is
+  // not after query i and, with a sliding window, within it.
+  at::Tensor key_pos = at::arange(cache.start, cache.length + T, long_opts);
+  at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);
+  at::Tensor allowed = diff >= 0;
+  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
+  allowed = allowed.view({1, 1, T, S + T}).expand({B, 1, T, S + T});
+
+  std::vector<at::Tensor> keys(static_cast<std::size_t>(L)), values(static_cast<std::size_t>(L));
+  at::Tensor h = embed_tokens(input_ids);
+  for (int64_t l = 0; l < L; ++l) {
+    const auto i = static_cast<std::size_t>(l);
+    h = (*layers)[i]->as<LlamaDecoderLayerImpl>()->forward_cached(h, cos, sin, allowed, cache.keys[i],
+                                                                   cache.values[i], keys[i], values[i]);
+  }
+  at::Tensor out = norm(h);
+
+  // Commit. With a sliding window W the next query (position length + T)
+  // sees only keys after length + T - W: keep the last W - 1.
+  const int64_t total = S + T;
+  const int64_t keep = config.sliding_window ? std::min<int64_t>(total, *config.sliding_window - 1) : total;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    cache.keys[i] = keep == total ? keys[i] : keys[i].slice(2, total - keep).contiguous();
+    cache.values[i] = keep == total ? values[i] : values[i].slice(2, total - keep).contiguous();
+  }
+  cache.length += T;
+  cache.start = cache.length - keep;
+  return out;
+}
+
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
   model = register_module("model", LlamaModel(c));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", linear(c.hidden_size, c.vocab_size));
@@ -316,6 +414,12 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
                                          const at::Tensor& document_ids) {
   at::Tensor h = model(input_ids, position_ids, document_ids);
+  at::Tensor logits = lm_head ? lm_head(h) : at::linear(h, model->embed_tokens->weight);
+  return logits.to(at::kFloat);
+}
+
+at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& input_ids, KVCache& cache) {
+  at::Tensor h = model->forward_cached(input_ids, cache);
   at::Tensor logits = lm_head ? lm_head(h) : at::linear(h, model->embed_tokens->weight);
   return logits.to(at::kFloat);
 }

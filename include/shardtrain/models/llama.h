@@ -87,6 +87,13 @@ struct LlamaAttentionImpl : torch::nn::Module {
   /// x [B,T,H]; cos/sin [B,T,head_dim]; allowed [B,1,T,T] bool (true: may attend).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& allowed);
+  /// Attention of the new tokens x [B,T,H] over S earlier tokens' keys/values
+  /// past_k/past_v [B,num_key_value_heads,S,head_dim] (after RoPE; undefined:
+  /// S = 0) and their own. allowed [B,1,T,S+T]. When k_all/v_all are given they
+  /// receive past ++ new keys/values [B,num_key_value_heads,S+T,head_dim].
+  at::Tensor forward_with_past(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& allowed, const at::Tensor& past_k, const at::Tensor& past_v,
+                               at::Tensor* k_all = nullptr, at::Tensor* v_all = nullptr);
   LlamaConfig config;
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 };
@@ -104,11 +111,52 @@ struct LlamaDecoderLayerImpl : torch::nn::Module, shardtrain::Unit {
   explicit LlamaDecoderLayerImpl(const LlamaConfig& config);
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& allowed);
+  /// The KV-cached form (see KVCache): hidden [B,T,H] are the new tokens,
+  /// allowed [B,1,T,S+T] covers the S cached keys past_k/past_v (undefined
+  /// when S = 0) and the new ones. Sets k_all/v_all to the keys/values of all
+  /// S+T tokens. Runs through run_unit() like forward(), so a sharding engine
+  /// gathers the layer's parameters around it.
+  at::Tensor forward_cached(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& allowed, const at::Tensor& past_k, const at::Tensor& past_v,
+                            at::Tensor& k_all, at::Tensor& v_all);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
 };
 TORCH_MODULE(LlamaDecoderLayer);
+
+/// Keys and values of the tokens a model has consumed, per decoder layer, for
+/// incremental decoding with LlamaForCausalLMImpl::forward_cached().
+///
+/// A fresh (default) cache is empty; the first forward_cached() call sizes it
+/// to the model's layers and batch. Each call appends the new tokens: their
+/// RoPE positions continue at `length`, and they attend causally to every
+/// cached key and to each other.
+///
+/// Mistral's sliding window W (a query at position i sees keys j with
+/// i - W < j <= i) is kept by DROPPING keys: after each call only the last
+/// W - 1 positions stay cached (the next query, at position `length`, sees no
+/// older key), so a window model's cache never grows past W - 1 + T_new
+/// entries. Within one call the window is also masked, so a prefill longer
+/// than W computes exactly what the full forward does.
+struct KVCache {
+  /// Per layer [B, num_key_value_heads, S, head_dim] (after RoPE, before the
+  /// grouped-query repeat); empty before the first call.
+  std::vector<at::Tensor> keys, values;
+  /// Tokens consumed so far: the position of the next token.
+  int64_t length = 0;
+  /// Position of the first cached key (0 unless a sliding window dropped some).
+  int64_t start = 0;
+
+  /// S: keys held per layer (length - start).
+  int64_t cached_tokens() const { return length - start; }
+  void reset() {
+    keys.clear();
+    values.clear();
+    length = 0;
+    start = 0;
+  }
+};
 
 /// Embeddings, decoder layers and the final norm ("model." in HF names).
 struct LlamaModelImpl : torch::nn::Module {
@@ -116,6 +164,8 @@ struct LlamaModelImpl : torch::nn::Module {
   /// Returns the final normed hidden states [B,T,H]. See LlamaForCausalLMImpl::forward.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
                      const at::Tensor& document_ids = {});
+  /// Final normed hidden states [B,T_new,H] of the new tokens; appends them to `cache`.
+  at::Tensor forward_cached(const at::Tensor& input_ids, KVCache& cache);
   LlamaConfig config;
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -133,6 +183,15 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   /// attends only to earlier tokens with the same document id.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
                      const at::Tensor& document_ids = {});
+  /// Incremental decoding: input_ids [B,T_new] int64 are the tokens after the
+  /// ones `cache` holds (a whole prompt, or one token at a time); returns their
+  /// logits [B,T_new,vocab] fp32, equal to the matching rows of forward() over
+  /// the whole sequence, and appends them to `cache` (see KVCache). B must
+  /// stay the same for one cache. The cache is changed only when the call
+  /// succeeds. Meant for inference (torch::NoGradGuard); each decoder layer
+  /// still runs through run_unit(), so a model prepared by an Accelerator
+  /// works: call it through PreparedModel::run().
+  at::Tensor forward_cached(const at::Tensor& input_ids, KVCache& cache);
   LlamaConfig config;
   LlamaModel model{nullptr};
   /// Null when config.tie_word_embeddings (logits then use model->embed_tokens).

@@ -1,0 +1,472 @@
+#include "finetune/finetune.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "finetune/progress.h"
+#include "shardtrain/accelerator.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+#include "shardtrain/models/generation.h"
+#include "shardtrain/models/instruction_data.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/tokenizer.h"
+
+namespace finetune {
+namespace {
+
+namespace fs = std::filesystem;
+namespace models = shardtrain::models;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  ST_CHECK(in.good(), "cannot read '", path, "'");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+/// The model's config.json text as the export should carry it (model type
+/// and, for the bundled config as Mistral, the sliding window applied).
+struct ModelSpec {
+  models::LlamaConfig config;
+  std::string config_json;
+};
+
+ModelSpec model_spec(const FinetuneOptions& options) {
+  const std::string path = options.model_dir.empty() ? options.model_config : options.model_dir + "/config.json";
+  ST_CHECK(!path.empty(), "no model: pass --model-dir DIR (a Hugging Face directory) or --model-config config.json");
+  json j;
+  try {
+    j = json::parse(read_text(path));
+  } catch (const json::exception& e) {
+    ST_THROW(shardtrain::ConfigError, path, ": invalid JSON: ", e.what());
+  }
+  if (options.model_dir.empty()) {
+    // A random-init model takes the family the program asks for; the bundled
+    // config is a Llama, so as Mistral it gets a window shorter than a row so
+    // that sliding-window attention is exercised.
+    if (j.value("model_type", std::string("llama")) != options.model_type) {
+      j["model_type"] = options.model_type;
+      j["architectures"] = {options.model_type == "mistral" ? "MistralForCausalLM" : "LlamaForCausalLM"};
+      if (options.model_type == "mistral" && !j.contains("sliding_window")) {
+        j["sliding_window"] = std::max<int64_t>(8, options.seq_len / 2);
+      }
+    }
+  } else if (j.value("model_type", std::string("llama")) != options.model_type) {
+    ST_LOG_WARN("{} is a '{}' model; running it as such (--model-type {} ignored)", path,
+                j.value("model_type", std::string("llama")), options.model_type);
+  }
+  ModelSpec spec;
+  spec.config_json = j.dump(2);
+  spec.config = models::LlamaConfig::from_json_string(spec.config_json, path);
+  return spec;
+}
+
+std::string resolve_load_dtype(const FinetuneOptions& options, const shardtrain::TrainingConfig& config) {
+  if (options.load_dtype != "auto") return options.load_dtype;
+  // FSDP pure low precision means a model loaded in bf16 (Accelerate's definition).
+  if (config.distributed_type == shardtrain::DistributedType::kFsdp && config.fsdp.pure_low_precision.value_or(false)) {
+    return "bf16";
+  }
+  return "fp32";
+}
+
+at::ScalarType dtype_of(const std::string& name) {
+  return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
+}
+
+/// FLOPs of one trained token (forward + backward), PaLM's estimate:
+/// 6 x (matmul parameters) + 12 x layers x hidden x sequence (attention scores).
+double flops_per_token(const models::LlamaConfig& c, int64_t num_params, int64_t seq_len) {
+  const double embedding = static_cast<double>(c.vocab_size) * c.hidden_size;
+  // Input embeddings are a lookup, not a matmul; a tied table is also the LM head.
+  const double matmul_params = static_cast<double>(num_params) - (c.tie_word_embeddings ? 0.0 : embedding);
+  return 6.0 * matmul_params + 12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
+}
+
+/// Measured GEMM throughput of this rank in `dtype` (FLOP/s): the denominator of
+/// MFU on machines whose peak nobody has told us (CPUs).
+double measure_gemm_flops(at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = 512;
+  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
+  at::matmul(a, b);  // warm-up
+  int64_t runs = 0;
+  const auto start = Clock::now();
+  while (seconds_since(start) < 0.4) {
+    at::matmul(a, b);
+    ++runs;
+  }
+  return 2.0 * n * n * n * runs / seconds_since(start);
+}
+
+// ---- data ---------------------------------------------------------------------------
+
+struct Dataset {
+  models::PackedRows rows;
+  std::vector<models::InstructionRecord> examples;  ///< prompt/response records (exact match)
+};
+
+std::string trim(const std::string& text) {
+  const char* space = " \t\n\r\f\v";
+  const size_t begin = text.find_first_not_of(space);
+  if (begin == std::string::npos) return "";
+  return text.substr(begin, text.find_last_not_of(space) - begin + 1);
+}
+
+// ---- evaluation ---------------------------------------------------------------------
+
+template <typename Prepared>
+EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const Dataset& eval,
+                    const shardtrain::Tokenizer& tokenizer, models::ChatFormat chat,
+                    const FinetuneOptions& options) {
+  torch::NoGradGuard no_grad;
+  EvalResult result;
+  const int world = accelerator.num_processes(), rank = accelerator.process_index();
+  // Every rank runs the same number of forwards (ZeRO-3 and FSDP gather
+  // parameters collectively): ranks short of rows repeat row 0 with weight 0.
+  const int64_t rows = eval.rows.num_rows();
+  if (rows > 0) {
+    const int64_t per_rank = (rows + world - 1) / world;
+    double loss_sum = 0, token_sum = 0;
+    for (int64_t k = 0; k < per_rank; k += options.micro_batch) {
+      std::vector<int64_t> indices;
+      std::vector<double> weights;
+      for (int64_t i = k; i < std::min(per_rank, k + options.micro_batch); ++i) {
+        const int64_t row = i * world + rank;
+        indices.push_back(row < rows ? row : 0);
+        weights.push_back(row < rows ? 1.0 : 0.0);
+      }
+      models::InstructionBatch batch = models::make_batch(eval.rows, indices);
+      at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
+      for (size_t b = 0; b < indices.size(); ++b) {
+        at::Tensor labels = batch.labels.slice(0, b, b + 1);
+        const double tokens = (labels.slice(1, 1) != -100).sum().item<double>() * weights[b];
+        if (tokens == 0) continue;
+        loss_sum += models::causal_lm_loss(logits.slice(0, b, b + 1), labels).item<double>() * tokens;
+        token_sum += tokens;
+      }
+    }
+    at::Tensor totals = accelerator.reduce(at::tensor({loss_sum, token_sum}, at::kDouble), "sum");
+    result.loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+  }
+
+  int64_t prompts = eval.examples.size();
+  if (options.eval_samples > 0) prompts = std::min(prompts, options.eval_samples);
+  if (prompts > 0) {
+    const int64_t per_rank = (prompts + world - 1) / world;
+    double correct = 0;
+    std::vector<std::string> shown;
+    models::GenerationOptions generation;
+    generation.max_new_tokens = options.max_new_tokens;
+    generation.stop_ids = {tokenizer.eos_id()};
+    generation.fixed_steps = true;  // every rank runs max_new_tokens forwards: they are collective
+    for (int64_t i = 0; i < per_rank; ++i) {
+      const int64_t index = i * world + rank;
+      const bool real = index < prompts;
+      const auto& example = eval.examples[real ? index : 0];
+      const std::vector<int64_t> prompt_ids = models::format_prompt(tokenizer, chat, example.prompt);
+      const models::GenerationResult generated =
+          models::generate(models::prepared_cached_step(model), prompt_ids, generation);
+      const std::string answer = trim(tokenizer.decode(generated.tokens));
+      const bool ok = answer == trim(example.response);
+      if (real && ok) correct += 1;
+      if (real && rank == 0 && static_cast<int64_t>(shown.size()) < options.show_examples) {
+        shown.push_back(example.prompt + "  =>  " + answer + (ok ? "  (correct)" : "  (expected " + example.response + ")"));
+      }
+    }
+    result.exact_match = accelerator.reduce(at::tensor({correct}, at::kDouble), "sum").item<double>() / prompts;
+    result.prompts = prompts;
+    result.examples = shown;
+  }
+  return result;
+}
+
+std::string percent(double fraction) {
+  if (std::isnan(fraction)) return "n/a";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f%%", 100.0 * fraction);
+  return text;
+}
+
+std::string number(double value, const char* format = "%.4f") {
+  if (std::isnan(value)) return "n/a";
+  char text[64];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
+}  // namespace
+
+FinetuneSummary run_finetune(const FinetuneOptions& options) {
+  ST_CHECK(options.max_steps > 0, "--max-steps must be positive");
+  ST_CHECK(options.seq_len >= 8, "--seq-len must be at least 8");
+  ST_CHECK(options.micro_batch > 0, "--micro-batch must be positive");
+  ST_CHECK(!options.data.empty(), "no training data: pass --data FILE.jsonl");
+
+  shardtrain::AcceleratorOptions accelerator_options;
+  if (!options.config_path.empty()) accelerator_options.config_path = options.config_path;
+  accelerator_options.communicator = options.communicator;
+  accelerator_options.checkpoint_total_limit = options.keep_last;
+  shardtrain::Accelerator accelerator(accelerator_options);
+  const bool main_process = accelerator.is_main_process();
+  const bool verbose = main_process && !options.quiet;
+
+  // ---- model, tokenizer, data
+  ModelSpec spec = model_spec(options);
+  const models::LlamaConfig& mc = spec.config;
+  const std::string tokenizer_path =
+      !options.tokenizer.empty() ? options.tokenizer : options.model_dir + "/tokenizer.model";
+  std::unique_ptr<shardtrain::Tokenizer> tokenizer = shardtrain::load_sentencepiece(tokenizer_path);
+  ST_CHECK(tokenizer->vocab_size() <= mc.vocab_size, "the tokenizer ", tokenizer_path, " has ",
+           tokenizer->vocab_size(), " pieces but the model's vocab_size is ", mc.vocab_size,
+           ": use the tokenizer that belongs to the model");
+  const std::string chat_name =
+      options.chat_format != "auto" ? options.chat_format : (mc.model_type == "mistral" ? "mistral" : "llama2");
+  const models::ChatFormat chat = models::parse_chat_format(chat_name);
+
+  models::InstructionDataOptions data_options;
+  data_options.chat_format = chat;
+  data_options.seq_len = options.seq_len;
+  data_options.packing = !options.no_packing;
+  data_options.vocab_size = mc.vocab_size;
+  Dataset train, eval;
+  {
+    models::InstructionDataStats stats;
+    train.rows = models::build_instruction_rows(options.data, tokenizer.get(), data_options, &stats);
+    if (verbose) std::cout << "train data (" << chat_name << " format): " << stats.summary() << std::endl;
+  }
+  if (!options.eval_data.empty()) {
+    models::InstructionDataStats stats;
+    eval.rows = models::build_instruction_rows(options.eval_data, tokenizer.get(), data_options, &stats);
+    for (auto& record : models::read_instruction_jsonl(options.eval_data, mc.vocab_size)) {
+      if (record.format == models::RecordFormat::kInstruction) eval.examples.push_back(std::move(record));
+    }
+    if (verbose) std::cout << "eval data: " << stats.summary() << std::endl;
+  }
+  ST_CHECK(train.rows.num_rows() > 0, options.data, " gave no training rows (all examples longer than --seq-len ",
+           options.seq_len, "?)");
+
+  torch::manual_seed(options.seed);
+  models::LlamaForCausalLM model(mc);
+  if (!options.model_dir.empty()) models::load_hf_weights(model, options.model_dir);
+  const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
+  if (load_dtype != "fp32") model->to(dtype_of(load_dtype));
+  int64_t num_params = 0;
+  for (const auto& p : model->parameters()) num_params += p.numel();
+
+  shardtrain::OptimizerOptions optimizer;
+  optimizer.lr = options.lr;
+  optimizer.weight_decay = options.weight_decay;
+  shardtrain::RunInfo run;
+  run.hidden_size = mc.hidden_size;
+  run.micro_batch_size = options.micro_batch;
+  run.total_steps = options.max_steps;
+  run.warmup_steps = options.warmup;
+  run.max_grad_norm = options.max_grad_norm;
+  run.load_dtype = load_dtype;
+  auto prepared = accelerator.prepare(model, optimizer, run);
+  shardtrain::SchedulerConfig schedule;
+  schedule.specified = true;
+  schedule.type = "WarmupCosineLR";
+  schedule.warmup_num_steps = options.warmup;
+  schedule.total_num_steps = options.max_steps;
+  schedule.warmup_type = "linear";
+  schedule.cos_min_ratio = 0.1;
+  accelerator.prepare_scheduler(options.max_steps, accelerator.config().scheduler.specified
+                                                       ? std::optional<shardtrain::SchedulerConfig>()
+                                                       : std::optional<shardtrain::SchedulerConfig>(schedule));
+  shardtrain::DistributedSampler& sampler = accelerator.prepare_sampler(train.rows.num_rows(), options.seed);
+
+  FinetuneSummary summary;
+  summary.plan = accelerator.precision_plan();
+  const fs::path output(options.output_dir);
+  const std::string checkpoint_dir = (output / "checkpoints").string();
+  if (!options.resume.empty()) {
+    fs::path resume(options.resume);
+    // Accept a checkpoint directory (uses its `latest`) or one step_N folder in it.
+    if (fs::exists(resume / "index.json")) {
+      accelerator.load_state(resume.parent_path().string(), resume.filename().string());
+    } else {
+      accelerator.load_state(resume.string());
+    }
+    summary.first_step = accelerator.last_step().step;
+    if (verbose) std::cout << "resumed from " << options.resume << " at step " << summary.first_step << std::endl;
+  }
+
+  const int world = accelerator.num_processes();
+  const bool config_clips = accelerator.config().gradient_clipping.value_or(0.0) > 0;
+  const int64_t accumulation = accelerator.gradient_accumulation_steps();
+  std::ofstream metrics;
+  if (!options.metrics_out.empty() && main_process) {
+    metrics.open(options.metrics_out, summary.first_step > 0 ? std::ios::app : std::ios::trunc);
+    ST_CHECK(metrics.good(), "cannot write the metrics file '", options.metrics_out, "'");
+  }
+
+  if (summary.first_step == 0 && (eval.rows.num_rows() > 0 || !eval.examples.empty())) {
+    summary.eval_before = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
+    if (verbose) {
+      std::cout << "eval before training: loss " << number(summary.eval_before.loss) << ", exact match "
+                << percent(summary.eval_before.exact_match) << " of " << summary.eval_before.prompts << std::endl;
+    }
+  }
+
+  const double peak_flops =
+      options.peak_tflops > 0 ? options.peak_tflops * 1e12
+                              : measure_gemm_flops(dtype_of(summary.plan.compute_dtype));
+  const double token_flops = flops_per_token(mc, num_params, options.seq_len);
+
+  // Rows of this rank, epoch by epoch; the sampler's position survives checkpoints.
+  std::vector<int64_t> epoch_rows = sampler.indices();
+  auto next_rows = [&](int64_t count) {
+    std::vector<int64_t> rows;
+    while (static_cast<int64_t>(rows.size()) < count) {
+      if (sampler.position() >= sampler.num_samples()) {
+        sampler.set_epoch(sampler.epoch() + 1);
+        epoch_rows = sampler.indices();
+      }
+      rows.push_back(epoch_rows[sampler.position()]);
+      sampler.advance(1);
+    }
+    return rows;
+  };
+
+  ProgressBar progress(options.max_steps, summary.first_step, verbose && !options.no_progress,
+                       std::max(1, accelerator.config().steps_per_print));
+  double train_seconds = 0;
+  int64_t train_tokens = 0;  // token positions (rows x seq_len) this rank computed
+  for (int64_t step = summary.first_step; step < options.max_steps; ++step) {
+    const auto start = Clock::now();
+    double loss_sum = 0;
+    int64_t step_tokens = 0;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      models::InstructionBatch batch = models::make_batch(train.rows, next_rows(options.micro_batch));
+      at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
+      at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
+      accelerator.backward(loss);
+      loss_sum += loss.item<double>();
+      step_tokens += batch.input_ids.numel();
+    }
+    // As the Transformers Trainer: a DeepSpeed config's gradient_clipping is
+    // applied by step(); otherwise --max-grad-norm is applied here.
+    if (!config_clips && options.max_grad_norm > 0 && accelerator.sync_gradients()) {
+      accelerator.clip_grad_norm(options.max_grad_norm);
+    }
+    accelerator.step();
+    accelerator.zero_grad();
+    const double step_loss =
+        accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean").item<double>();
+    const double seconds = seconds_since(start);
+    train_seconds += seconds;
+    train_tokens += step_tokens;
+    summary.losses.push_back(step_loss);
+    const auto& info = accelerator.last_step();
+    progress.update(step + 1, step_loss, info.lr, step_tokens / seconds);
+    if (metrics.is_open()) {
+      const shardtrain::MemoryReport mem = accelerator.memory();
+      metrics << json{{"step", step + 1},
+                      {"loss", step_loss},
+                      {"lr", info.lr},
+                      {"grad_norm", info.grad_norm},
+                      {"loss_scale", info.loss_scale},
+                      {"skipped", info.skipped},
+                      {"tokens_rank0", step_tokens},
+                      {"tokens_per_s_rank0", step_tokens / seconds},
+                      {"step_time_s", seconds},
+                      {"peak_rss", mem.peak_rss}}
+                     .dump()
+              << "\n"
+              << std::flush;
+    }
+    const bool last = step + 1 == options.max_steps;
+    if (options.save_every > 0 && (step + 1) % options.save_every == 0 && !last) {
+      progress.interrupt();
+      const std::string saved = accelerator.save_state(checkpoint_dir);
+      if (verbose) std::cout << "saved " << saved << std::endl;
+    }
+    if (options.eval_every > 0 && (step + 1) % options.eval_every == 0 && !last) {
+      EvalResult mid = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
+      progress.interrupt();
+      if (verbose) {
+        std::cout << "eval at step " << step + 1 << ": loss " << number(mid.loss) << ", exact match "
+                  << percent(mid.exact_match) << std::endl;
+      }
+    }
+  }
+
+  summary.eval_after = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
+  summary.checkpoint_dir = accelerator.save_state(checkpoint_dir);
+  if (!options.no_export) {
+    summary.export_dir = (output / "hf").string();
+    accelerator.save_model(summary.export_dir, "auto");
+    if (main_process) {
+      // The config as this run used it (model type, window), so the export
+      // loads back as the same model.
+      std::ofstream config_out(fs::path(summary.export_dir) / "config.json");
+      config_out << spec.config_json << "\n";
+      ST_CHECK(config_out.good(), "cannot write ", summary.export_dir, "/config.json");
+      fs::copy_file(tokenizer_path, fs::path(summary.export_dir) / "tokenizer.model",
+                    fs::copy_options::overwrite_existing);
+    }
+    accelerator.wait_for_everyone();
+  }
+
+  // ---- summary
+  summary.tokens_per_s_per_rank =
+      train_seconds > 0
+          ? accelerator.reduce(at::full({1}, train_tokens / train_seconds, at::kDouble), "mean").item<double>()
+          : 0;
+  summary.mfu = summary.tokens_per_s_per_rank * token_flops / peak_flops;
+  const shardtrain::MemoryReport mem = accelerator.memory();
+  at::Tensor rss = accelerator.gather_for_metrics(at::full({1}, static_cast<double>(mem.peak_rss), at::kDouble));
+  summary.peak_rss_max = static_cast<int64_t>(rss.max().item<double>());
+  if (verbose) {
+    SummaryTable table;
+    const std::string first = summary.losses.empty() ? "n/a" : number(summary.losses.front());
+    const std::string last = summary.losses.empty() ? "n/a" : number(summary.losses.back());
+    table.add("model", mc.model_type + ", " + std::to_string(num_params) + " parameters" +
+                           (options.model_dir.empty() ? " (random init)" : " from " + options.model_dir));
+    table.add("engine", summary.plan.engine + ", " + std::to_string(world) + " ranks, compute " +
+                            summary.plan.compute_dtype);
+    table.add("steps", std::to_string(summary.first_step) + " -> " + std::to_string(options.max_steps));
+    table.add("train loss (first -> last step)", first + " -> " + last);
+    table.add("eval loss", number(summary.eval_before.loss) + " -> " + number(summary.eval_after.loss));
+    table.add("eval exact match", percent(summary.eval_before.exact_match) + " -> " +
+                                      percent(summary.eval_after.exact_match) + " of " +
+                                      std::to_string(summary.eval_after.prompts) + " prompts");
+    table.add("tokens/s per rank", number(summary.tokens_per_s_per_rank, "%.0f"));
+    table.add("MFU", percent(summary.mfu) + (options.peak_tflops > 0
+                                                 ? " of " + number(options.peak_tflops, "%.0f") + " TFLOP/s"
+                                                 : " of a measured GEMM rate, " + number(peak_flops / 1e9, "%.1f") +
+                                                       " GFLOP/s per rank"));
+    std::ostringstream rss_text;
+    for (int64_t r = 0; r < rss.numel(); ++r) {
+      rss_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(rss[r].item<double>());
+    }
+    table.add("peak memory (RSS)", rss_text.str());
+    table.add("checkpoint", summary.checkpoint_dir);
+    if (!summary.export_dir.empty()) table.add("exported model", summary.export_dir);
+    std::cout << table.render("fine-tune summary");
+    if (!summary.eval_after.examples.empty()) {
+      std::cout << "eval answers after training:\n";
+      for (const auto& line : summary.eval_after.examples) std::cout << "  " << line << "\n";
+    }
+    std::cout << std::flush;
+  }
+  return summary;
+}
+
+}  // namespace finetune

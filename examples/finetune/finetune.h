@@ -1,0 +1,72 @@
+#pragma once
+// The fine-tune loop behind llama_finetune / mistral_finetune, as a library so
+// the tests run it in-process on several ranks.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/precision_plan.h"
+
+namespace finetune {
+
+struct FinetuneOptions {
+  std::string model_type = "llama";  ///< llama | mistral
+  std::string config_path;           ///< empty: the launcher's config, else a plain run
+  std::string model_dir;             ///< Hugging Face directory; empty: random init from model_config
+  std::string model_config;          ///< config.json when model_dir is empty
+  std::string tokenizer;             ///< empty: model_dir/tokenizer.model
+  std::string data, eval_data;
+  std::string chat_format = "auto";
+  int64_t seq_len = 128;
+  bool no_packing = false;
+  int64_t micro_batch = 8;
+  int64_t max_steps = 300;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  int64_t warmup = 30;
+  double max_grad_norm = 1.0;
+  uint64_t seed = 0;
+  std::string load_dtype = "auto";
+  std::string output_dir = "finetune-out";
+  int64_t save_every = 0;
+  int keep_last = 2;
+  std::string resume;
+  std::string metrics_out;
+  int64_t eval_every = 0;
+  int64_t eval_samples = 128;
+  int64_t max_new_tokens = 16;
+  int64_t show_examples = 4;
+  double peak_tflops = 0;
+  bool no_export = false;
+  bool no_progress = false;
+  bool quiet = false;  ///< tests: no progress bar, no summary
+  /// Tests: run on this communicator instead of the launcher's environment.
+  shardtrain::comm::CommunicatorPtr communicator;
+};
+
+struct EvalResult {
+  double loss = NAN;
+  double exact_match = NAN;  ///< fraction of eval prompts answered exactly (NaN: no prompt/response data)
+  int64_t prompts = 0;
+  std::vector<std::string> examples;  ///< "prompt => answer (expected ...)" for the first few
+};
+
+struct FinetuneSummary {
+  bool ok = true;
+  std::vector<double> losses;  ///< mean train loss per step of this run
+  int64_t first_step = 0;      ///< step the run started at (non-zero after --resume)
+  EvalResult eval_before, eval_after;
+  double tokens_per_s_per_rank = 0;
+  double mfu = NAN;
+  int64_t peak_rss_max = 0;
+  std::string checkpoint_dir, export_dir;
+  shardtrain::PrecisionPlan plan;
+};
+
+/// Runs the whole job: load, (resume), train, evaluate, save, export, summary.
+FinetuneSummary run_finetune(const FinetuneOptions& options);
+
+}  // namespace finetune

@@ -1,0 +1,233 @@
+// generate: text (or token ids) from a Hugging Face Llama / Mistral directory
+// with the KV-cached decoder of shardtrain::models.
+//
+//   build/bin/generate --model-dir DIR --prompt "The capital of France is" --max-new-tokens 32
+//   build/bin/generate --model-dir DIR --prompt-ids 1,415,5565 --print-ids        # compare ids with transformers
+//   build/bin/shardtrain launch --num_processes 2 build/bin/generate --config configs/zero3_fp32.json \
+//       --model-dir DIR --prompt "..."                                             # sharded (ZeRO-3 / FSDP)
+//
+// --prompt is tokenized with DIR/tokenizer.model (or --tokenizer) and BOS
+// (config.json's bos_token_id) is prepended; --prompt-ids are used as given.
+// Generation stops after config.json's eos_token_id (unless --ignore-eos).
+//
+// --chat-format llama2|mistral wraps the prompt as "[INST] prompt [/INST]"
+// (single turn, no system prompt: the form both families were tuned on,
+// "<s>[INST] ... [/INST]" once BOS is prepended). It is the plain Hugging Face
+// template, not necessarily the exact prefix a shardtrain fine-tune was
+// trained with.
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include "shardtrain/accelerator.h"
+#include "shardtrain/error.h"
+#include "shardtrain/models/generation.h"
+#include "shardtrain/models/instruction_data.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/tokenizer.h"
+
+namespace fs = std::filesystem;
+namespace sm = shardtrain::models;
+
+namespace {
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const auto first = item.find_first_not_of(" \t");
+    const auto last = item.find_last_not_of(" \t");
+    ST_CHECK_T(shardtrain::ConfigError, first != std::string::npos, "--prompt-ids '", text, "' has an empty entry");
+    item = item.substr(first, last - first + 1);
+    std::size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ST_CHECK_T(shardtrain::ConfigError, used == item.size() && id >= 0, "--prompt-ids: '", item,
+               "' is not a token id (expected comma-separated non-negative integers)");
+    ids.push_back(id);
+  }
+  ST_CHECK_T(shardtrain::ConfigError, !ids.empty(), "--prompt-ids is empty");
+  return ids;
+}
+
+std::string join_ids(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (std::size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"generate: KV-cached text generation with a Hugging Face Llama / Mistral model"};
+  std::string model_dir, tokenizer_path, prompt, prompt_ids_text, chat_format = "none", dtype = "fp32", config_path;
+  sm::GenerationOptions options;
+  options.max_new_tokens = 64;
+  bool print_ids = false, ignore_eos = false, no_bos = false;
+  app.add_option("--model-dir", model_dir, "Hugging Face model directory (config.json + model.safetensors or shards)")
+      ->required();
+  app.add_option("--tokenizer", tokenizer_path, "sentencepiece model (default: MODEL_DIR/tokenizer.model)");
+  auto* text_opt = app.add_option("--prompt", prompt, "Prompt text (tokenized; BOS prepended)");
+  auto* ids_opt = app.add_option("--prompt-ids", prompt_ids_text, "Prompt token ids, comma-separated, used as given");
+  std::string prompts_jsonl;
+  int64_t limit = 0;
+  auto* file_opt = app.add_option("--prompts-jsonl", prompts_jsonl,
+                                  "Continue each {\"prompt\"} record of this JSONL file (shown with its \"response\")");
+  app.add_option("--limit", limit, "With --prompts-jsonl: the first N records (0: all)")->capture_default_str();
+  text_opt->excludes(ids_opt)->excludes(file_opt);
+  ids_opt->excludes(file_opt);
+  app.add_option("--max-new-tokens", options.max_new_tokens, "Tokens to generate at most")->capture_default_str();
+  app.add_option("--temperature", options.temperature, "0: greedy; otherwise sampling temperature")
+      ->capture_default_str();
+  app.add_option("--top-p", options.top_p, "Nucleus sampling mass in (0, 1]")->capture_default_str();
+  app.add_option("--seed", options.seed, "Sampling seed")->capture_default_str();
+  app.add_flag("--print-ids", print_ids, "Print the generated token ids comma-separated instead of text");
+  app.add_flag("--ignore-eos", ignore_eos, "Do not stop at config.json's eos_token_id");
+  app.add_flag("--no-bos", no_bos, "Do not prepend BOS to --prompt");
+  app.add_option("--chat-format", chat_format,
+                 "Format --prompt as the fine-tune's training prefix (llama2, mistral: '<s>[INST] prompt [/INST]')")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "llama2", "mistral"}));
+  app.add_option("--dtype", dtype, "Compute dtype of the weights")->capture_default_str()->check(
+      CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--config", config_path,
+                 "Accelerate YAML / DeepSpeed JSON: shard the model with it (run under `shardtrain launch`)");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    ST_CHECK_T(shardtrain::ConfigError, text_opt->count() + ids_opt->count() + file_opt->count() == 1,
+               "give the prompt with --prompt TEXT, --prompt-ids 1,2,3 or --prompts-jsonl FILE");
+    ST_CHECK_T(shardtrain::ConfigError, fs::is_directory(model_dir), "model directory '", model_dir,
+               "' does not exist");
+    const fs::path config_file = fs::path(model_dir) / "config.json";
+    ST_CHECK_T(shardtrain::ConfigError, fs::exists(config_file), "no config.json in '", model_dir,
+               "' (expected a Hugging Face model directory)");
+    const sm::LlamaConfig config = sm::LlamaConfig::from_json_file(config_file.string());
+    if (tokenizer_path.empty()) tokenizer_path = (fs::path(model_dir) / "tokenizer.model").string();
+
+    // The tokenizer is needed to read --prompt and to print text.
+    std::unique_ptr<shardtrain::Tokenizer> tokenizer;
+    if (text_opt->count() > 0 || file_opt->count() > 0 || !print_ids) {
+      ST_CHECK_T(shardtrain::ConfigError, fs::exists(tokenizer_path), "no tokenizer at '", tokenizer_path,
+                 "' (give --tokenizer, or --prompt-ids with --print-ids to work on token ids only)");
+      tokenizer = shardtrain::load_sentencepiece(tokenizer_path);
+    }
+    // Each prompt as ids, with the text and expected answer to show next to it.
+    struct Prompt {
+      std::vector<int64_t> ids;
+      std::string text, expected;
+    };
+    std::vector<Prompt> prompts;
+    auto tokenize = [&](const std::string& text) {
+      std::vector<int64_t> ids;
+      if (chat_format != "none") {
+        // Exactly the prefix the fine-tune trained on (instruction_data.h).
+        ids = sm::format_prompt(*tokenizer, sm::parse_chat_format(chat_format), text);
+        if (no_bos && !ids.empty() && ids.front() == tokenizer->bos_id()) ids.erase(ids.begin());
+      } else {
+        if (!no_bos) ids.push_back(config.bos_token_id);
+        for (int64_t id : tokenizer->encode(text)) ids.push_back(id);
+      }
+      ST_CHECK_T(shardtrain::ConfigError, !ids.empty(), "the prompt '", text, "' tokenized to nothing");
+      return ids;
+    };
+    if (text_opt->count() > 0) {
+      prompts.push_back({tokenize(prompt), prompt, ""});
+    } else if (file_opt->count() > 0) {
+      for (const auto& record : sm::read_instruction_jsonl(prompts_jsonl)) {
+        if (record.format != sm::RecordFormat::kInstruction) continue;
+        if (limit > 0 && static_cast<int64_t>(prompts.size()) >= limit) break;
+        prompts.push_back({tokenize(record.prompt), record.prompt, record.response});
+      }
+      ST_CHECK_T(shardtrain::ConfigError, !prompts.empty(), prompts_jsonl, " has no {\"prompt\", \"response\"} records");
+    } else {
+      prompts.push_back({parse_ids(prompt_ids_text), "", ""});
+    }
+    for (const auto& p : prompts) {
+      for (int64_t id : p.ids) {
+        ST_CHECK_T(shardtrain::ConfigError, id < config.vocab_size, "prompt token id ", id,
+                   " is outside the model's vocabulary (vocab_size ", config.vocab_size, ")");
+      }
+    }
+    if (!ignore_eos) options.stop_ids = {config.eos_token_id};
+
+    sm::LlamaForCausalLM model(config);
+    if (dtype == "bf16") model->to(at::kBFloat16);
+    sm::load_hf_weights(model, model_dir);
+    model->eval();
+    torch::NoGradGuard no_grad;
+
+    const auto started = std::chrono::steady_clock::now();
+    bool main_process = true;
+    std::function<sm::GenerationResult(const std::vector<int64_t>&)> run_one;
+    std::unique_ptr<shardtrain::Accelerator> accelerator;
+    std::optional<shardtrain::PreparedModel<sm::LlamaForCausalLM>> prepared;
+    if (!config_path.empty()) {
+      shardtrain::AcceleratorOptions accelerator_options;
+      accelerator_options.config_path = config_path;
+      accelerator = std::make_unique<shardtrain::Accelerator>(accelerator_options);
+      main_process = accelerator->is_main_process();
+      // SGD without momentum: the engine then allocates no optimizer state.
+      // (A bf16 model under FSDP is pure low precision, which only runs Adam:
+      // it keeps the default optimizer there.)
+      shardtrain::OptimizerOptions inference;
+      if (dtype == "fp32") {
+        inference.type = "SGD";
+        inference.momentum = 0.0;
+      }
+      shardtrain::RunInfo run;  // what the config's "auto" values resolve from
+      run.hidden_size = config.hidden_size;
+      run.micro_batch_size = 1;
+      run.load_dtype = dtype;
+      prepared.emplace(accelerator->prepare(model, inference, run));
+      // Every forward is collective: all ranks continue with rank 0's token,
+      // so they take the same number of steps.
+      options.agree_on_token = [&accelerator](int64_t token) {
+        at::Tensor t = at::full({1}, token, at::TensorOptions().dtype(at::kLong));
+        accelerator->communicator().broadcast(t, 0);
+        return t.item<int64_t>();
+      };
+      run_one = [&](const std::vector<int64_t>& ids) {
+        return sm::generate(sm::prepared_cached_step(*prepared), ids, options);
+      };
+    } else {
+      run_one = [&](const std::vector<int64_t>& ids) { return sm::generate(sm::cached_step(model), ids, options); };
+    }
+
+    int64_t generated = 0;
+    for (const auto& p : prompts) {
+      const sm::GenerationResult result = run_one(p.ids);
+      generated += static_cast<int64_t>(result.tokens.size());
+      if (!main_process) continue;
+      const std::string output = print_ids ? join_ids(result.tokens) : tokenizer->decode(result.tokens);
+      if (file_opt->count() > 0) {
+        std::cout << p.text << "  =>  " << output << "   (expected: " << p.expected << ")" << std::endl;
+      } else {
+        std::cout << output << std::endl;
+      }
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (main_process) {
+      std::cerr << "generate: " << generated << " tokens for " << prompts.size() << " prompt(s) in " << seconds
+                << " s" << std::endl;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "generate: " << e.what() << std::endl;
+    return 1;
+  }
+}

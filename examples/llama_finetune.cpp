@@ -1,0 +1,101 @@
+// llama_finetune / mistral_finetune: instruction fine-tuning of a Llama or
+// Mistral model with shardtrain (any config in configs/: ZeRO-1/2/3, FSDP
+// standard or pure low precision).
+//
+// With no --model-dir it fine-tunes the bundled tiny Llama (examples/tiny_llama:
+// random initial weights, the project's sentencepiece model, a generated
+// arithmetic/string instruction set) — the README's main job:
+//
+//   build/bin/shardtrain launch --num_processes 2 build/bin/llama_finetune --config configs/llama/zero3_bf16.json
+//
+// A real model: --model-dir (config.json + safetensors, tokenizer.model
+// inside unless --tokenizer), --data/--eval-data JSONL.
+//
+// The binary's name picks the model family default (mistral_finetune ->
+// mistral); --model-type overrides it.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "build_config.h"
+#include "finetune/finetune.h"
+
+int main(int argc, char** argv) {
+  finetune::FinetuneOptions options;
+  const std::string program = std::filesystem::path(argv[0]).filename().string();
+  options.model_type = program.find("mistral") != std::string::npos ? "mistral" : "llama";
+  const std::string bundled = std::string(SHARDTRAIN_SOURCE_DIR) + "/examples/tiny_llama";
+
+  CLI::App app{program + ": instruction fine-tuning of a Llama/Mistral model with shardtrain"};
+  app.add_option("--config", options.config_path,
+                 "Accelerate YAML or DeepSpeed JSON (e.g. configs/llama/zero3_bf16.json; default: the launcher's)");
+  app.add_option("--model-type", options.model_type, "llama or mistral (default from the program name)")
+      ->check(CLI::IsMember({"llama", "mistral"}))
+      ->capture_default_str();
+  app.add_option("--model-dir", options.model_dir,
+                 "Hugging Face model directory (config.json, model.safetensors[.index.json]); "
+                 "default: the bundled tiny model from random weights");
+  app.add_option("--model-config", options.model_config, "config.json for a randomly initialised model (no --model-dir)");
+  app.add_option("--tokenizer", options.tokenizer, "sentencepiece tokenizer.model (default: MODEL_DIR/tokenizer.model)");
+  app.add_option("--data", options.data, "Training JSONL: {prompt,response}, {text} or {input_ids,labels}");
+  app.add_option("--eval-data", options.eval_data, "Evaluation JSONL (eval loss; exact match for prompt/response)");
+  app.add_option("--chat-format", options.chat_format, "auto (by model type), llama2, mistral or none")
+      ->check(CLI::IsMember({"auto", "llama2", "mistral", "none"}))
+      ->capture_default_str();
+  app.add_option("--seq-len", options.seq_len, "Tokens per packed row")->capture_default_str();
+  app.add_flag("--no-packing", options.no_packing, "One example per row (padded) instead of packing");
+  app.add_option("--micro-batch", options.micro_batch, "Rows per rank per micro-batch")->capture_default_str();
+  app.add_option("--max-steps", options.max_steps, "Optimizer steps")->capture_default_str();
+  app.add_option("--lr", options.lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--weight-decay", options.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--warmup", options.warmup, "Warmup steps (linear), then cosine decay")->capture_default_str();
+  app.add_option("--max-grad-norm", options.max_grad_norm, "Gradient clipping (config \"auto\")")->capture_default_str();
+  app.add_option("--seed", options.seed, "Seed of the init, the data order and sampling")->capture_default_str();
+  app.add_option("--load-dtype", options.load_dtype,
+                 "Dtype the model is loaded in: auto (bf16 for FSDP pure low precision, else fp32), fp32, bf16")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--output-dir", options.output_dir, "Checkpoints (checkpoints/), the exported model (hf/)")
+      ->capture_default_str();
+  app.add_option("--save-every", options.save_every, "Save a checkpoint every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--keep-last", options.keep_last, "Keep at most N checkpoints (0: all)")->capture_default_str();
+  app.add_option("--resume", options.resume, "Resume from a checkpoint directory (its latest) or a step_N dir");
+  app.add_option("--metrics-out", options.metrics_out, "One JSON object per step (rank 0)");
+  app.add_option("--eval-every", options.eval_every, "Evaluate every N steps (0: at start and end only)")
+      ->capture_default_str();
+  app.add_option("--eval-samples", options.eval_samples, "Eval prompts for exact match (0: all)")
+      ->capture_default_str();
+  app.add_option("--max-new-tokens", options.max_new_tokens, "Generation length for exact match")
+      ->capture_default_str();
+  app.add_option("--show-examples", options.show_examples, "Print this many eval answers at the end")
+      ->capture_default_str();
+  app.add_option("--peak-tflops", options.peak_tflops,
+                 "Per-rank peak TFLOP/s for MFU (e.g. 989 for H100 bf16); 0: measure a GEMM here")
+      ->capture_default_str();
+  app.add_flag("--no-export", options.no_export, "Skip the Hugging Face export at the end");
+  app.add_flag("--no-progress", options.no_progress, "No progress bar");
+  CLI11_PARSE(app, argc, argv);
+
+  if (options.model_dir.empty()) {
+    if (options.model_config.empty()) options.model_config = bundled + "/config.json";
+    if (options.tokenizer.empty()) options.tokenizer = bundled + "/tokenizer.model";
+    if (options.data.empty()) options.data = bundled + "/data/train.jsonl";
+    if (options.eval_data.empty()) options.eval_data = bundled + "/data/eval.jsonl";
+  }
+  try {
+    finetune::FinetuneSummary summary = finetune::run_finetune(options);
+    return summary.ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::cerr << program << ": " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,74 @@
+#include "shardtrain/models/generation.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "shardtrain/error.h"
+
+namespace shardtrain::models {
+
+Sampler::Sampler(double temperature, double top_p, uint64_t seed)
+    : temperature_(temperature), top_p_(top_p), generator_(at::make_generator<at::CPUGeneratorImpl>(seed)) {
+  ST_CHECK_T(ConfigError, std::isfinite(temperature) && temperature >= 0.0, "temperature must be >= 0 (0: greedy), got ",
+             temperature);
+  ST_CHECK_T(ConfigError, top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
+}
+
+int64_t Sampler::next(const at::Tensor& logits) {
+  ST_CHECK(logits.dim() == 1 && logits.size(0) > 0, "Sampler: logits must be [V], got ", logits.sizes());
+  at::Tensor l = logits.detach().to(at::kCPU, at::kFloat);
+  if (greedy()) return l.argmax().item<int64_t>();
+  at::Tensor probs = at::softmax(l / temperature_, -1);
+  // Sorted descending; stable so equal probabilities keep index order and the
+  // draw is the same on every run and rank.
+  auto [sorted, order] = probs.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
+  if (top_p_ < 1.0) {
+    // Keep a token while the tokens before it add up to less than top_p: the
+    // smallest prefix reaching top_p, and always the most probable token.
+    at::Tensor before = sorted.cumsum(0) - sorted;
+    sorted = sorted.masked_fill(before >= top_p_, 0.0);
+  }
+  // multinomial normalizes the kept mass itself.
+  const int64_t pick = at::multinomial(sorted, 1, /*replacement=*/false, generator_).item<int64_t>();
+  return order[pick].item<int64_t>();
+}
+
+GenerationResult generate(const StepFunction& step, const std::vector<int64_t>& prompt,
+                          const GenerationOptions& options) {
+  ST_CHECK(static_cast<bool>(step), "generate: no step function");
+  ST_CHECK(!prompt.empty(), "generate: the prompt is empty (prepend BOS at least)");
+  ST_CHECK_T(ConfigError, options.max_new_tokens >= 0, "max_new_tokens must be >= 0, got ", options.max_new_tokens);
+  Sampler sampler(options.temperature, options.top_p, options.seed);
+  GenerationResult result;
+  KVCache cache;
+  const auto long_cpu = at::TensorOptions().dtype(at::kLong);
+  at::Tensor next_ids = at::tensor(prompt, long_cpu).view({1, -1});
+  for (int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
+    at::Tensor logits = step(next_ids, cache);
+    ++result.forward_calls;
+    ST_CHECK(logits.dim() == 3 && logits.size(0) == 1 && logits.size(1) == next_ids.size(1), "generate: the step ",
+             "returned logits ", logits.sizes(), " for input ids ", next_ids.sizes(), " (expected [1, T, V])");
+    int64_t token = sampler.next(logits[0][logits.size(1) - 1]);
+    if (options.agree_on_token) token = options.agree_on_token(token);
+    if (!result.stopped) {
+      result.tokens.push_back(token);
+      if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) {
+        result.stopped = true;
+      }
+    }
+    if (result.stopped && !options.fixed_steps) break;
+    next_ids = at::full({1, 1}, token, long_cpu);
+  }
+  return result;
+}
+
+StepFunction cached_step(LlamaForCausalLM model) {
+  return [model](const at::Tensor& new_ids, KVCache& cache) mutable {
+    return model->forward_cached(new_ids.to(model->model->embed_tokens->weight.device()), cache);
+  };
+}
+
+}  // namespace shardtrain::models

@@ -1,0 +1,140 @@
+#include "shardtrain/models/hf_weights.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/error.h"
+
+namespace shardtrain::models {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+HfCheckpoint::HfCheckpoint(const std::string& model_dir) : dir_(model_dir) {
+  const fs::path dir(model_dir);
+  const fs::path single = dir / "model.safetensors";
+  const fs::path index = dir / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    where_ = single.string();
+    auto reader = std::make_unique<safetensors::Reader>(where_);
+    for (const auto& name : reader->names()) by_tensor_[name] = reader.get();
+    readers_[where_] = std::move(reader);
+    return;
+  }
+  ST_CHECK(fs::exists(index), "no model.safetensors or model.safetensors.index.json in '", model_dir, "'");
+  where_ = index.string();
+  std::ifstream in(index);
+  ST_CHECK(in.good(), "cannot open '", where_, "'");
+  json j;
+  try {
+    in >> j;
+  } catch (const json::exception& e) {
+    ST_THROW(Error, where_, ": invalid JSON: ", e.what());
+  }
+  auto map = j.find("weight_map");
+  ST_CHECK(map != j.end() && map->is_object(), where_, ": no \"weight_map\" object");
+  for (auto& [name, file] : map->items()) {
+    ST_CHECK(file.is_string(), where_, ": weight_map entry '", name, "' is not a file name");
+    const std::string path = (dir / file.get<std::string>()).string();
+    auto& reader = readers_[path];
+    if (!reader) reader = std::make_unique<safetensors::Reader>(path);
+    ST_CHECK(reader->contains(name), where_, " maps '", name, "' to ", path, ", which has no such tensor");
+    by_tensor_[name] = reader.get();
+  }
+}
+
+bool HfCheckpoint::contains(const std::string& name) const { return by_tensor_.count(name) != 0; }
+
+const safetensors::TensorInfo& HfCheckpoint::info(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  ST_CHECK(it != by_tensor_.end(), "missing parameter '", name, "': not in ", where_);
+  return it->second->info(name);
+}
+
+const std::string& HfCheckpoint::file_of(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  ST_CHECK(it != by_tensor_.end(), "missing parameter '", name, "': not in ", where_);
+  return it->second->path();
+}
+
+std::vector<std::string> HfCheckpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& item : by_tensor_) out.push_back(item.first);
+  return out;
+}
+
+void HfCheckpoint::read_slice(const std::string& name, int64_t begin, int64_t length, const at::Tensor& out) const {
+  auto it = by_tensor_.find(name);
+  ST_CHECK(it != by_tensor_.end(), "missing parameter '", name, "': not in ", where_);
+  ST_CHECK(out.defined() && out.numel() == length, "read_slice '", name, "': the output holds ",
+           out.defined() ? out.numel() : 0, " elements, the slice ", length);
+  at::Tensor slice = it->second->read_slice(name, begin, length);
+  bytes_read_ += slice.numel() * static_cast<int64_t>(slice.element_size());
+  out.copy_(slice.view(out.sizes()));
+}
+
+void HfCheckpoint::check_against(torch::nn::Module& model) const {
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const safetensors::TensorInfo& tensor = info(item.key());
+    ST_CHECK(at::IntArrayRef(tensor.shape) == item.value().sizes(), "parameter '", item.key(), "' in ",
+             file_of(item.key()), " has shape ", at::IntArrayRef(tensor.shape), ", the model expects ",
+             item.value().sizes());
+  }
+}
+
+int64_t HfCheckpoint::total_tensor_bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, reader] : by_tensor_) total += static_cast<int64_t>(reader->info(name).nbytes());
+  return total;
+}
+
+WeightSource hf_weight_source(std::shared_ptr<const HfCheckpoint> checkpoint) {
+  ST_CHECK(checkpoint != nullptr, "hf_weight_source: the checkpoint is null");
+  return [checkpoint](const std::string& name, int64_t begin, int64_t length, at::Tensor out) {
+    checkpoint->read_slice(name, begin, length, out);
+  };
+}
+
+namespace {
+
+/// Casts a module just built to `dtype` and frees its parameters' storage.
+template <typename Holder>
+Holder without_weights(Holder module, at::ScalarType dtype) {
+  if (dtype != at::kFloat) module->to(dtype);
+  release_parameter_storage(*module);
+  return module;
+}
+
+}  // namespace
+
+LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::ScalarType dtype) {
+  config.validate();
+  ST_CHECK_T(ConfigError, at::isFloatingType(dtype), "make_llama_without_weights: dtype ", c10::toString(dtype),
+             " is not a floating-point type");
+  // LlamaForCausalLM's constructor allocates and initialises every layer at
+  // once; built with no layers and a one-token vocabulary it allocates almost
+  // nothing. The embedding, the layers and the head are then built one at a
+  // time, each released before the next exists.
+  LlamaConfig skeleton = config;
+  skeleton.num_hidden_layers = 0;
+  skeleton.vocab_size = 1;
+  LlamaForCausalLM model = without_weights(LlamaForCausalLM(skeleton), dtype);
+  model->config = config;
+  model->model->config = config;
+  const int64_t V = config.vocab_size, H = config.hidden_size;
+  // replace_module keeps the child's place, so parameters come in the same order as a normally built model's.
+  model->model->embed_tokens = torch::nn::Embedding(
+      model->model->replace_module("embed_tokens", without_weights(torch::nn::Embedding(V, H), dtype)));
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    model->model->layers->push_back(without_weights(LlamaDecoderLayer(config), dtype));
+  }
+  if (!config.tie_word_embeddings) {
+    model->lm_head = torch::nn::Linear(model->replace_module(
+        "lm_head", without_weights(torch::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype)));
+  }
+  return model;
+}
+
+}  // namespace shardtrain::models
