@@ -51,6 +51,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "llama2", "mistral", "none"}))
       ->capture_default_str();
   app.add_option("--seq-len", options.seq_len, "Tokens per packed row")->capture_default_str();
+  app.add_option("--activation-checkpointing", options.activation_checkpointing,
+                 "none; selective (recompute the core attention in backward); full (recompute each decoder layer)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->capture_default_str();
   app.add_flag("--no-packing", options.no_packing, "One example per row (padded) instead of packing");
   app.add_option("--micro-batch", options.micro_batch, "Rows per rank per micro-batch")->capture_default_str();
   app.add_option("--max-steps", options.max_steps, "Optimizer steps")->capture_default_str();

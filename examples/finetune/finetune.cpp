@@ -219,6 +219,21 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
 
   shardtrain::AcceleratorOptions accelerator_options;
   if (!options.config_path.empty()) accelerator_options.config_path = options.config_path;
+  const std::string checkpointing = options.activation_checkpointing;
+  ST_CHECK_T(shardtrain::ConfigError,
+             checkpointing == "none" || checkpointing == "selective" || checkpointing == "full",
+             "--activation-checkpointing '", checkpointing, "' is not one of none, selective, full");
+  if (checkpointing == "full") {
+    // Whole decoder layers recomputed in backward: the engine's job, switched
+    // on in the config as a user would (fsdp_activation_checkpointing /
+    // gradient_checkpointing).
+    shardtrain::TrainingConfig config = !options.config_path.empty() ? shardtrain::load_config(options.config_path)
+                                                                     : shardtrain::config_from_environment().value_or(
+                                                                           shardtrain::TrainingConfig{});
+    config.fsdp.activation_checkpointing = true;
+    config.gradient_checkpointing = true;
+    accelerator_options.config = config;
+  }
   accelerator_options.communicator = options.communicator;
   accelerator_options.checkpoint_total_limit = options.keep_last;
   shardtrain::Accelerator accelerator(accelerator_options);
@@ -262,6 +277,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
 
   torch::manual_seed(options.seed);
   models::LlamaForCausalLM model(mc);
+  // Selective: only the core attention (the O(T^2) scores and probabilities) is recomputed.
+  if (checkpointing == "selective") model->set_activation_checkpointing(models::ActivationCheckpointing::kSelective);
   if (!options.model_dir.empty()) models::load_hf_weights(model, options.model_dir);
   const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
   if (load_dtype != "fp32") model->to(dtype_of(load_dtype));

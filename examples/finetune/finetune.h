@@ -21,6 +21,8 @@ struct FinetuneOptions {
   std::string data, eval_data;
   std::string chat_format = "auto";
   int64_t seq_len = 128;
+  /// none | selective (core attention recomputed in backward) | full (whole decoder layers)
+  std::string activation_checkpointing = "none";
   bool no_packing = false;
   int64_t micro_batch = 8;
   int64_t max_steps = 300;

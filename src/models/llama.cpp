@@ -189,6 +189,94 @@ at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {
   return idx - start;
 }
 
+// ---- activation checkpointing ------------------------------------------------
+
+ActivationCheckpointing parse_activation_checkpointing(const std::string& name) {
+  if (name == "none") return ActivationCheckpointing::kNone;
+  if (name == "selective") return ActivationCheckpointing::kSelective;
+  ST_THROW(ConfigError, "activation checkpointing '", name,
+           "' is not supported (none, selective; full checkpointing of whole layers is the engine's: "
+           "fsdp_activation_checkpointing or gradient_checkpointing)");
+}
+
+std::string to_string(ActivationCheckpointing mode) {
+  return mode == ActivationCheckpointing::kSelective ? "selective" : "none";
+}
+
+at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
+  const int64_t d = q.size(-1);
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
+  scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v);
+}
+
+namespace {
+
+/// Carries the recomputation counter through the autograd context.
+struct RecomputeCounter : torch::CustomClassHolder {
+  explicit RecomputeCounter(std::shared_ptr<std::atomic<int64_t>> c) : count(std::move(c)) {}
+  std::shared_ptr<std::atomic<int64_t>> count;
+};
+
+/// Selective recomputation of the core attention. Forward (which autograd
+/// runs with grad mode off) records no graph, so the [B,heads,T,S] scores and
+/// probabilities die with it; only the inputs are saved. Backward rebuilds the
+/// graph from detached copies of the inputs and differentiates it: the same
+/// kernels on the same values, so the gradients equal those of the plain path.
+struct CoreAttentionFunction : torch::autograd::Function<CoreAttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& allowed, c10::IValue counter) {
+    ctx->save_for_backward({q, k, v, allowed});
+    ctx->saved_data["counter"] = std::move(counter);
+    return core_attention(q, k, v, allowed);
+  }
+
+  static std::vector<at::Tensor> backward(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor> grads) {
+    // The autograd engine runs backward with grad mode on exactly when
+    // create_graph was requested; the recomputed graph hangs off detached
+    // inputs, so a second derivative through it would silently be wrong.
+    ST_CHECK(!at::GradMode::is_enabled(),
+             "double backward (create_graph) through selectively checkpointed attention is not supported");
+    auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs, wrt;
+    for (std::size_t i = 0; i < 3; ++i) {
+      inputs.push_back(saved[i].detach().requires_grad_(saved[i].requires_grad()));
+      if (inputs.back().requires_grad()) wrt.push_back(inputs.back());
+    }
+    std::vector<at::Tensor> result(5);  // q, k, v, allowed, counter
+    if (wrt.empty()) return result;
+    const c10::IValue& counter = ctx->saved_data["counter"];
+    if (counter.isCapsule()) {
+      c10::static_intrusive_pointer_cast<RecomputeCounter>(counter.toCapsule())->count->fetch_add(1);
+    }
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = core_attention(inputs[0], inputs[1], inputs[2], saved[3]);
+    }
+    auto computed = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false,
+                                          /*create_graph=*/false, /*allow_unused=*/true);
+    std::size_t j = 0;
+    for (std::size_t i = 0; i < 3; ++i) {
+      if (inputs[i].requires_grad()) result[i] = computed[j++];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpointed_core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& allowed,
+                                       std::shared_ptr<std::atomic<int64_t>> recomputations) {
+  c10::IValue counter;  // None without a counter
+  if (recomputations) {
+    counter = c10::IValue::make_capsule(c10::make_intrusive<RecomputeCounter>(std::move(recomputations)));
+  }
+  return CoreAttentionFunction::apply(q, k, v, allowed, std::move(counter));
+}
+
 // ---- modules --------------------------------------------------------------
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden, double eps_)
@@ -246,10 +334,14 @@ at::Tensor LlamaAttentionImpl::forward_with_past(const at::Tensor& x, const at::
     k = k.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
     v = v.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
   }
-  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
-  scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({B, T, nh * d});
+  // Selective checkpointing only where there is a backward to recompute for:
+  // under no-grad (KV-cached decoding, the engine's no-grad first pass with
+  // full checkpointing) nothing is saved anyway and the plain path runs.
+  const bool selective = checkpointing == ActivationCheckpointing::kSelective && at::GradMode::is_enabled() &&
+                         (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  at::Tensor attn = selective ? checkpointed_core_attention(q, k, v, allowed, core_attention_recomputations)
+                              : core_attention(q, k, v, allowed);
+  at::Tensor out = attn.transpose(1, 2).reshape({B, T, nh * d});
   return o_proj(out);
 }
 
@@ -305,6 +397,19 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
   inv_freq = rope_inv_freq(c);
+}
+
+void LlamaModelImpl::set_activation_checkpointing(ActivationCheckpointing mode) {
+  for (auto& layer : *layers) layer->as<LlamaDecoderLayerImpl>()->self_attn->checkpointing = mode;
+  checkpointing_ = mode;
+}
+
+int64_t LlamaModelImpl::core_attention_recomputations() const {
+  int64_t total = 0;
+  for (const auto& layer : *layers) {
+    total += layer->as<LlamaDecoderLayerImpl>()->self_attn->core_attention_recomputations->load();
+  }
+  return total;
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,

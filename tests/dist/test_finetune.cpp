@@ -165,9 +165,11 @@ TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
       2,
       [](RankContext& ctx) {
         const std::string dir = std::getenv("FT_DIR");
-        auto run = [&](const std::string& config, const std::string& model_type, const std::string& name) {
+        auto run = [&](const std::string& config, const std::string& model_type, const std::string& name,
+                       const std::string& checkpointing = "none") {
           finetune::FinetuneOptions o = bundled_options(ctx, config, dir + "/" + name);
           o.model_type = model_type;
+          o.activation_checkpointing = checkpointing;
           o.max_steps = 6;
           o.eval_samples = 2;
           o.no_export = true;
@@ -183,6 +185,11 @@ TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
           EXPECT_NEAR(fsdp.losses[i], zero3.losses[i], 1e-6 * std::abs(zero3.losses[i])) << "step " << i + 1;
         }
         EXPECT_EQ(fsdp.plan.engine.rfind("fsdp", 0), 0u) << fsdp.plan.engine;
+        // Recomputation changes memory, not numbers.
+        const auto selective = run(dir + "/zero3_bf16_no_scheduler.json", "llama", "selective", "selective");
+        const auto full = run("configs/llama/fsdp_standard_bf16.yaml", "llama", "full", "full");
+        EXPECT_EQ(selective.losses, zero3.losses);
+        EXPECT_EQ(full.losses, fsdp.losses);
         const auto pure = run("configs/llama/fsdp_pure_bf16.yaml", "llama", "pure");
         EXPECT_EQ(pure.plan.optimizer_dtype, "bf16");
         const auto mistral = run("configs/llama/fsdp_standard_bf16.yaml", "mistral", "mistral");

@@ -11,7 +11,9 @@
 /// "LlamaDecoderLayer" or "MistralDecoderLayer" (by model_type), which is what
 /// `fsdp_transformer_layer_cls_to_wrap` selects.
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -22,6 +24,43 @@
 #include "shardtrain/unit.h"
 
 namespace shardtrain::models {
+
+/// Activation checkpointing the model does itself, inside each decoder layer.
+///
+/// FULL checkpointing (recompute a whole decoder layer in backward) belongs to
+/// the sharding engine, which owns the units (fsdp_activation_checkpointing,
+/// or gradient_checkpointing for ZeRO). SELECTIVE is Megatron-LM's selective
+/// recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
+/// in Large Transformer Models"): only the core attention, whose saved
+/// activations (scores/probabilities) are O(B * heads * T^2), is recomputed in
+/// backward; projections, norms and the MLP keep their activations. The two
+/// compose. Not a config.json field: set it with
+/// LlamaForCausalLMImpl::set_activation_checkpointing().
+enum class ActivationCheckpointing {
+  kNone,       ///< autograd keeps every activation it needs
+  kSelective,  ///< recompute the core attention in backward
+};
+
+/// "none" or "selective"; throws shardtrain::ConfigError naming the accepted values.
+ActivationCheckpointing parse_activation_checkpointing(const std::string& name);
+/// "none" or "selective".
+std::string to_string(ActivationCheckpointing mode);
+
+/// The core attention: softmax(q k^T / sqrt(d) masked) v, the softmax in fp32
+/// and its result cast back to q's dtype. q/k/v [B,heads,T|S,d] (k and v
+/// after RoPE and the grouped-query repeat: as many heads as q); allowed
+/// [B,1,T,S] bool (true: may attend). Returns [B,heads,T,d].
+at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
+
+/// core_attention() as an autograd function that saves only its inputs (q, k,
+/// v, allowed) and recomputes the scores and probabilities in backward, then
+/// differentiates through them. It has no parameters, so it works unchanged
+/// when a sharding engine gathers and frees them. When `recomputations` is
+/// given it is incremented once per backward recomputation. Double backward
+/// (create_graph) through it is not supported and throws shardtrain::Error.
+at::Tensor checkpointed_core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& allowed,
+                                       std::shared_ptr<std::atomic<int64_t>> recomputations = nullptr);
 
 /// config.json's "rope_scaling".
 struct RopeScaling {
@@ -96,6 +135,12 @@ struct LlamaAttentionImpl : torch::nn::Module {
                                at::Tensor* k_all = nullptr, at::Tensor* v_all = nullptr);
   LlamaConfig config;
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  /// kSelective: while grad mode is on, the core attention goes through
+  /// checkpointed_core_attention(); no-grad calls (KV-cached decoding, the
+  /// engine's no-grad first pass under full checkpointing) run it plainly.
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kNone;
+  /// Backward recomputations of this layer's core attention so far.
+  std::shared_ptr<std::atomic<int64_t>> core_attention_recomputations = std::make_shared<std::atomic<int64_t>>(0);
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -166,11 +211,19 @@ struct LlamaModelImpl : torch::nn::Module {
                      const at::Tensor& document_ids = {});
   /// Final normed hidden states [B,T_new,H] of the new tokens; appends them to `cache`.
   at::Tensor forward_cached(const at::Tensor& input_ids, KVCache& cache);
+  /// Sets every decoder layer's mode (see ActivationCheckpointing).
+  void set_activation_checkpointing(ActivationCheckpointing mode);
+  ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+  /// Core-attention recomputations in backward, summed over the layers, since construction.
+  int64_t core_attention_recomputations() const;
   LlamaConfig config;
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
   at::Tensor inv_freq;  // buffer-like, not a parameter and not in the state dict
+
+ private:
+  ActivationCheckpointing checkpointing_ = ActivationCheckpointing::kNone;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -192,6 +245,12 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   /// still runs through run_unit(), so a model prepared by an Accelerator
   /// works: call it through PreparedModel::run().
   at::Tensor forward_cached(const at::Tensor& input_ids, KVCache& cache);
+  /// Selective activation checkpointing per decoder layer (default kNone).
+  /// Independent of, and composable with, the engine's full checkpointing.
+  void set_activation_checkpointing(ActivationCheckpointing mode) { model->set_activation_checkpointing(mode); }
+  ActivationCheckpointing activation_checkpointing() const { return model->activation_checkpointing(); }
+  /// Core-attention recomputations in backward so far (all layers).
+  int64_t core_attention_recomputations() const { return model->core_attention_recomputations(); }
   LlamaConfig config;
   LlamaModel model{nullptr};
   /// Null when config.tie_word_embeddings (logits then use model->embed_tokens).
