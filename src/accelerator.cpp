@@ -222,6 +222,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       zo.fp16 = low == DType::kFp16;
       zo.optimizer = spec;
       zo.weight_source = run.weight_source;
+      zo.zero3_init = s.config.zero3_init_flag;
       s.engine = std::make_unique<zero::ZeroEngine>(s.module, s.comm, zo);
       break;
     }

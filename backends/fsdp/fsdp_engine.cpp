@@ -27,6 +27,7 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   o.keep_low_precision_grads = c.keep_low_precision_grads && !f.pure_low_precision && f.param_dtype != at::kFloat;
   o.buffer_dtype = f.buffer_dtype;
   o.weight_source = f.weight_source;
+  o.rank0_loads_weights = c.cpu_ram_efficient_loading;
   o.loss_scale = f.loss_scale;
   o.fp16 = f.fp16;
   o.optimizer = f.optimizer;

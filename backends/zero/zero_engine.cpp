@@ -33,6 +33,7 @@ engine::ShardingOptions to_sharding(const ZeroOptions& z) {
   o.fp16 = z.fp16;
   o.optimizer = z.optimizer;
   o.weight_source = z.weight_source;
+  o.rank0_loads_weights = z.zero3_init && z.stage == 3;
   return o;
 }
 

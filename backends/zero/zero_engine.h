@@ -45,6 +45,8 @@ struct ZeroOptions {
   engine::OptimizerSpec optimizer;
   /// Fills the shards of parameters built without storage (zero3_init_flag; else rank 0 sends them).
   WeightSource weight_source;
+  /// zero3_init_flag at stage 3: ranks other than 0 are expected to build the model without its weights.
+  bool zero3_init = false;
 };
 
 class ZeroEngine final : public engine::ShardedEngine {

@@ -14,9 +14,11 @@
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/models/generation.h"
+#include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/instruction_data.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/tokenizer.h"
+#include "shardtrain/weight_loading.h"
 
 namespace finetune {
 namespace {
@@ -249,6 +251,12 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   ST_CHECK(tokenizer->vocab_size() <= mc.vocab_size, "the tokenizer ", tokenizer_path, " has ",
            tokenizer->vocab_size(), " pieces but the model's vocab_size is ", mc.vocab_size,
            ": use the tokenizer that belongs to the model");
+  if (tokenizer->bos_id() != mc.bos_token_id || tokenizer->eos_id() != mc.eos_token_id) {
+    // The data pipeline inserts the tokenizer's ids; generation stops at the config's EOS.
+    ST_LOG_WARN("the tokenizer's BOS/EOS ids ({}/{}) differ from config.json's bos_token_id/eos_token_id ({}/{}); "
+                "training uses the tokenizer's, generation stops at the tokenizer's EOS",
+                tokenizer->bos_id(), tokenizer->eos_id(), mc.bos_token_id, mc.eos_token_id);
+  }
   const std::string chat_name =
       options.chat_format != "auto" ? options.chat_format : (mc.model_type == "mistral" ? "mistral" : "llama2");
   const models::ChatFormat chat = models::parse_chat_format(chat_name);
@@ -276,12 +284,23 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
            options.seq_len, "?)");
 
   torch::manual_seed(options.seed);
-  models::LlamaForCausalLM model(mc);
+  const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
+  models::LlamaForCausalLM model{nullptr};
+  shardtrain::WeightSource weight_source;
+  if (!options.model_dir.empty()) {
+    // No rank holds the full model: each builds it without weights (layer by
+    // layer, storage released) and the engine fills this rank's shard from
+    // the safetensors files, reading only those bytes.
+    auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
+    model = models::make_llama_without_weights(mc, dtype_of(load_dtype));
+    checkpoint->check_against(*model);
+    weight_source = models::hf_weight_source(checkpoint);
+  } else {
+    model = models::LlamaForCausalLM(mc);
+    if (load_dtype != "fp32") model->to(dtype_of(load_dtype));
+  }
   // Selective: only the core attention (the O(T^2) scores and probabilities) is recomputed.
   if (checkpointing == "selective") model->set_activation_checkpointing(models::ActivationCheckpointing::kSelective);
-  if (!options.model_dir.empty()) models::load_hf_weights(model, options.model_dir);
-  const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
-  if (load_dtype != "fp32") model->to(dtype_of(load_dtype));
   int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();
 
@@ -295,6 +314,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   run.warmup_steps = options.warmup;
   run.max_grad_norm = options.max_grad_norm;
   run.load_dtype = load_dtype;
+  run.weight_source = weight_source;
   auto prepared = accelerator.prepare(model, optimizer, run);
   shardtrain::SchedulerConfig schedule;
   schedule.specified = true;

@@ -613,8 +613,18 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     }
   }
   if (s.comm->rank() == 0) {
+    // A config may list several families' classes (LlamaDecoderLayer,MistralDecoderLayer)
+    // so one file serves both: a missing name only warns when no listed class matched.
+    const bool any_listed_found = std::any_of(
+        s.options.unit_classes.begin(), s.options.unit_classes.end(), [&](const std::string& cls) {
+          return std::find(marked_classes.begin(), marked_classes.end(), cls) != marked_classes.end();
+        });
     for (const auto& cls : s.options.unit_classes) {
-      if (std::find(marked_classes.begin(), marked_classes.end(), cls) == marked_classes.end()) {
+      if (std::find(marked_classes.begin(), marked_classes.end(), cls) != marked_classes.end()) continue;
+      if (any_listed_found) {
+        ST_LOG_INFO("{}: transformer_layer_cls_to_wrap also names '{}', which this model does not have",
+                    s.options.name, cls);
+      } else {
         ST_LOG_WARN("{}: transformer_layer_cls_to_wrap names '{}', but no shardtrain::Unit of that class is in "
                     "the model; its layers stay in the root unit", s.options.name, cls);
       }
@@ -786,6 +796,12 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
         }
         modes[i].push_back(mode);
       }
+    }
+    if (sync.rank() == 0 && released_params == 0 && s.options.rank0_loads_weights && sync.world_size() > 1) {
+      ST_LOG_WARN("{}: rank-0-only loading (fsdp_cpu_ram_efficient_loading / zero3_init_flag) is on, but every "
+                  "rank built the model with its weights, so every rank held the full model. Build it without "
+                  "them where accelerator.materialize_full_weights() is false (shardtrain::release_parameter_"
+                  "storage, models::make_llama_without_weights)", s.options.name);
     }
     if (sync.rank() == 0 && released_params > 0) {
       ST_LOG_INFO("{}: {} parameters ({} elements) were built without storage on some rank; their shards are "

@@ -60,6 +60,9 @@ struct ShardingOptions {
   /// Fills the shards of parameters built without storage
   /// (release_parameter_storage); without one they come from rank 0.
   WeightSource weight_source;
+  /// fsdp_cpu_ram_efficient_loading / zero3_init_flag is on: rank 0 warns when
+  /// no other rank built the model without its weights (nothing was saved).
+  bool rank0_loads_weights = false;
   at::ScalarType compute_dtype = at::kFloat;  ///< dtype the module computes in
   at::ScalarType param_dtype = at::kFloat;    ///< shard at rest / all-gather dtype
   at::ScalarType reduce_dtype = at::kFloat;   ///< gradient reduction dtype

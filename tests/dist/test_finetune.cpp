@@ -81,7 +81,9 @@ MultiRankOptions with_env(std::map<std::string, std::string> env) {
 
 TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
   const fs::path dir = scratch("job");
-  // A straight run of 12 steps saving at 6, then a new job resuming at step 6.
+  // A straight run of 12 steps saving at 6, then a new job resuming at step 6,
+  // then a short fine-tune from the export. (Rank processes re-run this body
+  // up to their run_on_ranks call, so every check comes after the last one.)
   run_on_ranks(
       2,
       [](RankContext& ctx) {
@@ -113,6 +115,22 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
       },
       with_env({{"FT_DIR", dir.string()}}));
 
+  // Fine-tuning continues from the export (--model-dir): each rank reads only
+  // its slices, and the loss starts where training ended, not at ln(vocab).
+  run_on_ranks(
+      2,
+      [](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = bundled_options(ctx, "configs/llama/fsdp_standard_bf16.yaml", dir + "/again");
+        o.model_dir = dir + "/straight/hf";
+        o.model_config.clear();
+        o.tokenizer.clear();  // MODEL_DIR/tokenizer.model
+        o.max_steps = 2;
+        o.no_export = true;
+        finetune::FinetuneSummary s = finetune::run_finetune(o);
+        if (ctx.rank() == 0) write_losses(dir + "/again.txt", {s.eval_before.loss});
+      },
+      with_env({{"FT_DIR", dir.string()}}));
   const std::vector<double> straight = read_losses(dir / "straight.txt");
   const std::vector<double> resumed = read_losses(dir / "resumed.txt");
   ASSERT_EQ(straight.size(), 12u);
@@ -140,6 +158,10 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
   shardtrain::models::LlamaForCausalLM exported(
       shardtrain::models::LlamaConfig::from_json_file((hf / "config.json").string()));
   shardtrain::models::load_hf_weights(exported, hf.string());  // every HF name present, shapes right
+
+  const std::vector<double> again = read_losses(dir / "again.txt");
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_NEAR(again[0], eval_after, 0.05 * eval_after) << "eval loss of the reloaded export vs the end of training";
 
   // `generate` continues a prompt from the exported directory.
   const auto result = shardtrain::testing::run_command(

@@ -22,6 +22,8 @@
 #include "shardtrain/weight_loading.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
+#include "tiny/tiny_model.h"
+#include "tiny/tiny_train.h"
 
 namespace {
 
@@ -416,5 +418,82 @@ TEST(DistLoadingErrors, MissingWeightsAndFailingSourcesFailOnEveryRankWithAMessa
     }
   });
 }
+
+}  // namespace
+
+// ---- rank 0 loads: every sharding strategy, pure low precision ----------------
+
+namespace {
+
+struct StrategyLoadCase {
+  ShardingStrategy strategy;
+  int world;
+  int local_world;
+  bool pure;
+};
+
+class DistRankZeroLoadingStrategies : public ::testing::TestWithParam<StrategyLoadCase> {};
+
+/// Rank 0's values reach every rank's shard whatever the layout: HYBRID_SHARD
+/// (rank 0 of the world sends each machine-local rank its chunk), NO_SHARD
+/// (every rank takes the whole unit), SHARD_GRAD_OP, and pure low precision
+/// (bf16 chunks); losses equal a normal load's.
+TEST_P(DistRankZeroLoadingStrategies, LossesMatchANormalLoad) {
+  const StrategyLoadCase c = GetParam();
+  MultiRankOptions harness;
+  harness.local_world_size = c.local_world;
+  run_on_ranks(c.world, [c](RankContext& ctx) {
+    auto train = [&](bool rank0_loads) {
+      shardtrain::TrainingConfig config = engine_config(true, rank0_loads);
+      config.fsdp.sharding_strategy = c.strategy;
+      config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
+      if (c.pure) {
+        config.mixed_precision = MixedPrecision::kNo;
+        config.bf16 = false;
+      }
+      auto accelerator = accelerator_for(config, ctx);
+      torch::manual_seed(8);
+      tiny::TinyConfig model_config;
+      tiny::TinyModel model(model_config);
+      if (c.pure) model->to(at::kBFloat16);
+      if (!accelerator->materialize_full_weights()) {
+        shardtrain::release_parameter_storage(*model);
+        EXPECT_EQ(shardtrain::parameter_storage_bytes(*model), 0);
+      }
+      auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      std::vector<double> losses;
+      for (int step = 0; step < 4; ++step) {
+        at::Tensor tokens = at::stack({tiny::synthetic_sample(step, 2 * ctx.rank(), model_config),
+                                       tiny::synthetic_sample(step, 2 * ctx.rank() + 1, model_config)});
+        at::Tensor logits = prepared(tokens);
+        at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, 31).reshape({-1, model_config.vocab}),
+                                                 tokens.narrow(1, 1, 31).reshape({-1}));
+        accelerator->backward(loss);
+        accelerator->step();
+        accelerator->zero_grad();
+        losses.push_back(accelerator->reduce(loss.detach().reshape({1}), "mean").item<double>());
+      }
+      return std::make_pair(losses, accelerator->full_state_dict());
+    };
+    const auto efficient = train(true);
+    const auto normal = train(false);
+    EXPECT_EQ(efficient.first, normal.first);
+    ASSERT_EQ(efficient.second.size(), normal.second.size());
+    for (std::size_t i = 0; i < efficient.second.size(); ++i) {
+      EXPECT_TRUE(at::equal(efficient.second[i].second, normal.second[i].second)) << efficient.second[i].first;
+    }
+  }, harness);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DistStrategies, DistRankZeroLoadingStrategies,
+    ::testing::Values(StrategyLoadCase{ShardingStrategy::kHybridShard, 4, 2, false},
+                      StrategyLoadCase{ShardingStrategy::kNoShard, 2, 2, false},
+                      StrategyLoadCase{ShardingStrategy::kShardGradOp, 2, 2, false},
+                      StrategyLoadCase{ShardingStrategy::kFullShard, 2, 2, true}),
+    [](const auto& info) {
+      return std::string(shardtrain::to_string(info.param.strategy)) + "_world" + std::to_string(info.param.world) +
+             (info.param.pure ? "_pure" : "");
+    });
 
 }  // namespace
