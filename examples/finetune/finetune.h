@@ -25,7 +25,7 @@ struct FinetuneOptions {
   std::string activation_checkpointing = "none";
   bool no_packing = false;
   int64_t micro_batch = 8;
-  int64_t max_steps = 300;
+  int64_t max_steps = 600;
   double lr = 1e-3;
   double weight_decay = 0.0;
   int64_t warmup = 30;
@@ -38,7 +38,7 @@ struct FinetuneOptions {
   std::string resume;
   std::string metrics_out;
   int64_t eval_every = 0;
-  int64_t eval_samples = 128;
+  int64_t eval_samples = 200;
   int64_t max_new_tokens = 16;
   int64_t show_examples = 4;
   double peak_tflops = 0;
