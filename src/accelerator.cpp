@@ -248,7 +248,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   }
 
   s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, load_dtype, s.env.local_world_size);
-  if (is_main_process()) {
+  if (is_main_process() && s.options.print_plan) {
     std::cout << s.plan.to_string() << std::flush;
   }
   s.prepared = true;

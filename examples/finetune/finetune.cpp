@@ -99,21 +99,6 @@ double flops_per_token(const models::LlamaConfig& c, int64_t num_params, int64_t
   return 6.0 * matmul_params + 12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
 }
 
-/// Measured GEMM throughput of this rank in `dtype` (FLOP/s): the denominator of
-/// MFU on machines whose peak nobody has told us (CPUs).
-double measure_gemm_flops(at::ScalarType dtype) {
-  torch::NoGradGuard no_grad;
-  const int64_t n = 512;
-  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
-  at::matmul(a, b);  // warm-up
-  int64_t runs = 0;
-  const auto start = Clock::now();
-  while (seconds_since(start) < 0.4) {
-    at::matmul(a, b);
-    ++runs;
-  }
-  return 2.0 * n * n * n * runs / seconds_since(start);
-}
 
 // ---- data ---------------------------------------------------------------------------
 
@@ -213,6 +198,21 @@ std::string number(double value, const char* format = "%.4f") {
 
 }  // namespace
 
+double measure_gemm_flops(const std::string& dtype_name) {
+  const at::ScalarType dtype = dtype_of(dtype_name);
+  torch::NoGradGuard no_grad;
+  const int64_t n = 512;
+  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
+  at::matmul(a, b);  // warm-up
+  int64_t runs = 0;
+  const auto start = Clock::now();
+  while (seconds_since(start) < 0.4) {
+    at::matmul(a, b);
+    ++runs;
+  }
+  return 2.0 * n * n * n * runs / seconds_since(start);
+}
+
 FinetuneSummary run_finetune(const FinetuneOptions& options) {
   ST_CHECK(options.max_steps > 0, "--max-steps must be positive");
   ST_CHECK(options.seq_len >= 8, "--seq-len must be at least 8");
@@ -238,6 +238,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   }
   accelerator_options.communicator = options.communicator;
   accelerator_options.checkpoint_total_limit = options.keep_last;
+  accelerator_options.print_plan = !options.quiet;
   shardtrain::Accelerator accelerator(accelerator_options);
   const bool main_process = accelerator.is_main_process();
   const bool verbose = main_process && !options.quiet;
@@ -363,7 +364,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
 
   const double peak_flops =
       options.peak_tflops > 0 ? options.peak_tflops * 1e12
-                              : measure_gemm_flops(dtype_of(summary.plan.compute_dtype));
+                              : measure_gemm_flops(summary.plan.compute_dtype);
   const double token_flops = flops_per_token(mc, num_params, options.seq_len);
 
   // Rows of this rank, epoch by epoch; the sampler's position survives checkpoints.
@@ -410,6 +411,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     train_seconds += seconds;
     train_tokens += step_tokens;
     summary.losses.push_back(step_loss);
+    summary.step_seconds.push_back(seconds);
+    summary.tokens_per_step = step_tokens;
     const auto& info = accelerator.last_step();
     progress.update(step + 1, step_loss, info.lr, step_tokens / seconds);
     if (metrics.is_open()) {
@@ -444,8 +447,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     }
   }
 
-  summary.eval_after = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
-  summary.checkpoint_dir = accelerator.save_state(checkpoint_dir);
+  if (eval.rows.num_rows() > 0 || !eval.examples.empty()) {
+    summary.eval_after = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
+  }
+  if (!options.no_save) summary.checkpoint_dir = accelerator.save_state(checkpoint_dir);
   if (!options.no_export) {
     summary.export_dir = (output / "hf").string();
     accelerator.save_model(summary.export_dir, "auto");
@@ -494,7 +499,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
       rss_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(rss[r].item<double>());
     }
     table.add("peak memory (RSS)", rss_text.str());
-    table.add("checkpoint", summary.checkpoint_dir);
+    if (!summary.checkpoint_dir.empty()) table.add("checkpoint", summary.checkpoint_dir);
     if (!summary.export_dir.empty()) table.add("exported model", summary.export_dir);
     std::cout << table.render("fine-tune summary");
     if (!summary.eval_after.examples.empty()) {

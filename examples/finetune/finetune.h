@@ -43,8 +43,9 @@ struct FinetuneOptions {
   int64_t show_examples = 4;
   double peak_tflops = 0;
   bool no_export = false;
+  bool no_save = false;  ///< no checkpoint at the end (benchmarks)
   bool no_progress = false;
-  bool quiet = false;  ///< tests: no progress bar, no summary
+  bool quiet = false;  ///< tests, benchmarks: no progress bar, no plan, no summary
   /// Tests: run on this communicator instead of the launcher's environment.
   shardtrain::comm::CommunicatorPtr communicator;
 };
@@ -59,6 +60,8 @@ struct EvalResult {
 struct FinetuneSummary {
   bool ok = true;
   std::vector<double> losses;  ///< mean train loss per step of this run
+  std::vector<double> step_seconds;  ///< wall time of each step on this rank
+  int64_t tokens_per_step = 0;       ///< token positions one step computes on one rank
   int64_t first_step = 0;      ///< step the run started at (non-zero after --resume)
   EvalResult eval_before, eval_after;
   double tokens_per_s_per_rank = 0;
@@ -67,6 +70,10 @@ struct FinetuneSummary {
   std::string checkpoint_dir, export_dir;
   shardtrain::PrecisionPlan plan;
 };
+
+/// Measured GEMM throughput of this rank in dtype "fp32", "bf16" or "fp16"
+/// (FLOP/s): the denominator of MFU where nobody gives the peak (CPUs).
+double measure_gemm_flops(const std::string& dtype);
 
 /// Runs the whole job: load, (resume), train, evaluate, save, export, summary.
 FinetuneSummary run_finetune(const FinetuneOptions& options);

@@ -65,6 +65,9 @@ struct AcceleratorOptions {
   InitOptions init;
   /// save_state keeps at most this many checkpoints in a directory (0: all), as Accelerate's total_limit.
   int checkpoint_total_limit = 0;
+  /// Rank 0 prints the precision plan at prepare(); off for programs that
+  /// prepare many models in one process (benchmarks, tests).
+  bool print_plan = true;
   /// Use this communicator instead of connecting from the environment (tests, embedding).
   comm::CommunicatorPtr communicator;
 };
