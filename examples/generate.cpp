@@ -3,18 +3,19 @@
 //
 //   build/bin/generate --model-dir DIR --prompt "The capital of France is" --max-new-tokens 32
 //   build/bin/generate --model-dir DIR --prompt-ids 1,415,5565 --print-ids        # compare ids with transformers
-//   build/bin/shardtrain launch --num_processes 2 build/bin/generate --config configs/zero3_fp32.json \
+//   build/bin/generate --model-dir DIR --chat-format llama2 --prompts-jsonl eval.jsonl --limit 6
+//   build/bin/shardtrain launch --num_processes 2 build/bin/generate --config configs/zero3_fp32.json
 //       --model-dir DIR --prompt "..."                                             # sharded (ZeRO-3 / FSDP)
 //
 // --prompt is tokenized with DIR/tokenizer.model (or --tokenizer) and BOS
 // (config.json's bos_token_id) is prepended; --prompt-ids are used as given.
 // Generation stops after config.json's eos_token_id (unless --ignore-eos).
 //
-// --chat-format llama2|mistral wraps the prompt as "[INST] prompt [/INST]"
-// (single turn, no system prompt: the form both families were tuned on,
-// "<s>[INST] ... [/INST]" once BOS is prepended). It is the plain Hugging Face
-// template, not necessarily the exact prefix a shardtrain fine-tune was
-// trained with.
+// --chat-format llama2|mistral formats the prompt exactly as the fine-tune's
+// training prefix (models::format_prompt: "<s>[INST] prompt [/INST]", single
+// turn, no system prompt), so a fine-tuned export answers as it was trained.
+// --prompts-jsonl continues every {"prompt","response"} record of a file and
+// shows the expected response next to the answer.
 #include <chrono>
 #include <filesystem>
 #include <iostream>
