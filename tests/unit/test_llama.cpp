@@ -15,6 +15,7 @@
 #include "build_config.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/llama.h"
+#include "support/llama_golden.h"
 #include "shardtrain/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -23,17 +24,9 @@ namespace st = shardtrain::safetensors;
 
 namespace {
 
-std::string golden_dir(const std::string& name) {
-  return std::string(SHARDTRAIN_SOURCE_DIR) + "/tests/data/golden/" + name;
-}
+using shardtrain::testing::golden_dir;
 
-sm::LlamaForCausalLM load_case(const std::string& name) {
-  auto config = sm::LlamaConfig::from_json_file(golden_dir(name) + "/config.json");
-  sm::LlamaForCausalLM model(config);
-  sm::load_hf_weights(model, golden_dir(name));
-  model->eval();
-  return model;
-}
+sm::LlamaForCausalLM load_case(const std::string& name) { return shardtrain::testing::load_golden_case(name); }
 
 class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
 
