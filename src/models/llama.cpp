@@ -13,11 +13,10 @@
 #include <nlohmann/json.hpp>
 
 #include "shardtrain/error.h"
-#include "shardtrain/safetensors.h"
+#include "shardtrain/models/hf_weights.h"
 
 namespace shardtrain::models {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 // ---- config ---------------------------------------------------------------
@@ -550,54 +549,12 @@ std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(LlamaForCausalLM& 
 }
 
 void load_hf_weights(LlamaForCausalLM& model, const std::string& model_dir) {
-  const fs::path dir(model_dir);
-  const fs::path single = dir / "model.safetensors";
-  const fs::path index = dir / "model.safetensors.index.json";
-  std::map<std::string, std::string> weight_map;  // parameter -> file
-  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
-  std::string where;  // for messages
-  if (fs::exists(single)) {
-    where = single.string();
-  } else {
-    ST_CHECK(fs::exists(index), "no model.safetensors or model.safetensors.index.json in '", model_dir, "'");
-    where = index.string();
-    std::ifstream in(index);
-    ST_CHECK(in.good(), "cannot open '", where, "'");
-    json j;
-    try {
-      in >> j;
-    } catch (const json::exception& e) {
-      ST_THROW(Error, where, ": invalid JSON: ", e.what());
-    }
-    auto it = j.find("weight_map");
-    ST_CHECK(it != j.end() && it->is_object(), where, ": no \"weight_map\" object");
-    for (auto& [name, file] : it->items()) {
-      ST_CHECK(file.is_string(), where, ": weight_map entry '", name, "' is not a file name");
-      weight_map[name] = (dir / file.get<std::string>()).string();
-    }
-  }
-  auto reader_for = [&](const std::string& path) -> safetensors::Reader& {
-    auto& slot = readers[path];
-    if (!slot) slot = std::make_unique<safetensors::Reader>(path);
-    return *slot;
-  };
-
+  // The same reader as sliced loading: one parser of model.safetensors.index.json.
+  const HfCheckpoint checkpoint(model_dir);
+  checkpoint.check_against(*model);  // every parameter present with its shape, before anything changes
   torch::NoGradGuard no_grad;
   for (auto& [name, param] : hf_state_dict(model)) {
-    std::string file;
-    if (weight_map.empty()) {
-      file = single.string();
-    } else {
-      auto it = weight_map.find(name);
-      ST_CHECK(it != weight_map.end(), "missing parameter '", name, "': not listed in ", where);
-      file = it->second;
-    }
-    safetensors::Reader& reader = reader_for(file);
-    ST_CHECK(reader.contains(name), "missing parameter '", name, "' in ", file);
-    const auto& info = reader.info(name);
-    ST_CHECK(at::IntArrayRef(info.shape) == param.sizes(), "parameter '", name, "' in ", file, " has shape ",
-             at::IntArrayRef(info.shape), ", the model expects ", param.sizes());
-    param.copy_(reader.read(name).to(param.scalar_type()));
+    checkpoint.read_slice(name, 0, param.numel(), param.view({-1}));  // converted to the parameter's dtype
   }
 }
 
