@@ -1,7 +1,6 @@
 #include "launcher/launch_options.h"
 
 #include <algorithm>
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -9,12 +8,15 @@
 #include <CLI/CLI.hpp>
 #include <yaml-cpp/yaml.h>
 
+#include "config/config_tree.h"  // lowercase, uppercase
 #include "shardtrain/error.h"
 
 namespace shardtrain::launcher {
 namespace {
 
 namespace fs = std::filesystem;
+using config_detail::lowercase;
+using config_detail::uppercase;
 
 constexpr const char* kUsage = "usage: shardtrain launch [options] PROGRAM [ARGS...]";
 
@@ -162,18 +164,6 @@ Setting<T> merge(const std::string& name, const std::optional<T>& flag,
   }
   if (from_file) return *from_file;
   return default_setting(name, std::move(fallback));
-}
-
-std::string lowercase(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
-
-std::string uppercase(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  return text;
 }
 
 /// A DeepSpeed JSON path must name an existing file; relative paths are

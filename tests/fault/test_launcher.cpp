@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "support/multirank.h"
+#include "support/scratch_dir.h"
 
 namespace {
 
@@ -27,24 +28,7 @@ using shardtrain::testing::run_command;
 const std::string kShardtrain = std::string(SHARDTRAIN_BIN_DIR) + "/shardtrain";
 const std::string kSmokeJob = std::string(SHARDTRAIN_BIN_DIR) + "/smoke_collectives";
 
-/// A scratch directory for pid files and logs, removed at the end of a test.
-class ScratchDir {
- public:
-  ScratchDir() {
-    char path_template[] = "/tmp/shardtrain-launcher-test-XXXXXX";
-    const char* made = mkdtemp(path_template);
-    if (made == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = made;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using shardtrain::testing::ScratchDir;
 
 /// A worker script that records its own pid and the pid of a child it keeps
 /// running in the background (so the test can check that the whole process

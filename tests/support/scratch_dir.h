@@ -31,6 +31,8 @@ class ScratchDir {
     std::ofstream(file, std::ios::binary) << text;
     return file;
   }
+  /// PATH/name (nothing is created).
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
   const std::string& path() const { return path_; }
 
  private:
