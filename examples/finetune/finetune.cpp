@@ -107,13 +107,6 @@ struct Dataset {
   std::vector<models::InstructionRecord> examples;  ///< prompt/response records (exact match)
 };
 
-std::string trim(const std::string& text) {
-  const char* space = " \t\n\r\f\v";
-  const size_t begin = text.find_first_not_of(space);
-  if (begin == std::string::npos) return "";
-  return text.substr(begin, text.find_last_not_of(space) - begin + 1);
-}
-
 // ---- evaluation ---------------------------------------------------------------------
 
 template <typename Prepared>
@@ -124,28 +117,26 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
   EvalResult result;
   const int world = accelerator.num_processes(), rank = accelerator.process_index();
   // Every rank runs the same number of forwards (ZeRO-3 and FSDP gather
-  // parameters collectively): ranks short of rows repeat row 0 with weight 0.
+  // parameters collectively): ranks short of rows repeat row 0, unlabelled.
   const int64_t rows = eval.rows.num_rows();
   if (rows > 0) {
     const int64_t per_rank = (rows + world - 1) / world;
     double loss_sum = 0, token_sum = 0;
     for (int64_t k = 0; k < per_rank; k += options.micro_batch) {
-      std::vector<int64_t> indices;
-      std::vector<double> weights;
+      std::vector<int64_t> indices, repeats;
       for (int64_t i = k; i < std::min(per_rank, k + options.micro_batch); ++i) {
         const int64_t row = i * world + rank;
+        if (row >= rows) repeats.push_back(static_cast<int64_t>(indices.size()));
         indices.push_back(row < rows ? row : 0);
-        weights.push_back(row < rows ? 1.0 : 0.0);
       }
       models::InstructionBatch batch = models::make_batch(eval.rows, indices);
       at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
-      for (size_t b = 0; b < indices.size(); ++b) {
-        at::Tensor labels = batch.labels.slice(0, b, b + 1);
-        const double tokens = (labels.slice(1, 1) != -100).sum().item<double>() * weights[b];
-        if (tokens == 0) continue;
-        loss_sum += models::causal_lm_loss(logits.slice(0, b, b + 1), labels).item<double>() * tokens;
-        token_sum += tokens;
-      }
+      for (int64_t b : repeats) batch.labels[b].fill_(models::kIgnoreIndex);  // not counted
+      const double tokens = (batch.labels.slice(1, 1) != models::kIgnoreIndex).sum().item<double>();
+      if (tokens == 0) continue;
+      // The mean over the batch's target tokens, weighted back into a sum.
+      loss_sum += models::causal_lm_loss(logits, batch.labels).item<double>() * tokens;
+      token_sum += tokens;
     }
     at::Tensor totals = accelerator.reduce(at::tensor({loss_sum, token_sum}, at::kDouble), "sum");
     result.loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
@@ -168,8 +159,8 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
       const std::vector<int64_t> prompt_ids = models::format_prompt(tokenizer, chat, example.prompt);
       const models::GenerationResult generated =
           models::generate(models::prepared_cached_step(model), prompt_ids, generation);
-      const std::string answer = trim(tokenizer.decode(generated.tokens));
-      const bool ok = answer == trim(example.response);
+      const std::string answer = models::strip(tokenizer.decode(generated.tokens));
+      const bool ok = answer == models::strip(example.response);
       if (real && ok) correct += 1;
       if (real && rank == 0 && static_cast<int64_t>(shown.size()) < options.show_examples) {
         shown.push_back(example.prompt + "  =>  " + answer + (ok ? "  (correct)" : "  (expected " + example.response + ")"));

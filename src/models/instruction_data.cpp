@@ -204,8 +204,6 @@ std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, i
 
 // ---- formatting --------------------------------------------------------------
 
-namespace {
-
 std::string strip(const std::string& s) {
   const char* ws = " \t\n\r\f\v";
   const size_t begin = s.find_first_not_of(ws);
@@ -213,6 +211,8 @@ std::string strip(const std::string& s) {
   const size_t end = s.find_last_not_of(ws);
   return s.substr(begin, end - begin + 1);
 }
+
+namespace {
 
 void require_special(const Tokenizer& tokenizer, ChatFormat format) {
   if (format == ChatFormat::kNone) return;

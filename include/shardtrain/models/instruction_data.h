@@ -152,6 +152,10 @@ int64_t default_pad_id(const Tokenizer* tokenizer);
 /// "file:line" and the problem.
 std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, int64_t vocab_size = 0);
 
+/// `text` without ASCII whitespace (" \t\n\r\f\v") at either end, as the
+/// chat templates strip prompts and responses (also how answers are compared).
+std::string strip(const std::string& text);
+
 /// The generation prefix: [bos] + the prompt part of `format` (see the file
 /// comment). Identical to the masked prefix of format_instruction().
 std::vector<int64_t> format_prompt(const Tokenizer& tokenizer, ChatFormat format, const std::string& prompt);
