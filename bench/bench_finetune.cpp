@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
         char ratio[32] = "-";
         if (reference > 0) std::snprintf(ratio, sizeof ratio, "%.3f", tps / reference);
         std::printf("%-34s %14.0f %10s %7.1f%% %13.1f MB %11.1f MiB\n", known.at(name).second.c_str(), tps, ratio,
-                    100.0 * s.mfu * tps / std::max(1.0, s.tokens_per_s_per_rank), states / 1e6,
+                    100.0 * tps * s.flops_per_token / (base.peak_tflops * 1e12), states / 1e6,
                     s.peak_rss_max / 1048576.0);
       }
     }

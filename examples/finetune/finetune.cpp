@@ -462,6 +462,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
       train_seconds > 0
           ? accelerator.reduce(at::full({1}, train_tokens / train_seconds, at::kDouble), "mean").item<double>()
           : 0;
+  summary.flops_per_token = token_flops;
   summary.mfu = summary.tokens_per_s_per_rank * token_flops / peak_flops;
   const shardtrain::MemoryReport mem = accelerator.memory();
   at::Tensor rss = accelerator.gather_for_metrics(at::full({1}, static_cast<double>(mem.peak_rss), at::kDouble));

@@ -66,6 +66,7 @@ struct FinetuneSummary {
   EvalResult eval_before, eval_after;
   double tokens_per_s_per_rank = 0;
   double mfu = NAN;
+  double flops_per_token = 0;  ///< model FLOPs of one trained token (forward + backward)
   int64_t peak_rss_max = 0;
   std::string checkpoint_dir, export_dir;
   shardtrain::PrecisionPlan plan;
