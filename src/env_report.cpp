@@ -13,6 +13,7 @@
 
 #include "comm/nccl_factory.h"
 #include "compat/torch_compat.h"
+#include "shardtrain/nn/linear.h"
 #include "shardtrain/version.h"
 
 namespace shardtrain {
@@ -52,16 +53,20 @@ std::vector<std::string> loaded_blas_libraries() {
   return {found.begin(), found.end()};
 }
 
-double gemm_gflops(at::ScalarType dtype) {
+/// `through_shardtrain`: the path training uses (shardtrain::nn::matmul),
+/// else LibTorch's own kernel for the dtype.
+double gemm_gflops(at::ScalarType dtype, bool through_shardtrain) {
   const int64_t n = 1024;
+  at::NoGradGuard no_grad;
   at::Tensor a = at::randn({n, n}).to(dtype);
   at::Tensor b = at::randn({n, n}).to(dtype);
-  at::mm(a, b);  // warm-up: first call loads kernels
+  auto multiply = [&] { return through_shardtrain ? nn::matmul(a, b) : at::mm(a, b); };
+  multiply();  // warm-up: first call loads kernels
   int reps = 0;
   auto start = std::chrono::steady_clock::now();
   double elapsed = 0;
   do {
-    at::mm(a, b);
+    multiply();
     ++reps;
     elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   } while (elapsed < 0.4);
@@ -95,16 +100,26 @@ EnvReport collect_env_report(bool measure_gemm) {
     if (flags.find(std::string(" ") + f + " ") != std::string::npos) features += std::string(features.empty() ? "" : " ") + f;
   }
   add("CPU features", features.empty() ? "none of avx2/avx512/amx" : features);
+  add("CPU bf16 GEMM", nn::cpu_low_precision_gemm().describe());
 
   if (measure_gemm) {
     std::ostringstream fp32;
     fp32.precision(1);
-    fp32 << std::fixed << gemm_gflops(at::kFloat) << " GFLOP/s";
+    fp32 << std::fixed << gemm_gflops(at::kFloat, false) << " GFLOP/s";
     add("fp32 GEMM 1024^3", fp32.str());
-    std::ostringstream bf16;
-    bf16.precision(1);
-    bf16 << std::fixed << gemm_gflops(at::kBFloat16) << " GFLOP/s";
-    add("bf16 GEMM 1024^3", bf16.str());
+    std::ostringstream native;
+    native.precision(1);
+    try {
+      native << std::fixed << gemm_gflops(at::kBFloat16, false) << " GFLOP/s";
+    } catch (const std::exception& failure) {
+      const std::string what = failure.what();
+      native << "fails: " << what.substr(0, what.find('\n'));
+    }
+    add("bf16 GEMM 1024^3, LibTorch", native.str());
+    std::ostringstream ours;
+    ours.precision(1);
+    ours << std::fixed << gemm_gflops(at::kBFloat16, true) << " GFLOP/s";
+    add("bf16 GEMM 1024^3, shardtrain::nn", ours.str());
   } else {
     at::mm(at::ones({8, 8}), at::ones({8, 8}));  // make sure the BLAS is loaded before reading maps
   }

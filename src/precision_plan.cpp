@@ -3,6 +3,8 @@
 #include <iomanip>
 #include <sstream>
 
+#include "shardtrain/nn/linear.h"
+
 namespace shardtrain {
 namespace {
 
@@ -45,6 +47,13 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   const bool fp16_on_cpu = low == DType::kFp16 && !on_cuda;
   plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : name_of(low);
   plan.shard_dtype = name_of(low);
+  if (on_cuda) {
+    plan.gemm = std::string(name_of(low)) + " (cuBLAS, fp32 accumulation)";
+  } else if (low == DType::kBf16) {
+    plan.gemm = "bf16 " + nn::cpu_low_precision_gemm().describe();
+  } else {
+    plan.gemm = "fp32 (LibTorch's BLAS)";
+  }
   DType reduce = config.communication_data_type.value_or(low);
   if (fsdp) reduce = config.fsdp.reduce_dtype.value_or(low);
   plan.reduce_dtype = name_of(reduce);
@@ -103,6 +112,7 @@ std::string PrecisionPlan::to_string() const {
   out << "  load " << load_dtype << " | shard at rest " << shard_dtype << " | compute " << compute_dtype
       << " | grad reduce " << reduce_dtype << " | grads " << grad_dtype << " | master " << master_dtype << " | optimizer state "
       << optimizer_dtype << "\n";
+  if (!gemm.empty()) out << "  GEMM " << gemm << "\n";
   out << std::fixed << std::setprecision(3);
   auto row = [&](const char* kind, double per_param) {
     out << "  " << std::left << std::setw(22) << kind << std::right << std::setw(8) << per_param

@@ -17,6 +17,7 @@
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/instruction_data.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/nn/linear.h"
 #include "shardtrain/tokenizer.h"
 #include "shardtrain/weight_loading.h"
 
@@ -194,11 +195,13 @@ double measure_gemm_flops(const std::string& dtype_name) {
   torch::NoGradGuard no_grad;
   const int64_t n = 512;
   at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
-  at::matmul(a, b);  // warm-up
+  // Through shardtrain::nn, as the model's products run: on a CPU without
+  // fast bf16 that is the widened fp32 GEMM, not LibTorch's scalar fallback.
+  shardtrain::nn::matmul(a, b);  // warm-up
   int64_t runs = 0;
   const auto start = Clock::now();
   while (seconds_since(start) < 0.4) {
-    at::matmul(a, b);
+    shardtrain::nn::matmul(a, b);
     ++runs;
   }
   return 2.0 * n * n * n * runs / seconds_since(start);

@@ -3,12 +3,15 @@
 // pre-norm transformer blocks marked as sharding units, an LM head). Small
 // enough to train on 2 CPU cores in seconds, shaped like the real thing so
 // every engine path (units, root parameters, attention, MLP) is exercised.
+// Its matrix products go through shardtrain::nn, so bf16 runs at fp32 speed
+// on CPUs without native bf16.
 
 #include <cmath>
 #include <cstdint>
 
 #include <torch/torch.h>
 
+#include "shardtrain/nn/linear.h"
 #include "shardtrain/unit.h"
 
 namespace tiny {
@@ -34,11 +37,11 @@ struct TinyBlockImpl : torch::nn::Module, shardtrain::Unit {
   explicit TinyBlockImpl(const TinyConfig& c)
       : Unit("TinyBlock"), config(c),
         norm1(register_parameter("norm1", torch::ones({c.hidden}))),
-        qkv(register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, 3 * c.hidden).bias(false)))),
-        proj(register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.hidden).bias(false)))),
+        qkv(register_module("qkv", shardtrain::nn::Linear(torch::nn::LinearOptions(c.hidden, 3 * c.hidden).bias(false)))),
+        proj(register_module("proj", shardtrain::nn::Linear(torch::nn::LinearOptions(c.hidden, c.hidden).bias(false)))),
         norm2(register_parameter("norm2", torch::ones({c.hidden}))),
-        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.ffn).bias(true)))),
-        down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(c.ffn, c.hidden).bias(true)))) {}
+        up(register_module("up", shardtrain::nn::Linear(torch::nn::LinearOptions(c.hidden, c.ffn).bias(true)))),
+        down(register_module("down", shardtrain::nn::Linear(torch::nn::LinearOptions(c.ffn, c.hidden).bias(true)))) {}
 
   at::Tensor forward(const at::Tensor& x) {
     return run_unit(x, [this](const at::Tensor& h) {
@@ -51,19 +54,19 @@ struct TinyBlockImpl : torch::nn::Module, shardtrain::Unit {
     const int64_t B = x.size(0), T = x.size(1), H = config.hidden, nh = config.heads, d = H / nh;
     auto parts = qkv(x).view({B, T, 3, nh, d}).permute({2, 0, 3, 1, 4});  // 3,B,nh,T,d
     at::Tensor q = parts[0], k = parts[1], v = parts[2];
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+    at::Tensor scores = shardtrain::nn::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
     at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
     at::Tensor probs = at::softmax(scores.to(at::kFloat), -1).to(x.scalar_type());
-    at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
+    at::Tensor out = shardtrain::nn::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
     return proj(out);
   }
 
   TinyConfig config;
   at::Tensor norm1;
-  torch::nn::Linear qkv, proj;
+  shardtrain::nn::Linear qkv, proj;
   at::Tensor norm2;
-  torch::nn::Linear up, down;
+  shardtrain::nn::Linear up, down;
 };
 TORCH_MODULE(TinyBlock);
 
@@ -74,7 +77,7 @@ struct TinyModelImpl : torch::nn::Module {
         position(register_module("position", torch::nn::Embedding(c.seq_len, c.hidden))),
         blocks(register_module("blocks", torch::nn::ModuleList())),
         norm_f(register_parameter("norm_f", torch::ones({c.hidden}))),
-        head(register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.vocab).bias(false)))) {
+        head(register_module("head", shardtrain::nn::Linear(torch::nn::LinearOptions(c.hidden, c.vocab).bias(false)))) {
     for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(TinyBlock(c));
     // GPT-style init: normal(0, init_std) for every matrix, zero biases, unit norms.
     torch::NoGradGuard no_grad;
@@ -100,7 +103,7 @@ struct TinyModelImpl : torch::nn::Module {
   torch::nn::Embedding embed, position;
   torch::nn::ModuleList blocks;
   at::Tensor norm_f;
-  torch::nn::Linear head;
+  shardtrain::nn::Linear head;
 };
 TORCH_MODULE(TinyModel);
 

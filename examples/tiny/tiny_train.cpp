@@ -144,7 +144,20 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
   return result;
 }
 
-TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) {
+namespace {
+
+/// What both references build before their loops: the model at the engine
+/// run's starting values, torch's optimizer and the schedule.
+struct ReferenceSetup {
+  shardtrain::TrainingConfig config;
+  int64_t accumulation = 1;
+  TinyModel model{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<shardtrain::engine::LRScheduler> scheduler;
+  double clip = 0;
+};
+
+ReferenceSetup make_reference(const TinyRunOptions& options, int world_size) {
   shardtrain::AutoContext context;
   context.world_size = world_size;
   context.micro_batch_size = options.micro_batch;
@@ -152,64 +165,161 @@ TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) 
   context.total_steps = options.steps;
   shardtrain::TrainingConfig raw = load(options);
   if (options.lr) raw.optimizer.lr = *options.lr;  // as the Accelerator applies it: before "auto" resolution
-  const shardtrain::TrainingConfig config = shardtrain::resolve_auto(raw, context);
-  const int64_t accumulation = config.gradient_accumulation_steps.value_or(1);
+  ReferenceSetup setup;
+  setup.config = shardtrain::resolve_auto(raw, context);
+  setup.accumulation = setup.config.gradient_accumulation_steps.value_or(1);
 
   torch::manual_seed(options.seed);
-  TinyModel model(options.model);
+  setup.model = TinyModel(options.model);
   if (options.load_dtype == "bf16") {
     // Same starting values as the engine run, which loads bf16 and upcasts its master.
-    model->to(at::kBFloat16);
-    model->to(at::kFloat);
+    setup.model->to(at::kBFloat16);
+    setup.model->to(at::kFloat);
   }
-  const auto& oc = config.optimizer;
+  const auto& oc = setup.config.optimizer;
   const double lr = options.lr.value_or(oc.lr.value_or(1e-3));
   const auto betas = oc.betas.value_or(std::array<double, 2>{0.9, 0.999});
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::string type = oc.type;
   if (type == "Adam" && oc.adam_w_mode.value_or(false)) type = "AdamW";
+  auto params = setup.model->parameters();
   if (type == "AdamW") {
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        model->parameters(), torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
-                                 .weight_decay(oc.weight_decay.value_or(0.01)));
+    setup.optimizer = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
+                    .weight_decay(oc.weight_decay.value_or(0.01)));
   } else if (type == "Adam") {
-    optimizer = std::make_unique<torch::optim::Adam>(
-        model->parameters(), torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
-                                 .weight_decay(oc.weight_decay.value_or(0.0)));
+    setup.optimizer = std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
+                    .weight_decay(oc.weight_decay.value_or(0.0)));
   } else {
-    optimizer = std::make_unique<torch::optim::SGD>(
-        model->parameters(),
-        torch::optim::SGDOptions(lr).momentum(oc.momentum).weight_decay(oc.weight_decay.value_or(0.0)).nesterov(oc.nesterov));
+    setup.optimizer = std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(lr).momentum(oc.momentum).weight_decay(oc.weight_decay.value_or(0.0))
+                    .nesterov(oc.nesterov));
   }
-  shardtrain::SchedulerConfig schedule = config.scheduler;
+  shardtrain::SchedulerConfig schedule = setup.config.scheduler;
   if (!schedule.total_num_steps) schedule.total_num_steps = options.steps;
   if (!schedule.warmup_max_lr) schedule.warmup_max_lr = lr;
   if (!schedule.warmup_min_lr) schedule.warmup_min_lr = 0.0;
-  shardtrain::engine::LRScheduler scheduler(schedule, lr);
-  const double clip = config.gradient_clipping.value_or(0.0);
+  setup.scheduler = std::make_unique<shardtrain::engine::LRScheduler>(schedule, lr);
+  setup.clip = setup.config.gradient_clipping.value_or(0.0);
+  return setup;
+}
 
+void finish_reference(ReferenceSetup& setup, TinyRunResult& result) {
+  for (const auto& item : setup.model->named_parameters()) {
+    result.final_params.emplace_back(item.key(), item.value().detach().to(at::kFloat).clone());
+  }
+}
+
+}  // namespace
+
+TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) {
+  ReferenceSetup setup = make_reference(options, world_size);
   TinyRunResult result;
   for (int step = 0; step < options.steps; ++step) {
     std::vector<at::Tensor> rows;
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
+    for (int64_t micro = 0; micro < setup.accumulation; ++micro) {
       for (int r = 0; r < world_size; ++r) {
-        rows.push_back(batch_of(options.seed, options.model, step, micro, r, world_size, options.micro_batch, accumulation));
+        rows.push_back(batch_of(options.seed, options.model, step, micro, r, world_size, options.micro_batch,
+                                setup.accumulation));
       }
     }
     at::Tensor tokens = at::cat(rows);
-    optimizer->zero_grad();
-    at::Tensor loss = next_token_loss(model->forward(tokens), tokens);
+    setup.optimizer->zero_grad();
+    at::Tensor loss = next_token_loss(setup.model->forward(tokens), tokens);
     loss.backward();
     double norm = -1;
-    if (clip > 0) norm = torch::nn::utils::clip_grad_norm_(model->parameters(), clip);
-    for (auto& group : optimizer->param_groups()) group.options().set_lr(scheduler.lr_at(step));
-    optimizer->step();
+    if (setup.clip > 0) norm = torch::nn::utils::clip_grad_norm_(setup.model->parameters(), setup.clip);
+    for (auto& group : setup.optimizer->param_groups()) group.options().set_lr(setup.scheduler->lr_at(step));
+    setup.optimizer->step();
     result.losses.push_back(loss.item<double>());
     result.grad_norms.push_back(norm);
   }
-  for (const auto& item : model->named_parameters()) {
-    result.final_params.emplace_back(item.key(), item.value().detach().to(at::kFloat).clone());
+  finish_reference(setup, result);
+  return result;
+}
+
+TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, int world_size,
+                                               DataParallelArithmetic arithmetic) {
+  ReferenceSetup setup = make_reference(options, world_size);
+  ST_CHECK(setup.clip == 0.0, "run_tiny_data_parallel_reference does not clip (gradient_clipping is ",
+           setup.clip, ")");
+  const int local = arithmetic.local_world_size > 0 ? arithmetic.local_world_size : world_size;
+  ST_CHECK(world_size % local == 0, "local_world_size ", local, " does not divide world size ", world_size);
+  const bool low_precision = arithmetic.compute_dtype != at::kFloat;
+  ST_CHECK(!low_precision || (local == world_size && !arithmetic.accumulate_before_reduce),
+           "the low-precision reference covers one machine and per-micro-batch reduction only");
+  auto params = setup.model->parameters();
+  // The model forward and backward run on: the fp32 master itself, or a
+  // low-precision copy refreshed from it before every step.
+  TinyModel compute_model = setup.model;
+  if (low_precision) {
+    torch::manual_seed(options.seed);
+    compute_model = TinyModel(options.model);
+    compute_model->to(arithmetic.compute_dtype);
   }
+  auto compute_params = compute_model->parameters();
+  // Sum over ranks as the engines' collectives add: in rank order within a
+  // machine, then the machines in order.
+  auto reduce_over_ranks = [&](const std::vector<std::vector<at::Tensor>>& per_rank, std::size_t p) {
+    at::Tensor total;
+    for (int machine = 0; machine < world_size / local; ++machine) {
+      at::Tensor partial = per_rank[machine * local][p].to(at::kFloat, false, /*copy=*/true);
+      for (int r = machine * local + 1; r < (machine + 1) * local; ++r) partial.add_(per_rank[r][p].to(at::kFloat));
+      total = total.defined() ? total.add_(partial) : partial;
+    }
+    total.div_(world_size);
+    // A low-precision reduction hands back its dtype: the fp32 mean, rounded once.
+    return low_precision ? total.to(arithmetic.compute_dtype).to(at::kFloat) : total;
+  };
+  TinyRunResult result;
+  for (int step = 0; step < options.steps; ++step) {
+    std::vector<at::Tensor> summed(params.size());
+    std::vector<std::vector<at::Tensor>> rank_accumulated(world_size);  // accumulate_before_reduce
+    std::vector<double> rank_losses(world_size, 0.0);
+    if (low_precision) {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params.size(); ++i) compute_params[i].copy_(params[i]);
+    }
+    for (int64_t micro = 0; micro < setup.accumulation; ++micro) {
+      std::vector<std::vector<at::Tensor>> micro_grads(world_size);
+      for (int r = 0; r < world_size; ++r) {
+        at::Tensor tokens = batch_of(options.seed, options.model, step, micro, r, world_size, options.micro_batch,
+                                     setup.accumulation);
+        for (auto& p : compute_params) p.mutable_grad() = at::Tensor();
+        at::Tensor loss = next_token_loss(compute_model->forward(tokens), tokens);
+        rank_losses[r] += loss.item<double>();
+        // Accelerator::backward divides by the accumulation steps (a power of two in the tests: exact).
+        (loss / static_cast<double>(setup.accumulation)).backward();
+        for (auto& p : compute_params) micro_grads[r].push_back(p.grad().detach().clone());
+        if (arithmetic.accumulate_before_reduce) {
+          if (rank_accumulated[r].empty()) {
+            rank_accumulated[r] = micro_grads[r];
+          } else {
+            for (std::size_t i = 0; i < params.size(); ++i) rank_accumulated[r][i].add_(micro_grads[r][i]);
+          }
+        }
+      }
+      if (!arithmetic.accumulate_before_reduce) {
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          at::Tensor reduced = reduce_over_ranks(micro_grads, i);
+          summed[i] = summed[i].defined() ? summed[i].add_(reduced) : reduced;
+        }
+      }
+    }
+    if (arithmetic.accumulate_before_reduce) {
+      for (std::size_t i = 0; i < params.size(); ++i) summed[i] = reduce_over_ranks(rank_accumulated, i);
+    }
+    setup.optimizer->zero_grad();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = summed[i];
+    for (auto& group : setup.optimizer->param_groups()) group.options().set_lr(setup.scheduler->lr_at(step));
+    setup.optimizer->step();
+    // The engine run's loss: each rank's mean over its micro-batches, averaged over ranks in rank order.
+    double loss_total = 0;
+    for (int r = 0; r < world_size; ++r) loss_total += rank_losses[r] / static_cast<double>(setup.accumulation);
+    result.losses.push_back(loss_total / world_size);
+    result.grad_norms.push_back(-1);
+  }
+  finish_reference(setup, result);
   return result;
 }
 

@@ -61,4 +61,31 @@ TinyRunResult run_tiny(const TinyRunOptions& options);
 /// optimizer formula, schedule and clipping, no shardtrain engine.
 TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size);
 
+/// How an engine combines the ranks' gradients, for the reference below.
+struct DataParallelArithmetic {
+  /// ZeRO-1: each rank sums its micro-batches' gradients first and reduces
+  /// once at the boundary. Otherwise every micro-batch is reduced and the
+  /// reduced gradients are summed (ZeRO-2/3, FSDP).
+  bool accumulate_before_reduce = false;
+  /// HYBRID_SHARD: ranks are summed within each machine of this many ranks,
+  /// then the machines' sums are added (0: one machine).
+  int local_world_size = 0;
+  /// bf16: forward and backward run on bf16(master), as the engines compute
+  /// under mixed_precision bf16; each rank's bf16 gradient is reduced as the
+  /// Gloo reduce-scatter does (fp32 sums in rank order, the mean rounded
+  /// once to bf16) and the fp32 master is updated. One machine only.
+  at::ScalarType compute_dtype = at::kFloat;
+};
+
+/// The plain LibTorch loop doing each rank's arithmetic in one process: every
+/// rank's micro-batch goes through the model on its own, as on its rank, and
+/// the per-rank fp32 gradients are summed in rank order (the order in which
+/// shardtrain's Gloo reductions add) and divided by the world size. Same
+/// init, data, optimizer and schedule as the engine run; no clipping (the
+/// engine's fp64 norm and torch's differ in rounding). For world sizes that
+/// are powers of two every division is exact, so an fp32 engine run matches
+/// this loop bit for bit: the expected difference is zero.
+TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, int world_size,
+                                               DataParallelArithmetic arithmetic = {});
+
 }  // namespace tiny

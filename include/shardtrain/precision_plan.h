@@ -22,6 +22,9 @@ struct PrecisionPlan {
   std::string grad_dtype;
   std::string master_dtype;     ///< "fp32" or "none"
   std::string optimizer_dtype;  ///< dtype of m, v
+  /// How the compute dtype's GEMMs run here (shardtrain::nn): cuBLAS, LibTorch's
+  /// native CPU kernel, or widened to fp32 on a CPU without fast bf16.
+  std::string gemm;
   /// Bytes per model parameter held by ONE rank, by kind (already divided by the world size).
   double params_bytes = 0, grads_bytes = 0, master_bytes = 0, optimizer_bytes = 0;
   /// Bytes per parameter of the parameters kept gathered at rest (stages 1/2, NO_SHARD), per rank.

@@ -131,8 +131,8 @@ LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::Scala
     model->model->layers->push_back(without_weights(LlamaDecoderLayer(config), dtype));
   }
   if (!config.tie_word_embeddings) {
-    model->lm_head = torch::nn::Linear(model->replace_module(
-        "lm_head", without_weights(torch::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype)));
+    model->lm_head = shardtrain::nn::Linear(model->replace_module(
+        "lm_head", without_weights(shardtrain::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype)));
   }
   return model;
 }

@@ -163,8 +163,8 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+shardtrain::nn::Linear linear(int64_t in, int64_t out) {
+  return shardtrain::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
 /// cos/sin [B,T,d] for positions [B,T]: freqs = positions x inv_freq in fp32, emb = cat(freqs, freqs).
@@ -204,10 +204,10 @@ std::string to_string(ActivationCheckpointing mode) {
 
 at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
   const int64_t d = q.size(-1);
-  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
+  at::Tensor scores = shardtrain::nn::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
   scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
   at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(probs, v);
+  return shardtrain::nn::matmul(probs, v);
 }
 
 namespace {
@@ -518,13 +518,13 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
                                          const at::Tensor& document_ids) {
   at::Tensor h = model(input_ids, position_ids, document_ids);
-  at::Tensor logits = lm_head ? lm_head(h) : at::linear(h, model->embed_tokens->weight);
+  at::Tensor logits = lm_head ? lm_head(h) : shardtrain::nn::linear(h, model->embed_tokens->weight);
   return logits.to(at::kFloat);
 }
 
 at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& input_ids, KVCache& cache) {
   at::Tensor h = model->forward_cached(input_ids, cache);
-  at::Tensor logits = lm_head ? lm_head(h) : at::linear(h, model->embed_tokens->weight);
+  at::Tensor logits = lm_head ? lm_head(h) : shardtrain::nn::linear(h, model->embed_tokens->weight);
   return logits.to(at::kFloat);
 }
 

@@ -87,4 +87,21 @@ inline void expect_params_close(const tiny::TinyRunResult& actual, const tiny::T
   }
 }
 
+/// Bit-for-bit equality with a reference that does the same per-rank
+/// arithmetic (run_tiny_data_parallel_reference): every loss and every final
+/// parameter element. The expected difference is zero, so no tolerance.
+inline void expect_same_bits(const tiny::TinyRunResult& actual, const tiny::TinyRunResult& reference) {
+  ASSERT_EQ(actual.losses.size(), reference.losses.size());
+  for (std::size_t i = 0; i < actual.losses.size(); ++i) {
+    EXPECT_EQ(actual.losses[i], reference.losses[i]) << "loss of step " << i + 1;
+  }
+  ASSERT_EQ(actual.final_params.size(), reference.final_params.size());
+  std::map<std::string, at::Tensor> by_name(reference.final_params.begin(), reference.final_params.end());
+  for (const auto& [name, value] : actual.final_params) {
+    ASSERT_TRUE(by_name.count(name)) << "parameter " << name << " missing from the reference";
+    EXPECT_TRUE(at::equal(value, by_name[name]))
+        << name << ": max |difference| " << (value - by_name[name]).abs().max().item<double>();
+  }
+}
+
 }  // namespace shardtrain::testing

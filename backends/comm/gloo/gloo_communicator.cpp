@@ -129,6 +129,15 @@ WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::
 
 WorkPtr GlooCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op,
                                         const CollectiveEvent& event) {
+  // Past two ranks Gloo's ring sums each element in an order that depends on
+  // which chunk of the buffer it falls in, so the same gradient reduced in
+  // another bucket layout (another engine, another bucket size) would differ
+  // in its last bits. Reduce-scatter in rank order, then all-gather, moves the
+  // same bytes as the ring and gives every element ((g0 + g1) + g2) + ...
+  // At two ranks the ring's a + b is already order-free.
+  if (world_size() > 2 && op != ReduceOp::kMax && at::isFloatingType(tensor.scalar_type())) {
+    return rank_ordered_all_reduce(tensor, op, event);
+  }
   const bool widen = is_low_precision(tensor.scalar_type());
   at::Tensor buffer = widen ? tensor.to(at::kFloat) : tensor;
   std::vector<at::Tensor> tensors{buffer};
@@ -147,6 +156,24 @@ WorkPtr GlooCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op,
   } catch (const std::exception& failure) {
     rethrow_collective_failure(describe(event), options().timeout, failure);
   }
+}
+
+WorkPtr GlooCommunicator::rank_ordered_all_reduce(const at::Tensor& tensor, ReduceOp op,
+                                                  const CollectiveEvent& event) {
+  const int world = world_size();
+  const int64_t n = tensor.numel();
+  const int64_t chunk = (n + world - 1) / world;
+  at::Tensor padded = at::zeros({world * chunk}, tensor.options());
+  padded.narrow(0, 0, n).copy_(tensor.reshape({-1}));
+  at::Tensor mine = at::empty({chunk}, tensor.options());
+  WorkPtr scatter = do_reduce_scatter(mine, padded, op, event);
+  // The all-gather is issued once the reduce-scatter is waited for: every
+  // rank waits its collectives in the order it issued them, so the ranks
+  // still issue the same collectives in the same order.
+  return then_work(std::move(scatter), [this, tensor, padded, mine, event]() mutable {
+    do_all_gather(padded, mine, event)->wait();
+    tensor.copy_(padded.narrow(0, 0, tensor.numel()).view(tensor.sizes()));
+  });
 }
 
 WorkPtr GlooCommunicator::do_broadcast(const at::Tensor& tensor, int root,

@@ -33,6 +33,8 @@ class GlooCommunicator final : public Communicator {
   WorkPtr do_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                             const CollectiveEvent& event) override;
   WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event) override;
+  /// SUM/AVG past two ranks: reduce-scatter (rank-order sums) + all-gather.
+  WorkPtr rank_ordered_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event);
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
   void do_barrier() override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;

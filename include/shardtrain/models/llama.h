@@ -21,6 +21,7 @@
 
 #include <torch/torch.h>
 
+#include "shardtrain/nn/linear.h"
 #include "shardtrain/unit.h"
 
 namespace shardtrain::models {
@@ -134,7 +135,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
                                const at::Tensor& allowed, const at::Tensor& past_k, const at::Tensor& past_v,
                                at::Tensor* k_all = nullptr, at::Tensor* v_all = nullptr);
   LlamaConfig config;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  shardtrain::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   /// kSelective: while grad mode is on, the core attention goes through
   /// checkpointed_core_attention(); no-grad calls (KV-cached decoding, the
   /// engine's no-grad first pass under full checkpointing) run it plainly.
@@ -147,7 +148,7 @@ TORCH_MODULE(LlamaAttention);
 struct LlamaMLPImpl : torch::nn::Module {
   explicit LlamaMLPImpl(const LlamaConfig& config);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  shardtrain::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -254,7 +255,7 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   LlamaConfig config;
   LlamaModel model{nullptr};
   /// Null when config.tie_word_embeddings (logits then use model->embed_tokens).
-  torch::nn::Linear lm_head{nullptr};
+  shardtrain::nn::Linear lm_head{nullptr};
 };
 TORCH_MODULE(LlamaForCausalLM);
 

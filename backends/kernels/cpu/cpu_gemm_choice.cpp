@@ -1,0 +1,132 @@
+// Decides once per process how bf16 GEMMs run on the CPU (cpu_gemm_choice.h).
+#include "kernels/cpu/cpu_gemm_choice.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
+
+#include "shardtrain/error.h"
+
+namespace shardtrain::kernels::cpu {
+namespace {
+
+std::string cpuinfo_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) return " " + line.substr(colon + 1) + " ";
+    }
+  }
+  return " ";
+}
+
+/// Seconds of the fastest of three runs of `fn` after one warm-up: the
+/// minimum, because noise on a shared machine only ever adds time.
+template <typename Fn>
+double best_seconds(Fn&& fn) {
+  fn();
+  double best = 1e30;
+  for (int run = 0; run < 3; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+std::string rate_text(double gflops) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", gflops);
+  return text;
+}
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) != "0" && std::string(value) != "";
+}
+
+nn::CpuLowPrecisionGemm decide() {
+  nn::CpuLowPrecisionGemm choice;
+  choice.native_bf16_cpu = cpu_has_flag("avx512_bf16") || cpu_has_flag("amx_bf16");
+  if (env_flag("SHARDTRAIN_CPU_DISABLE_ONEDNN")) {
+    // Developer switch: LibTorch then routes bf16 GEMMs exactly as on a CPU
+    // without AVX-512 (its scalar fallback), so an AVX-512 machine reproduces
+    // an AVX2-only one. DNNL_MAX_CPU_ISA=AVX2 does not: oneDNN 2.6 then has
+    // no bf16 matmul at all and LibTorch throws.
+    at::globalContext().setUserEnabledMkldnn(false);
+    choice.native_bf16_cpu = false;
+  }
+  const char* forced = std::getenv("SHARDTRAIN_CPU_GEMM");
+  const std::string mode = forced == nullptr ? "auto" : forced;
+  ST_CHECK_T(ConfigError, mode == "auto" || mode == "native" || mode == "widened",
+             "SHARDTRAIN_CPU_GEMM='", mode, "' is not one of auto, native, widened");
+  if (mode != "auto") {
+    choice.widened = mode == "widened";
+    choice.reason = "SHARDTRAIN_CPU_GEMM=" + mode;
+    return choice;
+  }
+  if (env_flag("SHARDTRAIN_CPU_DISABLE_ONEDNN")) {
+    choice.widened = true;
+    choice.reason = "SHARDTRAIN_CPU_DISABLE_ONEDNN=1: oneDNN is off, LibTorch's bf16 GEMM runs as on a CPU without AVX-512";
+    return choice;
+  }
+  if (!choice.native_bf16_cpu) {
+    // No bf16 instructions: any native kernel emulates them, and LibTorch
+    // 1.13's falls back to scalar code. Deciding without a measurement keeps
+    // every run on such a CPU on the same (deterministic) path.
+    choice.widened = true;
+    choice.reason = "the CPU has no native bf16 (no avx512_bf16 or amx_bf16)";
+    return choice;
+  }
+  // Native bf16 hardware: confirm LibTorch really uses it (oneDNN may be
+  // capped by DNNL_MAX_CPU_ISA, or the build may not route bf16 to it).
+  // Native kernels run 2-3x faster than widening where they work and ~20x
+  // slower where they do not, so the comparison is far from its threshold.
+  at::NoGradGuard no_grad;
+  const int64_t n = 512;
+  at::Tensor a = at::randn({n, n}).to(at::kBFloat16), b = at::randn({n, n}).to(at::kBFloat16);
+  double native = 0;
+  try {
+    native = best_seconds([&] { at::mm(a, b); });
+  } catch (const std::exception& failure) {
+    choice.widened = true;
+    choice.reason = std::string("LibTorch's native bf16 GEMM failed here (") + failure.what() + ")";
+    choice.reason = choice.reason.substr(0, choice.reason.find('\n'));
+    return choice;
+  }
+  const double widened = best_seconds([&] { at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16); });
+  const double flops = 2.0 * n * n * n;
+  choice.native_gflops = flops / native / 1e9;
+  choice.widened_gflops = flops / widened / 1e9;
+  choice.widened = widened < native;
+  choice.reason = "measured 512^3 with " + std::to_string(at::get_num_threads()) + " thread(s): native bf16 " +
+                  rate_text(choice.native_gflops) + " GFLOP/s, widened " + rate_text(choice.widened_gflops) +
+                  " GFLOP/s";
+  return choice;
+}
+
+}  // namespace
+
+bool cpu_has_flag(const char* flag) {
+  static const std::string flags = cpuinfo_flags();
+  return flags.find(std::string(" ") + flag + " ") != std::string::npos;
+}
+
+const nn::CpuLowPrecisionGemm& low_precision_gemm_choice() {
+  static std::once_flag once;
+  static nn::CpuLowPrecisionGemm choice;
+  std::call_once(once, [] { choice = decide(); });
+  return choice;
+}
+
+}  // namespace shardtrain::kernels::cpu

@@ -1,0 +1,63 @@
+#pragma once
+/// @file nn/linear.h
+/// Matrix products that train in bf16/fp16 at fp32 speed on any CPU, and the
+/// drop-in `shardtrain::nn::Linear` built on them (the building block the
+/// bundled Llama/Mistral and train_tiny models use; use it in your own modules
+/// in place of torch::nn::Linear).
+///
+/// Why: LibTorch 1.13 sends a bf16 CPU matmul to oneDNN only on CPUs with
+/// AVX-512; elsewhere (every AVX2-only CPU, e.g. AMD Zen 1-3) it runs a scalar
+/// loop about 20x slower than fp32. These functions keep the semantics of a
+/// native bf16 GEMM (bf16/fp16 inputs, fp32 accumulation, one rounding of the
+/// result to the input dtype) and pick per process how to get them:
+///  - native: LibTorch's own kernel (CUDA always; a CPU with native bf16
+///    instructions, AVX-512 BF16 or AMX, where a short measurement confirms it
+///    is faster than the widened path);
+///  - widened: the operands are widened to fp32, the fp32 GEMM (OpenBLAS/MKL)
+///    runs, and the result is rounded once. fp16 on a CPU is always widened.
+/// Backward follows the same rule for both gradient products. fp32/fp64
+/// tensors go straight to at::linear / at::matmul.
+///
+/// The choice is printed by `shardtrain env` and in the precision plan.
+/// SHARDTRAIN_CPU_GEMM=native|widened|auto (default auto) overrides it.
+/// SHARDTRAIN_CPU_DISABLE_ONEDNN=1 turns LibTorch's oneDNN off, so a CPU
+/// with AVX-512 runs bf16 GEMMs as an AVX2-only one does (for reproducing
+/// that machine's behaviour; it also makes the choice "widened").
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace shardtrain::nn {
+
+/// y = input @ weight^T + bias, as at::linear (bias may be undefined).
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = at::Tensor());
+
+/// a @ b, as at::matmul (broadcasting included).
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b);
+
+/// How this process runs bf16 GEMMs on the CPU: decided once, on first use.
+struct CpuLowPrecisionGemm {
+  bool widened = true;       ///< true: widen to fp32; false: LibTorch's native bf16 kernel
+  bool native_bf16_cpu = false;  ///< the CPU reports avx512_bf16 or amx_bf16
+  double native_gflops = 0;  ///< measured bf16 GEMM rate (0: not measured)
+  double widened_gflops = 0; ///< measured widened rate (0: not measured)
+  std::string reason;        ///< one line: why this path (feature, measurement or override)
+  /// "widened to fp32" or "native (LibTorch)", plus the reason.
+  std::string describe() const;
+};
+const CpuLowPrecisionGemm& cpu_low_precision_gemm();
+
+/// torch::nn::Linear with its forward through shardtrain::nn::linear. Same
+/// options, parameter names ("weight", "bias") and initialisation, so it
+/// replaces torch::nn::Linear one for one (state dicts and checkpoints included).
+class LinearImpl : public torch::nn::LinearImpl {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  at::Tensor forward(const at::Tensor& input);
+};
+TORCH_MODULE(Linear);
+
+}  // namespace shardtrain::nn

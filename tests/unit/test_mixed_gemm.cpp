@@ -1,0 +1,175 @@
+// The kernel layer's mixed-precision GEMM (shardtrain::nn::linear/matmul,
+// kernels::widened_*): the widened path's arithmetic and gradients, the error
+// bound every path (widened, LibTorch native, the process's choice) obeys,
+// and shardtrain::nn::Linear as a drop-in for torch::nn::Linear.
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "kernels/mixed_gemm.h"
+#include "shardtrain/nn/linear.h"
+
+namespace {
+
+namespace kernels = shardtrain::kernels;
+
+at::Tensor random_bf16(std::vector<int64_t> shape, double scale = 1.0) {
+  return (at::randn(shape) * scale).to(at::kBFloat16);
+}
+
+// Bound on |bf16(fp32 dot) - exact dot| for a k-term dot product of bf16
+// values: the products of two 8-bit significands are exact in fp32; k fp32
+// additions err by at most gamma_k = k*u/(1-k*u), u = 2^-24, times sum|x_i w_i|
+// (Higham, Accuracy and Stability, eq. 3.5) in any order; the final rounding
+// to bf16 (8 significant bits, round to nearest) adds at most u_bf16 = 2^-8
+// of the fp32 value, itself within the first error of the exact one. The fp64 reference's own error (k * 2^-53 relative) is
+// below 2^-20 of the bound for k < 2^20 and is neglected.
+at::Tensor dot_error_bound(const at::Tensor& exact, const at::Tensor& abs_products_sum, int64_t k) {
+  const double u = std::ldexp(1.0, -24);
+  const double gamma = k * u / (1 - k * u);
+  const double half_ulp = std::ldexp(1.0, -8);
+  return half_ulp * exact.abs() + (1 + half_ulp) * gamma * abs_products_sum;
+}
+
+void expect_within_dot_bound(const at::Tensor& result, const at::Tensor& x, const at::Tensor& w, const char* path) {
+  const at::Tensor x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
+  const at::Tensor exact = at::matmul(x64, w64.t());
+  const at::Tensor bound = dot_error_bound(exact, at::matmul(x64.abs(), w64.abs().t()), x.size(-1));
+  const at::Tensor error = (result.to(at::kDouble) - exact).abs();
+  EXPECT_TRUE((error <= bound).all().item<bool>())
+      << path << ": worst error/bound " << (error / bound.clamp_min(1e-300)).max().item<double>();
+}
+
+TEST(UnitMixedGemm, WidenedLinearIsTheFp32ProductRoundedOnce) {
+  torch::manual_seed(1);
+  at::Tensor x = random_bf16({3, 5, 40}), w = random_bf16({24, 40}), b = random_bf16({24});
+  at::Tensor expected = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16);
+  at::Tensor y = kernels::widened_linear(x, w, b);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(y, expected));
+  EXPECT_TRUE(at::equal(kernels::widened_linear(x, w, at::Tensor()),
+                        at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(at::kBFloat16)));
+}
+
+TEST(UnitMixedGemm, WidenedLinearGradientsAreTheFp32ProductsRoundedOnce) {
+  torch::manual_seed(2);
+  at::Tensor x = random_bf16({2, 7, 32}).requires_grad_(), w = random_bf16({16, 32}).requires_grad_(),
+             b = random_bf16({16}).requires_grad_();
+  at::Tensor g = random_bf16({2, 7, 16});
+  kernels::widened_linear(x, w, b).backward(g);
+  const at::Tensor g32 = g.to(at::kFloat).reshape({-1, 16});
+  const at::Tensor x32 = x.detach().to(at::kFloat).reshape({-1, 32});
+  EXPECT_TRUE(at::equal(x.grad(), at::matmul(g.to(at::kFloat), w.detach().to(at::kFloat)).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(w.grad(), at::mm(g32.t(), x32).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(b.grad(), g32.sum(0).to(at::kBFloat16)));
+  EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16);
+  EXPECT_EQ(w.grad().scalar_type(), at::kBFloat16);
+}
+
+TEST(UnitMixedGemm, FrozenWeightGetsNoGradientAndInputGradientStillFlows) {
+  torch::manual_seed(3);
+  at::Tensor x = random_bf16({4, 8}).requires_grad_(), w = random_bf16({6, 8});
+  kernels::widened_linear(x, w, at::Tensor()).sum().backward();
+  EXPECT_FALSE(w.grad().defined());
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(at::equal(x.grad(), at::ones({4, 6}).matmul(w.to(at::kFloat)).to(at::kBFloat16)));
+}
+
+TEST(UnitMixedGemm, EveryPathStaysWithinTheFp32AccumulationBound) {
+  torch::manual_seed(4);
+  // k = 512: long enough for accumulation error to matter in the bound.
+  at::Tensor x = random_bf16({16, 512}), w = random_bf16({48, 512}, 0.05);
+  expect_within_dot_bound(kernels::widened_linear(x, w, at::Tensor()), x, w, "widened");
+  // LibTorch's own kernel where it runs (oneDNN capped by DNNL_MAX_CPU_ISA has none).
+  at::Tensor native;
+  try {
+    native = at::linear(x, w);
+  } catch (const std::exception&) {
+  }
+  if (native.defined()) expect_within_dot_bound(native, x, w, "LibTorch native bf16");
+  expect_within_dot_bound(shardtrain::nn::linear(x, w), x, w, "shardtrain::nn (this process's choice)");
+  expect_within_dot_bound(shardtrain::nn::matmul(x, w.t()), x, w, "shardtrain::nn::matmul");
+}
+
+TEST(UnitMixedGemm, BatchedAndBroadcastingMatmulMatchTheWidenedArithmetic) {
+  torch::manual_seed(5);
+  at::Tensor a = random_bf16({2, 3, 5, 8}).requires_grad_(), b = random_bf16({2, 3, 8, 4}).requires_grad_();
+  at::Tensor g = random_bf16({2, 3, 5, 4});
+  at::Tensor y = kernels::widened_matmul(a, b);
+  EXPECT_TRUE(at::equal(y, at::matmul(a.detach().to(at::kFloat), b.detach().to(at::kFloat)).to(at::kBFloat16)));
+  y.backward(g);
+  const at::Tensor g32 = g.to(at::kFloat);
+  EXPECT_TRUE(at::equal(a.grad(), at::matmul(g32, b.detach().to(at::kFloat).transpose(-2, -1)).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(b.grad(), at::matmul(a.detach().to(at::kFloat).transpose(-2, -1), g32).to(at::kBFloat16)));
+
+  // Broadcasting (a batch of matrices times one matrix) takes the autograd-of-casts route.
+  at::Tensor c = random_bf16({3, 5, 8}).requires_grad_(), d = random_bf16({8, 4}).requires_grad_();
+  at::Tensor z = kernels::widened_matmul(c, d);
+  at::Tensor c32 = c.detach().to(at::kFloat).requires_grad_(), d32 = d.detach().to(at::kFloat).requires_grad_();
+  at::Tensor z32 = at::matmul(c32, d32);
+  EXPECT_TRUE(at::equal(z, z32.to(at::kBFloat16)));
+  at::Tensor h = random_bf16({3, 5, 4});
+  z.backward(h);
+  z32.backward(h.to(at::kFloat));
+  EXPECT_TRUE(at::equal(c.grad(), c32.grad().to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(d.grad(), d32.grad().to(at::kBFloat16)));
+}
+
+TEST(UnitMixedGemm, Fp16OnTheCpuIsAlwaysWidenedAndFp32IsUntouched) {
+  torch::manual_seed(6);
+  at::Tensor x = at::randn({4, 16}).to(at::kHalf), w = at::randn({8, 16}).to(at::kHalf);
+  EXPECT_TRUE(kernels::widens_gemm(x));
+  EXPECT_TRUE(at::equal(shardtrain::nn::linear(x, w), at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(at::kHalf)));
+  at::Tensor x32 = at::randn({4, 16}), w32 = at::randn({8, 16});
+  EXPECT_FALSE(kernels::widens_gemm(x32));
+  EXPECT_TRUE(at::equal(shardtrain::nn::linear(x32, w32), at::linear(x32, w32)));
+}
+
+TEST(UnitMixedGemm, MixedDtypesAreRejectedByName) {
+  at::Tensor x = random_bf16({2, 4}), w = at::randn({3, 4});
+  EXPECT_ANY_THROW(shardtrain::nn::linear(x, w));
+  try {
+    kernels::widened_linear(x, w, at::Tensor());
+    FAIL() << "widened_linear accepted bf16 x fp32";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("must share one bf16/fp16 dtype"), std::string::npos) << e.what();
+  }
+}
+
+TEST(UnitMixedGemm, LinearModuleIsADropInForTorchLinear) {
+  torch::manual_seed(7);
+  torch::nn::Linear reference(torch::nn::LinearOptions(12, 5).bias(true));
+  torch::manual_seed(7);
+  shardtrain::nn::Linear ours(torch::nn::LinearOptions(12, 5).bias(true));
+  auto ref_params = reference->named_parameters();
+  auto our_params = ours->named_parameters();
+  ASSERT_EQ(our_params.keys(), ref_params.keys());
+  for (const auto& item : ref_params) EXPECT_TRUE(at::equal(our_params[item.key()], item.value())) << item.key();
+  at::Tensor x = at::randn({3, 12});
+  EXPECT_TRUE(at::equal(ours(x), reference(x)));  // fp32: straight to at::linear
+  ours->to(at::kBFloat16);
+  at::Tensor xb = x.to(at::kBFloat16);
+  at::Tensor expected = kernels::widens_gemm(xb) ? kernels::widened_linear(xb, ours->weight, ours->bias)
+                                                  : at::linear(xb, ours->weight, ours->bias);
+  EXPECT_TRUE(at::equal(ours(xb), expected));
+  // Usable where a torch::nn::LinearImpl is expected.
+  EXPECT_NE(ours->as<torch::nn::LinearImpl>(), nullptr);
+}
+
+TEST(UnitMixedGemm, ThisProcessesChoiceIsExplained) {
+  const auto& choice = shardtrain::nn::cpu_low_precision_gemm();
+  EXPECT_FALSE(choice.reason.empty());
+  const std::string text = choice.describe();
+  EXPECT_NE(text.find(choice.widened ? "widened to fp32" : "native"), std::string::npos) << text;
+  const char* forced = std::getenv("SHARDTRAIN_CPU_GEMM");
+  if (forced != nullptr && std::string(forced) != "auto") {
+    EXPECT_EQ(choice.widened, std::string(forced) == "widened") << text;
+  } else if (!choice.native_bf16_cpu) {  // also under SHARDTRAIN_CPU_DISABLE_ONEDNN
+    EXPECT_TRUE(choice.widened) << "a CPU without native bf16 must widen: " << text;
+  }
+}
+
+}  // namespace
