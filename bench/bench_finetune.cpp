@@ -29,6 +29,7 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/error.h"
+#include "shardtrain/nn/linear.h"
 
 namespace {
 
@@ -64,7 +65,8 @@ int main(int argc, char** argv) {
   app.add_option("--skip", skip, "Warm-up steps per run, not timed")->capture_default_str();
   app.add_option("--rounds", rounds, "Runs of every configuration (interleaved); the median is reported")
       ->capture_default_str();
-  app.add_option("--configs", configs, "Which of: zero3 fsdp_full_shard fsdp_pure zero2 fsdp_shard_grad_op")
+  app.add_option("--configs", configs,
+                 "Which of: zero3 zero3_fp32 fsdp_full_shard fsdp_pure zero2 fsdp_shard_grad_op")
       ->capture_default_str();
   app.add_option("--peak-tflops", base.peak_tflops, "Per-rank peak for MFU (0: measured GEMM rate)")
       ->capture_default_str();
@@ -74,6 +76,7 @@ int main(int argc, char** argv) {
 
   const std::map<std::string, std::pair<std::string, std::string>> known = {
       {"zero3", {"configs/zero3_bf16.json", "ZeRO-3 bf16 (fp32 master)"}},
+      {"zero3_fp32", {"configs/zero3_fp32.json", "ZeRO-3 fp32"}},
       {"fsdp_full_shard", {"configs/llama/fsdp_standard_bf16.yaml", "FSDP FULL_SHARD standard bf16"}},
       {"fsdp_pure", {"configs/llama/fsdp_pure_bf16.yaml", "FSDP FULL_SHARD pure bf16"}},
       {"zero2", {"configs/zero2_bf16.json", "ZeRO-2 bf16"}},
@@ -94,8 +97,16 @@ int main(int argc, char** argv) {
     base.no_export = true;
     base.no_save = true;
     base.warmup = 1;
-    // One peak for every configuration, so the MFU column compares like with like.
-    if (base.peak_tflops <= 0) base.peak_tflops = finetune::measure_gemm_flops("bf16") / 1e12;
+    // One peak per compute dtype, measured here through the path the model's
+    // products take (shardtrain::nn), so the MFU column compares like with like.
+    const bool measured_peaks = base.peak_tflops <= 0;
+    const double bf16_peak = measured_peaks ? finetune::measure_gemm_flops("bf16") / 1e12 : base.peak_tflops;
+    const double fp32_peak = measured_peaks ? finetune::measure_gemm_flops("fp32") / 1e12 : base.peak_tflops;
+    base.peak_tflops = bf16_peak;
+    if (main_process) {
+      std::printf("GEMM peak per rank (512^3, shardtrain::nn): bf16 %.1f GFLOP/s, fp32 %.1f GFLOP/s; bf16 path: %s\n",
+                  bf16_peak * 1e3, fp32_peak * 1e3, shardtrain::nn::cpu_low_precision_gemm().describe().c_str());
+    }
 
     std::map<std::string, std::vector<double>> tokens_per_s;
     std::map<std::string, finetune::FinetuneSummary> last;
@@ -138,8 +149,14 @@ int main(int argc, char** argv) {
         char ratio[32] = "-";
         if (reference > 0) std::snprintf(ratio, sizeof ratio, "%.3f", tps / reference);
         std::printf("%-34s %14.0f %10s %7.1f%% %13.1f MB %11.1f MiB\n", known.at(name).second.c_str(), tps, ratio,
-                    100.0 * tps * s.flops_per_token / (base.peak_tflops * 1e12), states / 1e6,
-                    s.peak_rss_max / 1048576.0);
+                    100.0 * tps * s.flops_per_token /
+                        ((s.plan.compute_dtype.rfind("fp32", 0) == 0 ? fp32_peak : bf16_peak) * 1e12),
+                    states / 1e6, s.peak_rss_max / 1048576.0);
+      }
+      if (tokens_per_s.count("zero3") && tokens_per_s.count("zero3_fp32")) {
+        // Step time scales as 1 / tokens per second: the "bf16 step <= 1.25x fp32 step".
+        std::printf("\nbf16 step time / fp32 step time (ZeRO-3, same job): %.3f\n",
+                    median(tokens_per_s["zero3_fp32"]) / median(tokens_per_s["zero3"]));
       }
     }
     return 0;

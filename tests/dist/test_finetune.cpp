@@ -202,9 +202,11 @@ TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
         };
         const auto zero3 = run(dir + "/zero3_bf16_no_scheduler.json", "llama", "zero3");
         const auto fsdp = run("configs/llama/fsdp_standard_bf16.yaml", "llama", "fsdp");
-        // The product's promise on the real model: same numbers from either engine.
+        // The product's promise on the real model: same numbers from either
+        // engine. Both compute on bf16(master) and reduce in rank order with
+        // power-of-two divisions, so the expected difference is zero.
         for (size_t i = 0; i < zero3.losses.size(); ++i) {
-          EXPECT_NEAR(fsdp.losses[i], zero3.losses[i], 1e-6 * std::abs(zero3.losses[i])) << "step " << i + 1;
+          EXPECT_EQ(fsdp.losses[i], zero3.losses[i]) << "step " << i + 1;
         }
         EXPECT_EQ(fsdp.plan.engine.rfind("fsdp", 0), 0u) << fsdp.plan.engine;
         // Recomputation changes memory, not numbers.
