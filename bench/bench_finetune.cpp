@@ -24,6 +24,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench_util.h"
 #include "build_config.h"
 #include "finetune/finetune.h"
 #include "shardtrain/accelerator.h"
@@ -31,20 +32,8 @@
 #include "shardtrain/error.h"
 #include "shardtrain/nn/linear.h"
 
-namespace {
-
-void reset_peak_rss() {
-  // "5" resets the VmHWM high-water mark (Linux >= 4.0); harmless if refused.
-  std::ofstream("/proc/self/clear_refs") << "5";
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n == 0 ? 0.0 : n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
-}  // namespace
+using bench::median;
+using bench::reset_peak_rss;
 
 int main(int argc, char** argv) {
   const std::string source = SHARDTRAIN_SOURCE_DIR;

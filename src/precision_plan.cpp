@@ -78,7 +78,8 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
     plan.engine = config.distributed_type == DistributedType::kDeepSpeed ? "zero-" + std::to_string(stage) : "ddp (zero-0)";
     if (stage == 0) shards = 1;
     if (stage != 3) gathered_at_rest = 1;
-    boundary_accumulator = stage == 1;
+    // One rank adds each micro-batch's fp32-reduced gradient straight into the gradient.
+    boundary_accumulator = stage == 1 && !(world_size == 1 && reduce == DType::kFp32);
   }
   plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
@@ -93,6 +94,8 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
   plan.grads_bytes = (low_grads ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
   plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
+  // One rank whose shard holds the compute dtype: the parameters view the shard.
+  if (world_size == 1 && !fp16_on_cpu) gathered_at_rest = 0;
   plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";

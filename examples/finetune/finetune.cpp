@@ -91,14 +91,6 @@ at::ScalarType dtype_of(const std::string& name) {
   return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
 }
 
-/// FLOPs of one trained token (forward + backward), PaLM's estimate:
-/// 6 x (matmul parameters) + 12 x layers x hidden x sequence (attention scores).
-double flops_per_token(const models::LlamaConfig& c, int64_t num_params, int64_t seq_len) {
-  const double embedding = static_cast<double>(c.vocab_size) * c.hidden_size;
-  // Input embeddings are a lookup, not a matmul; a tied table is also the LM head.
-  const double matmul_params = static_cast<double>(num_params) - (c.tie_word_embeddings ? 0.0 : embedding);
-  return 6.0 * matmul_params + 12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
-}
 
 
 // ---- data ---------------------------------------------------------------------------
@@ -359,7 +351,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const double peak_flops =
       options.peak_tflops > 0 ? options.peak_tflops * 1e12
                               : measure_gemm_flops(summary.plan.compute_dtype);
-  const double token_flops = flops_per_token(mc, num_params, options.seq_len);
+  const double token_flops = models::training_flops_per_token(mc, num_params, options.seq_len);
 
   // Rows of this rank, epoch by epoch; the sampler's position survives checkpoints.
   std::vector<int64_t> epoch_rows = sampler.indices();

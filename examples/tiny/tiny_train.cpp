@@ -246,8 +246,7 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
   const int local = arithmetic.local_world_size > 0 ? arithmetic.local_world_size : world_size;
   ST_CHECK(world_size % local == 0, "local_world_size ", local, " does not divide world size ", world_size);
   const bool low_precision = arithmetic.compute_dtype != at::kFloat;
-  ST_CHECK(!low_precision || (local == world_size && !arithmetic.accumulate_before_reduce),
-           "the low-precision reference covers one machine and per-micro-batch reduction only");
+  ST_CHECK(!low_precision || local == world_size, "the low-precision reference covers one machine only");
   auto params = setup.model->parameters();
   // The model forward and backward run on: the fp32 master itself, or a
   // low-precision copy refreshed from it before every step.
@@ -263,8 +262,14 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
   auto reduce_over_ranks = [&](const std::vector<std::vector<at::Tensor>>& per_rank, std::size_t p) {
     at::Tensor total;
     for (int machine = 0; machine < world_size / local; ++machine) {
-      at::Tensor partial = per_rank[machine * local][p].to(at::kFloat, false, /*copy=*/true);
-      for (int r = machine * local + 1; r < (machine + 1) * local; ++r) partial.add_(per_rank[r][p].to(at::kFloat));
+      // A low-precision reduction carries each rank's contribution in its
+      // dtype (a ZeRO-1 fp32 accumulator is rounded to it first).
+      auto carried = [&](int r) {
+        const at::Tensor& g = per_rank[r][p];
+        return low_precision ? g.to(arithmetic.compute_dtype).to(at::kFloat) : g.to(at::kFloat);
+      };
+      at::Tensor partial = carried(machine * local).clone();
+      for (int r = machine * local + 1; r < (machine + 1) * local; ++r) partial.add_(carried(r));
       total = total.defined() ? total.add_(partial) : partial;
     }
     total.div_(world_size);
@@ -292,8 +297,8 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
         (loss / static_cast<double>(setup.accumulation)).backward();
         for (auto& p : compute_params) micro_grads[r].push_back(p.grad().detach().clone());
         if (arithmetic.accumulate_before_reduce) {
-          if (rank_accumulated[r].empty()) {
-            rank_accumulated[r] = micro_grads[r];
+          if (rank_accumulated[r].empty()) {  // the engine's fp32 accumulator: 0 + g
+            for (const auto& g : micro_grads[r]) rank_accumulated[r].push_back(g.to(at::kFloat, false, /*copy=*/true));
           } else {
             for (std::size_t i = 0; i < params.size(); ++i) rank_accumulated[r][i].add_(micro_grads[r][i]);
           }

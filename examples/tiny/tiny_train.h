@@ -73,7 +73,8 @@ struct DataParallelArithmetic {
   /// bf16: forward and backward run on bf16(master), as the engines compute
   /// under mixed_precision bf16; each rank's bf16 gradient is reduced as the
   /// Gloo reduce-scatter does (fp32 sums in rank order, the mean rounded
-  /// once to bf16) and the fp32 master is updated. One machine only.
+  /// once to bf16; ZeRO-1 accumulates a rank's micro-batches in fp32 and
+  /// rounds the sum) and the fp32 master is updated. One machine only.
   at::ScalarType compute_dtype = at::kFloat;
 };
 

@@ -119,6 +119,9 @@ struct UnitState {
   at::Tensor boundary_grad_accumulator;          // zero 1: rank-major fp32
   bool gathered = false;
   bool persistent = false;
+  /// One rank, and the shard holds the compute dtype: the parameters view the
+  /// shard itself, so gathering and releasing are nothing to do.
+  bool views_shard = false;
   comm::WorkPtr gather_work;
   at::Tensor gather_buffer;
   std::vector<at::Tensor> pending_grads;
@@ -183,6 +186,18 @@ struct ShardedEngine::State {
       : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale) {}
 
   int layout_world() const { return options.shard_params ? comm->world_size() : 1; }
+  /// One rank with no replicas: an all-gather or reduce-scatter would be a
+  /// copy of the shard onto itself, so the engine skips them (no copy).
+  bool single_rank() const { return comm->world_size() == 1 && !options.replicate_group; }
+  /// Gradients go straight into the shard's gradient (single_rank). Not with
+  /// ZeRO-1's boundary accumulation in a 16-bit reduce dtype: that rounds the
+  /// accumulated sum once, not each micro-batch's gradient.
+  bool adds_grads_directly() const {
+    return single_rank() && options.predivide == 1.0 && options.postdivide == 1.0 &&
+           (!options.reduce_at_boundary_only || options.reduce_dtype == at::kFloat);
+  }
+  /// grad_flat is known to hold zeros (zero_grad need not write it again).
+  bool grads_zero = true;
   int layout_rank() const { return options.shard_params ? comm->rank() : 0; }
   bool pure() const { return options.pure_low_precision; }
   int64_t full_bytes(const UnitState& u) const {
@@ -314,7 +329,7 @@ struct ShardedEngine::State {
 
   // ---- gathering ------------------------------------------------------------
   void start_gather(UnitState& u) {
-    if (u.gathered || u.gather_work) return;
+    if (u.gathered || u.gather_work || u.views_shard) return;
     compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
     add_gathered(full_bytes(u));
     if (!options.shard_params) {
@@ -343,7 +358,7 @@ struct ShardedEngine::State {
   }
 
   void release(UnitState& u) {
-    if (!u.gathered) return;
+    if (!u.gathered || u.views_shard) return;
     compat::resize_storage_bytes(u.full, 0);
     add_gathered(-full_bytes(u));
     u.gathered = false;
@@ -416,7 +431,21 @@ struct ShardedEngine::State {
 
   void unit_grads_ready(int state_index) {
     UnitState& u = units[state_index];
-    if (options.reduce_at_boundary_only) {
+    grads_zero = false;
+    if (adds_grads_directly()) {
+      // The reduction over one rank is the identity: each gradient is added
+      // straight into its place in the shard's gradient, rounded to the
+      // reduce dtype as the collective would have carried it. The same sums
+      // as the bucketed path (0 + g, then each later micro-batch), so ZeRO-1's
+      // boundary accumulation gives the same bits too.
+      for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
+        const at::Tensor& g = u.pending_grads[k];
+        if (!g.defined()) continue;
+        at::Tensor place = u.grad.narrow(0, u.layout->param_offset_in_full(k), g.numel()).view(g.sizes());
+        // Through the reduce dtype into the gradient's, as pack() and the add after the collective do.
+        place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
+      }
+    } else if (options.reduce_at_boundary_only) {
       at::Tensor packed = at::empty({u.layout->gathered_numel()}, u.boundary_grad_accumulator.options());
       u.layout->pack(u.pending_grads, packed);
       u.boundary_grad_accumulator.add_(packed);
@@ -494,6 +523,7 @@ struct ShardedEngine::State {
   }
 
   void reduce_boundary_accumulators() {
+    if (adds_grads_directly()) return;  // unit_grads_ready added them
     for (std::size_t i = 0; i < units.size(); ++i) {
       UnitState& u = units[i];
       if (!u.trainable) continue;
@@ -514,7 +544,7 @@ struct ShardedEngine::State {
     int64_t bucket_numel = 0;
     for (std::size_t i = 0; i < units.size(); ++i) {
       UnitState& u = units[i];
-      if (!u.trainable) continue;
+      if (!u.trainable || u.views_shard) continue;  // a shard view already holds the stepped values
       const bool kept = options.reshard == Reshard::kNever || u.persistent;
       // Gathered on demand by the next forward. Released here too: a no-grad
       // forward after the last backward left it gathered with pre-step values.
@@ -851,10 +881,19 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     if (u.master.defined()) u.master.copy_(shard_init);
     if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(shard_init);
     shard_init = at::Tensor();
-    // The module's parameters become views into one compute-dtype buffer.
-    u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(s.options.compute_dtype))
-                              : at::empty({u.layout->full_numel()}, fp32.dtype(s.options.compute_dtype));
-    if (!u.loads_released) {
+    // The module's parameters become views into one compute-dtype buffer: on
+    // one rank, when the shard holds that dtype, the shard itself (at one rank
+    // the shard and the gathered layout coincide), so the optimizer's writes
+    // are the next forward's values and nothing is ever gathered or copied.
+    u.views_shard = s.single_rank() && !u.loads_released && s.options.param_dtype == s.options.compute_dtype &&
+                    u.lp_shard.numel() == u.layout->full_numel();
+    if (u.views_shard) {
+      u.full = u.lp_shard;
+    } else {
+      u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(s.options.compute_dtype))
+                                : at::empty({u.layout->full_numel()}, fp32.dtype(s.options.compute_dtype));
+    }
+    if (!u.loads_released && !u.views_shard) {
       s.load_transient += s.full_bytes(u);
       s.note_load();
     }
@@ -872,10 +911,10 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     s.load_held -= u.original_storage_bytes;  // the module's own storage is replaced (as far as the engine holds it)
     if (!u.loads_released) {
       u.gathered = true;
-      s.add_gathered(s.full_bytes(u));
+      if (!u.views_shard) s.add_gathered(s.full_bytes(u));
       s.note_load();
     }
-    if (s.options.reduce_at_boundary_only && u.trainable) {
+    if (s.options.reduce_at_boundary_only && u.trainable && !s.adds_grads_directly()) {
       u.boundary_grad_accumulator = at::zeros({u.layout->gathered_numel()}, fp32);
     }
     if (u.trainable) {
@@ -1061,6 +1100,7 @@ StepResult ShardedEngine::step(double lr) {
     if (overflow.item<float>() > 0) {
       s.scaler.update(true);
       s.grad_flat.zero_();
+      s.grads_zero = true;
       s.clip_coefficient = 1.0;
       s.last_grad_norm = -1.0;
       result.skipped = true;
@@ -1125,6 +1165,7 @@ StepResult ShardedEngine::step(double lr) {
   if (separate_lp && s.host_lp_flat.defined()) s.lp_flat.copy_(s.host_lp_flat);
   s.scaler.update(false);
   s.grad_flat.zero_();
+  s.grads_zero = true;
   s.clip_coefficient = 1.0;
   s.last_grad_norm = -1.0;
   s.regather_after_step();
@@ -1133,7 +1174,10 @@ StepResult ShardedEngine::step(double lr) {
 
 void ShardedEngine::zero_grad() {
   State& s = *state_;
-  s.grad_flat.zero_();
+  // step() leaves the gradients zeroed; a second pass over them would be the
+  // only work of this call.
+  if (!s.grads_zero) s.grad_flat.zero_();
+  s.grads_zero = true;
   for (auto& u : s.units) {
     if (u.boundary_grad_accumulator.defined()) u.boundary_grad_accumulator.zero_();
   }
@@ -1197,7 +1241,10 @@ const at::Tensor& ShardedEngine::parameter_partition() const {
 }
 const at::Tensor& ShardedEngine::master_partition() const { return state_->master_flat; }
 const at::Tensor& ShardedEngine::low_precision_partition() const { return state_->lp_flat; }
-const at::Tensor& ShardedEngine::gradient_partition() const { return state_->grad_flat; }
+const at::Tensor& ShardedEngine::gradient_partition() const {
+  state_->grads_zero = false;  // the caller may write into it
+  return state_->grad_flat;
+}
 const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->exp_avg_flat; }
 const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->exp_avg_sq_flat; }
 

@@ -117,6 +117,36 @@ TEST_P(DistCrossEngine, FsdpStandardAndZero3AgreeStepByStep) {
 INSTANTIATE_TEST_SUITE_P(DistWorlds, DistCrossEngine, ::testing::Values(2, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// At one rank the collectives are the identity: every engine must do exactly
+// the plain loop's arithmetic, with the module's parameters viewing the shard
+// (nothing gathered, nothing copied).
+TEST(DistSingleRank, EveryEngineIsThePlainLoopBitForBitAndGathersNothing) {
+  run_on_ranks(1, [](RankContext& ctx) {
+    for (MixedPrecision precision : {MixedPrecision::kNo, MixedPrecision::kBf16}) {
+      std::vector<std::pair<std::string, shardtrain::TrainingConfig>> configs;
+      for (int stage : {1, 2, 3}) {
+        configs.emplace_back("zero-" + std::to_string(stage), shardtrain::testing::zero_test_config(stage, precision));
+      }
+      for (ShardingStrategy strategy :
+           {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+        configs.emplace_back(std::string("fsdp ") + shardtrain::to_string(strategy), fsdp_config(strategy, precision));
+      }
+      for (auto& [name, config] : configs) {
+        SCOPED_TRACE(name + (precision == MixedPrecision::kBf16 ? " bf16" : " fp32"));
+        config.gradient_accumulation_steps = 2;  // ZeRO-1's boundary accumulation included
+        auto options = options_for(config, ctx, 6);
+        tiny::TinyRunResult run = tiny::run_tiny(options);
+        tiny::DataParallelArithmetic arithmetic;
+        arithmetic.compute_dtype = precision == MixedPrecision::kBf16 ? at::kBFloat16 : at::kFloat;
+        // ZeRO-1 in bf16 rounds its fp32 micro-batch sum once, at the boundary.
+        arithmetic.accumulate_before_reduce = name == "zero-1" && precision == MixedPrecision::kBf16;
+        shardtrain::testing::expect_same_bits(run, tiny::run_tiny_data_parallel_reference(options, 1, arithmetic));
+        EXPECT_EQ(run.memory.gathered_peak, 0) << "a single rank gathered parameters";
+      }
+    }
+  });
+}
+
 TEST(DistFsdpPure, OptimizerStateIsBf16AtFourBytesPerParameter) {
   run_on_ranks(2, [](RankContext& ctx) {
     auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);

@@ -107,8 +107,11 @@ WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::
     const at::ScalarType accumulate_dtype =
         is_low_precision(output.scalar_type()) ? at::kFloat : output.scalar_type();
     // Explicit rank-order accumulation: the result does not depend on how
-    // ATen would vectorise a dim-0 reduction for this shape.
-    at::Tensor acc = received.select(0, 0).to(accumulate_dtype, /*non_blocking=*/false, /*copy=*/true);
+    // ATen would vectorise a dim-0 reduction for this shape. An output that
+    // already has the accumulation dtype is the accumulator (one pass less).
+    const bool in_place = output.scalar_type() == accumulate_dtype;
+    at::Tensor acc = in_place ? output.copy_(received.select(0, 0))
+                              : received.select(0, 0).to(accumulate_dtype, /*non_blocking=*/false, /*copy=*/true);
     for (int w = 1; w < world; ++w) {
       if (op == ReduceOp::kMax) {
         at::maximum_out(acc, acc, received.select(0, w).to(accumulate_dtype));
@@ -117,7 +120,7 @@ WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::
       }
     }
     if (op == ReduceOp::kAvg) acc.div_(world);
-    output.copy_(acc);
+    if (!in_place) output.copy_(acc);
   };
   try {
     return wrap(group_->alltoall_base(wire_received, wire_in, equal_splits, equal_splits), event,

@@ -263,6 +263,11 @@ TORCH_MODULE(LlamaForCausalLM);
 /// (targets equal to ignore_index are skipped), computed in fp32.
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index = -100);
 
+/// FLOPs of one trained token (forward + backward), PaLM's estimate:
+/// 6 x (matmul parameters) + 12 x layers x hidden x sequence (attention
+/// scores); recomputation is not counted. `num_params`: all parameters.
+double training_flops_per_token(const LlamaConfig& config, int64_t num_params, int64_t seq_len);
+
 /// Positions restarting at 0 at every change of document id along dim 1.
 at::Tensor positions_from_document_ids(const at::Tensor& document_ids);
 

@@ -1,0 +1,313 @@
+// bench_train_step: one training step of a Llama on random tokens, under a
+// plain LibTorch loop (no shardtrain engine), an all-reduce data-parallel loop
+// (the plain loop plus one all-reduce of the gradients: what DDP does) and
+// each engine configuration, measured side by side in one run (configurations
+// interleaved round by round, so machine noise hits them alike).
+//
+//   build/bin/shardtrain launch --num_processes 1 build/bin/bench_train_step
+//   build/bin/shardtrain launch --num_processes 2 build/bin/bench_train_step --dtype bf16
+//   ... --model-config my/config.json --seq-len 512 --configs plain zero3
+//
+// The step time is the median over rounds of each run's mean timed step
+// (each run's first --skip steps are warm-up). Ratios are to the plain loop
+// at world 1 and to the all-reduce loop at larger worlds. MFU is against this
+// machine's GEMM rate in the run's compute dtype, measured at start through
+// shardtrain::nn (the path the model's products take). Model states are the
+// bytes the run holds per rank (parameters, gradients, master, optimizer
+// state; for engines Accelerator::memory()), next to the precision plan's
+// prediction. Peak RSS is the process's high-water mark during the run.
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <CLI/CLI.hpp>
+
+#include "bench_util.h"
+#include "build_config.h"
+#include "finetune/finetune.h"
+#include "shardtrain/accelerator.h"
+#include "shardtrain/comm/rendezvous.h"
+#include "shardtrain/error.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/nn/linear.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace models = shardtrain::models;
+
+struct BenchOptions {
+  models::LlamaConfig model;
+  bool bf16 = false;
+  int64_t seq_len = 256;
+  int64_t micro_batch = 4;
+  int steps = 4;
+  int skip = 1;
+  double lr = 1e-4;
+  double weight_decay = 0.01;
+};
+
+struct RunResult {
+  double step_seconds = 0;  ///< mean of the timed steps
+  double final_loss = 0;
+  int64_t state_bytes = 0;
+  int64_t planned_bytes = -1;  ///< -1: no plan (plain loops)
+  int64_t peak_rss = 0;
+  int64_t num_params = 0;
+};
+
+/// Random tokens of step `step` on `rank`: [micro_batch, seq_len + 1].
+at::Tensor random_tokens(const BenchOptions& o, int step, int rank) {
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 * step + rank + 1));
+  return at::randint(o.model.vocab_size, {o.micro_batch, o.seq_len + 1}, gen, at::TensorOptions().dtype(at::kLong));
+}
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+
+/// The plain loop, optionally data-parallel: one flat all-reduce (mean) of
+/// every gradient before the optimizer step, as DDP's buckets amount to.
+/// bf16: forward and backward on a bf16 copy refreshed from the fp32 master
+/// each step; the master and AdamW stay fp32 (what a hand-written mixed
+/// precision loop does).
+RunResult run_plain(const BenchOptions& o, shardtrain::comm::Communicator* all_reduce) {
+  torch::manual_seed(0);
+  models::LlamaForCausalLM master(o.model);
+  models::LlamaForCausalLM compute = master;
+  if (o.bf16) {
+    torch::manual_seed(0);
+    compute = models::LlamaForCausalLM(o.model);
+    compute->to(at::kBFloat16);
+  }
+  auto master_params = master->parameters();
+  auto compute_params = compute->parameters();
+  torch::optim::AdamW optimizer(master_params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  const int rank = all_reduce != nullptr ? all_reduce->rank() : 0;
+  RunResult result;
+  double timed = 0;
+  for (int step = 0; step < o.skip + o.steps; ++step) {
+    at::Tensor tokens = random_tokens(o, step, rank);
+    const auto start = Clock::now();
+    if (o.bf16) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < master_params.size(); ++i) compute_params[i].copy_(master_params[i]);
+    }
+    at::Tensor loss = next_token_loss(compute(tokens.narrow(1, 0, o.seq_len)), tokens.narrow(1, 1, o.seq_len));
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (auto& p : compute_params) grads.push_back(p.grad().reshape({-1}));
+    if (all_reduce != nullptr) {
+      at::Tensor flat = at::cat(grads);
+      all_reduce->all_reduce(flat, shardtrain::comm::ReduceOp::kAvg);
+      int64_t offset = 0;
+      for (auto& g : grads) {
+        g.copy_(flat.narrow(0, offset, g.numel()));
+        offset += g.numel();
+      }
+    }
+    if (o.bf16) {
+      for (size_t i = 0; i < master_params.size(); ++i) master_params[i].mutable_grad() = compute_params[i].grad().to(at::kFloat);
+    }
+    optimizer.step();
+    for (auto& p : compute_params) p.mutable_grad() = at::Tensor();
+    for (auto& p : master_params) p.mutable_grad() = at::Tensor();
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (step >= o.skip) timed += seconds;
+    result.final_loss = loss.item<double>();
+  }
+  result.step_seconds = timed / o.steps;
+  for (auto& p : master_params) {
+    result.num_params += p.numel();
+    result.state_bytes += 4 * tensor_bytes(p);  // parameter, gradient, exp_avg, exp_avg_sq
+  }
+  if (o.bf16) {
+    for (auto& p : compute_params) result.state_bytes += 2 * tensor_bytes(p);  // the bf16 copy and its gradient
+  }
+  return result;
+}
+
+shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOptions& o, int world) {
+  shardtrain::TrainingConfig c;
+  c.mixed_precision = o.bf16 ? shardtrain::MixedPrecision::kBf16 : shardtrain::MixedPrecision::kNo;
+  c.bf16 = o.bf16;
+  c.optimizer.specified = true;
+  c.optimizer.type = "AdamW";
+  c.optimizer.lr = o.lr;
+  c.optimizer.weight_decay = o.weight_decay;
+  c.gradient_clipping = 0.0;
+  c.steps_per_print = 1 << 30;
+  if (name == "ddp") {
+    c.distributed_type = world > 1 ? shardtrain::DistributedType::kMultiCpu : shardtrain::DistributedType::kNo;
+  } else if (name.rfind("zero", 0) == 0) {
+    c.distributed_type = shardtrain::DistributedType::kDeepSpeed;
+    c.zero.stage = name.back() - '0';
+  } else {
+    c.distributed_type = shardtrain::DistributedType::kFsdp;
+    c.fsdp.sharding_strategy = name == "fsdp_full_shard"      ? shardtrain::ShardingStrategy::kFullShard
+                               : name == "fsdp_shard_grad_op" ? shardtrain::ShardingStrategy::kShardGradOp
+                                                              : shardtrain::ShardingStrategy::kNoShard;
+    c.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
+    c.fsdp.transformer_layer_cls_to_wrap = {o.model.decoder_layer_class_name()};
+  }
+  return c;
+}
+
+RunResult run_engine(const std::string& name, const BenchOptions& o, const shardtrain::comm::CommunicatorPtr& comm) {
+  shardtrain::AcceleratorOptions accelerator_options;
+  accelerator_options.config = engine_config(name, o, comm->world_size());
+  accelerator_options.communicator = comm;
+  accelerator_options.print_plan = false;
+  shardtrain::Accelerator accelerator(accelerator_options);
+  torch::manual_seed(0);
+  models::LlamaForCausalLM model(o.model);
+  shardtrain::RunInfo run;
+  run.hidden_size = o.model.hidden_size;
+  run.micro_batch_size = o.micro_batch;
+  run.total_steps = o.skip + o.steps;
+  auto prepared = accelerator.prepare(model, {}, run);
+  RunResult result;
+  double timed = 0;
+  for (int step = 0; step < o.skip + o.steps; ++step) {
+    at::Tensor tokens = random_tokens(o, step, comm->rank());
+    const auto start = Clock::now();
+    at::Tensor loss = next_token_loss(prepared(tokens.narrow(1, 0, o.seq_len)), tokens.narrow(1, 1, o.seq_len));
+    accelerator.backward(loss);
+    accelerator.step();
+    accelerator.zero_grad();
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (step >= o.skip) timed += seconds;
+    result.final_loss = loss.item<double>();
+  }
+  result.step_seconds = timed / o.steps;
+  const shardtrain::MemoryReport mem = accelerator.memory();
+  result.state_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered;
+  const shardtrain::PrecisionPlan plan = accelerator.precision_plan();
+  result.num_params = plan.num_params;
+  result.planned_bytes = plan.predicted_bytes(plan.params_bytes + plan.grads_bytes + plan.master_bytes +
+                                              plan.optimizer_bytes + plan.gathered_at_rest_bytes);
+  return result;
+}
+
+const std::map<std::string, std::string>& known_configs() {
+  static const std::map<std::string, std::string> known = {
+      {"plain", "plain LibTorch loop (no shardtrain)"},
+      {"allreduce_dp", "all-reduce data-parallel loop"},
+      {"ddp", "Accelerator, no sharding (zero-0/DDP)"},
+      {"zero1", "ZeRO-1"},
+      {"zero2", "ZeRO-2"},
+      {"zero3", "ZeRO-3"},
+      {"fsdp_full_shard", "FSDP FULL_SHARD standard"},
+      {"fsdp_shard_grad_op", "FSDP SHARD_GRAD_OP standard"},
+      {"fsdp_no_shard", "FSDP NO_SHARD"},
+  };
+  return known;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string source = SHARDTRAIN_SOURCE_DIR;
+  CLI::App app{"bench_train_step: a Llama training step under a plain loop, an all-reduce loop and every engine"};
+  std::string model_config = source + "/bench/models/llama_58m.json";
+  std::string dtype = "fp32";
+  BenchOptions o;
+  int rounds = 3;
+  std::vector<std::string> configs = {"plain", "allreduce_dp", "ddp", "zero2", "zero3", "fsdp_full_shard"};
+  app.add_option("--model-config", model_config, "config.json of the (randomly initialised) model")->capture_default_str();
+  app.add_option("--dtype", dtype, "fp32 or bf16 (mixed precision, fp32 master)")->capture_default_str();
+  app.add_option("--seq-len", o.seq_len, "Tokens per row")->capture_default_str();
+  app.add_option("--micro-batch", o.micro_batch, "Rows per rank per step")->capture_default_str();
+  app.add_option("--steps", o.steps, "Timed steps per run")->capture_default_str();
+  app.add_option("--skip", o.skip, "Warm-up steps per run, not timed")->capture_default_str();
+  app.add_option("--rounds", rounds, "Runs of every configuration (interleaved); the median is reported")
+      ->capture_default_str();
+  std::string names;
+  for (const auto& [name, label] : known_configs()) names += " " + name;
+  app.add_option("--configs", configs, "Which of:" + names)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    ST_CHECK(dtype == "fp32" || dtype == "bf16", "--dtype must be fp32 or bf16, not '", dtype, "'");
+    ST_CHECK(o.steps > 0 && o.skip >= 0 && rounds > 0, "--steps and --rounds must be positive, --skip not negative");
+    for (const auto& name : configs) {
+      ST_CHECK(known_configs().count(name), "unknown configuration '", name, "' (known:", names, ")");
+    }
+    o.bf16 = dtype == "bf16";
+    o.model = models::LlamaConfig::from_json_file(model_config);
+    ST_CHECK(o.seq_len <= o.model.max_position_embeddings, "--seq-len exceeds the model's max_position_embeddings");
+    const shardtrain::DistEnv env = shardtrain::detect_dist_env();
+    shardtrain::comm::CommunicatorPtr comm = shardtrain::init_distributed(env);
+    const bool main_process = comm->rank() == 0;
+    const int world = comm->world_size();
+    const double peak = finetune::measure_gemm_flops(dtype);
+    if (main_process) {
+      std::printf("GEMM rate per rank (512^3, shardtrain::nn, %d thread(s)): %s %.1f GFLOP/s; bf16 path: %s\n",
+                  at::get_num_threads(), dtype.c_str(), peak / 1e9,
+                  shardtrain::nn::cpu_low_precision_gemm().describe().c_str());
+      std::fflush(stdout);
+    }
+
+    std::map<std::string, std::vector<double>> step_seconds;
+    std::map<std::string, RunResult> last;
+    for (int round = 0; round < rounds; ++round) {
+      for (const auto& name : configs) {
+        comm->barrier();
+        bench::reset_peak_rss();
+        RunResult r = name == "plain"          ? run_plain(o, nullptr)
+                      : name == "allreduce_dp" ? run_plain(o, comm.get())
+                                               : run_engine(name, o, comm);
+        r.peak_rss = bench::peak_rss_bytes();
+        // The slowest rank sets the step time of a synchronous job.
+        at::Tensor slowest = at::full({1}, r.step_seconds, at::kDouble);
+        comm->all_reduce(slowest, shardtrain::comm::ReduceOp::kMax);
+        at::Tensor rss = at::full({1}, static_cast<double>(r.peak_rss), at::kDouble);
+        comm->all_reduce(rss, shardtrain::comm::ReduceOp::kMax);
+        r.step_seconds = slowest.item<double>();
+        r.peak_rss = static_cast<int64_t>(rss.item<double>());
+        step_seconds[name].push_back(r.step_seconds);
+        last[name] = r;
+        if (main_process) {
+          std::printf("round %d  %-20s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), r.step_seconds, r.final_loss);
+          std::fflush(stdout);
+        }
+      }
+    }
+    if (main_process) {
+      const RunResult& any = last.begin()->second;
+      const std::string baseline = world == 1 ? "plain" : "allreduce_dp";
+      const double base = step_seconds.count(baseline) ? bench::median(step_seconds[baseline]) : 0.0;
+      const double token_flops = models::training_flops_per_token(o.model, any.num_params, o.seq_len);
+      std::printf("\nLlama %lld parameters (%s), %s, world %d, seq %lld x micro-batch %lld per rank, "
+                  "median of %d rounds (%d timed steps each)\n",
+                  static_cast<long long>(any.num_params), model_config.c_str(), dtype.c_str(), world,
+                  static_cast<long long>(o.seq_len), static_cast<long long>(o.micro_batch), rounds, o.steps);
+      std::printf("| configuration | step (s) | tokens/s/rank | vs %s | MFU | model states/rank | plan | peak RSS/rank |\n",
+                  baseline.c_str());
+      std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+      for (const auto& name : configs) {
+        const double seconds = bench::median(step_seconds[name]);
+        const RunResult& r = last[name];
+        const double tokens_per_s = static_cast<double>(o.micro_batch * o.seq_len) / seconds;
+        char ratio[32] = "-";
+        if (base > 0) std::snprintf(ratio, sizeof ratio, "%.3f", seconds / base);
+        char plan[32] = "-";
+        if (r.planned_bytes >= 0) std::snprintf(plan, sizeof plan, "%.1f MB", r.planned_bytes / 1e6);
+        std::printf("| %s | %.3f | %.0f | %s | %.1f%% | %.1f MB | %s | %.0f MiB |\n", known_configs().at(name).c_str(),
+                    seconds, tokens_per_s, ratio, 100.0 * tokens_per_s * token_flops / peak, r.state_bytes / 1e6, plan,
+                    r.peak_rss / 1048576.0);
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train_step: " << e.what() << std::endl;
+    return 1;
+  }
+}
