@@ -5,14 +5,16 @@
 // interleaved round by round, so machine noise hits them alike).
 //
 //   build/bin/shardtrain launch --num_processes 1 build/bin/bench_train_step
-//   build/bin/shardtrain launch --num_processes 2 build/bin/bench_train_step --dtype bf16
+//   build/bin/shardtrain launch --num_processes 2 build/bin/bench_train_step --dtype fp32 bf16
 //   ... --model-config my/config.json --seq-len 512 --configs plain zero3
 //
 // The step time is the median over rounds of each run's mean timed step
 // (each run's first --skip steps are warm-up). Ratios are to the plain loop
 // at world 1 and to the all-reduce loop at larger worlds. MFU is against this
 // machine's GEMM rate in the run's compute dtype, measured at start through
-// shardtrain::nn (the path the model's products take). Model states are the
+// shardtrain::nn (the path the model's products take). With both dtypes the
+// runs interleave too, and a last line gives each configuration's bf16/fp32
+// step-time ratio. Model states are the
 // bytes the run holds per rank (parameters, gradients, master, optimizer
 // state; for engines Accelerator::memory()), next to the precision plan's
 // prediction. Peak RSS is the process's high-water mark during the run.
@@ -50,6 +52,9 @@ struct BenchOptions {
   int skip = 1;
   double lr = 1e-4;
   double weight_decay = 0.01;
+  /// ZeRO bucket sizes "auto" (from the hidden size, as in the shipped
+  /// configs/zero*.json) rather than DeepSpeed's fixed defaults.
+  bool auto_buckets = true;
 };
 
 struct RunResult {
@@ -149,6 +154,10 @@ shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOpt
   } else if (name.rfind("zero", 0) == 0) {
     c.distributed_type = shardtrain::DistributedType::kDeepSpeed;
     c.zero.stage = name.back() - '0';
+    if (o.auto_buckets) {
+      c.auto_keys = {"zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold"};
+    }
   } else {
     c.distributed_type = shardtrain::DistributedType::kFsdp;
     c.fsdp.sharding_strategy = name == "fsdp_full_shard"      ? shardtrain::ShardingStrategy::kFullShard
@@ -217,12 +226,13 @@ int main(int argc, char** argv) {
   const std::string source = SHARDTRAIN_SOURCE_DIR;
   CLI::App app{"bench_train_step: a Llama training step under a plain loop, an all-reduce loop and every engine"};
   std::string model_config = source + "/bench/models/llama_58m.json";
-  std::string dtype = "fp32";
+  std::vector<std::string> dtypes = {"fp32"};
   BenchOptions o;
   int rounds = 3;
   std::vector<std::string> configs = {"plain", "allreduce_dp", "ddp", "zero2", "zero3", "fsdp_full_shard"};
   app.add_option("--model-config", model_config, "config.json of the (randomly initialised) model")->capture_default_str();
-  app.add_option("--dtype", dtype, "fp32 or bf16 (mixed precision, fp32 master)")->capture_default_str();
+  app.add_option("--dtype", dtypes, "fp32 and/or bf16 (mixed precision, fp32 master); several are interleaved")
+      ->capture_default_str();
   app.add_option("--seq-len", o.seq_len, "Tokens per row")->capture_default_str();
   app.add_option("--micro-batch", o.micro_batch, "Rows per rank per step")->capture_default_str();
   app.add_option("--steps", o.steps, "Timed steps per run")->capture_default_str();
@@ -232,77 +242,105 @@ int main(int argc, char** argv) {
   std::string names;
   for (const auto& [name, label] : known_configs()) names += " " + name;
   app.add_option("--configs", configs, "Which of:" + names)->capture_default_str();
+  std::string zero_buckets = "auto";
+  app.add_option("--zero-buckets", zero_buckets,
+                 "ZeRO bucket and prefetch sizes: auto (from the hidden size, as configs/zero*.json) or "
+                 "deepspeed (DeepSpeed's fixed defaults: 5e8 reduce bucket, 5e7 prefetch)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {
-    ST_CHECK(dtype == "fp32" || dtype == "bf16", "--dtype must be fp32 or bf16, not '", dtype, "'");
+    for (const auto& dtype : dtypes) {
+      ST_CHECK(dtype == "fp32" || dtype == "bf16", "--dtype must be fp32 or bf16, not '", dtype, "'");
+    }
     ST_CHECK(o.steps > 0 && o.skip >= 0 && rounds > 0, "--steps and --rounds must be positive, --skip not negative");
     for (const auto& name : configs) {
       ST_CHECK(known_configs().count(name), "unknown configuration '", name, "' (known:", names, ")");
     }
-    o.bf16 = dtype == "bf16";
+    ST_CHECK(zero_buckets == "auto" || zero_buckets == "deepspeed", "--zero-buckets must be auto or deepspeed");
+    o.auto_buckets = zero_buckets == "auto";
     o.model = models::LlamaConfig::from_json_file(model_config);
     ST_CHECK(o.seq_len <= o.model.max_position_embeddings, "--seq-len exceeds the model's max_position_embeddings");
     const shardtrain::DistEnv env = shardtrain::detect_dist_env();
     shardtrain::comm::CommunicatorPtr comm = shardtrain::init_distributed(env);
     const bool main_process = comm->rank() == 0;
     const int world = comm->world_size();
-    const double peak = finetune::measure_gemm_flops(dtype);
+    std::map<std::string, double> peak;
+    for (const auto& dtype : dtypes) peak[dtype] = finetune::measure_gemm_flops(dtype);
     if (main_process) {
-      std::printf("GEMM rate per rank (512^3, shardtrain::nn, %d thread(s)): %s %.1f GFLOP/s; bf16 path: %s\n",
-                  at::get_num_threads(), dtype.c_str(), peak / 1e9,
-                  shardtrain::nn::cpu_low_precision_gemm().describe().c_str());
+      std::printf("GEMM rate per rank (512^3, shardtrain::nn, %d thread(s)):", at::get_num_threads());
+      for (const auto& dtype : dtypes) std::printf(" %s %.1f GFLOP/s;", dtype.c_str(), peak[dtype] / 1e9);
+      std::printf(" bf16 path: %s\n", shardtrain::nn::cpu_low_precision_gemm().describe().c_str());
       std::fflush(stdout);
     }
 
+    // Keyed by "config dtype".
     std::map<std::string, std::vector<double>> step_seconds;
     std::map<std::string, RunResult> last;
     for (int round = 0; round < rounds; ++round) {
-      for (const auto& name : configs) {
-        comm->barrier();
-        bench::reset_peak_rss();
-        RunResult r = name == "plain"          ? run_plain(o, nullptr)
-                      : name == "allreduce_dp" ? run_plain(o, comm.get())
-                                               : run_engine(name, o, comm);
-        r.peak_rss = bench::peak_rss_bytes();
-        // The slowest rank sets the step time of a synchronous job.
-        at::Tensor slowest = at::full({1}, r.step_seconds, at::kDouble);
-        comm->all_reduce(slowest, shardtrain::comm::ReduceOp::kMax);
-        at::Tensor rss = at::full({1}, static_cast<double>(r.peak_rss), at::kDouble);
-        comm->all_reduce(rss, shardtrain::comm::ReduceOp::kMax);
-        r.step_seconds = slowest.item<double>();
-        r.peak_rss = static_cast<int64_t>(rss.item<double>());
-        step_seconds[name].push_back(r.step_seconds);
-        last[name] = r;
-        if (main_process) {
-          std::printf("round %d  %-20s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), r.step_seconds, r.final_loss);
-          std::fflush(stdout);
+      for (const auto& dtype : dtypes) {
+        o.bf16 = dtype == "bf16";
+        for (const auto& name : configs) {
+          comm->barrier();
+          bench::reset_peak_rss();
+          RunResult r = name == "plain"          ? run_plain(o, nullptr)
+                        : name == "allreduce_dp" ? run_plain(o, comm.get())
+                                                 : run_engine(name, o, comm);
+          r.peak_rss = bench::peak_rss_bytes();
+          // The slowest rank sets the step time of a synchronous job.
+          at::Tensor slowest = at::full({1}, r.step_seconds, at::kDouble);
+          comm->all_reduce(slowest, shardtrain::comm::ReduceOp::kMax);
+          at::Tensor rss = at::full({1}, static_cast<double>(r.peak_rss), at::kDouble);
+          comm->all_reduce(rss, shardtrain::comm::ReduceOp::kMax);
+          r.step_seconds = slowest.item<double>();
+          r.peak_rss = static_cast<int64_t>(rss.item<double>());
+          const std::string key = name + " " + dtype;
+          step_seconds[key].push_back(r.step_seconds);
+          last[key] = r;
+          if (main_process) {
+            std::printf("round %d  %-20s %s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), dtype.c_str(),
+                        r.step_seconds, r.final_loss);
+            std::fflush(stdout);
+          }
         }
       }
     }
     if (main_process) {
       const RunResult& any = last.begin()->second;
       const std::string baseline = world == 1 ? "plain" : "allreduce_dp";
-      const double base = step_seconds.count(baseline) ? bench::median(step_seconds[baseline]) : 0.0;
       const double token_flops = models::training_flops_per_token(o.model, any.num_params, o.seq_len);
-      std::printf("\nLlama %lld parameters (%s), %s, world %d, seq %lld x micro-batch %lld per rank, "
+      std::printf("\nLlama %lld parameters (%s), world %d, seq %lld x micro-batch %lld per rank, "
                   "median of %d rounds (%d timed steps each)\n",
-                  static_cast<long long>(any.num_params), model_config.c_str(), dtype.c_str(), world,
+                  static_cast<long long>(any.num_params), model_config.c_str(), world,
                   static_cast<long long>(o.seq_len), static_cast<long long>(o.micro_batch), rounds, o.steps);
-      std::printf("| configuration | step (s) | tokens/s/rank | vs %s | MFU | model states/rank | plan | peak RSS/rank |\n",
+      std::printf("| configuration | dtype | step (s) | tokens/s/rank | vs %s | MFU | model states/rank | plan | "
+                  "peak RSS/rank |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
                   baseline.c_str());
-      std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-      for (const auto& name : configs) {
-        const double seconds = bench::median(step_seconds[name]);
-        const RunResult& r = last[name];
-        const double tokens_per_s = static_cast<double>(o.micro_batch * o.seq_len) / seconds;
-        char ratio[32] = "-";
-        if (base > 0) std::snprintf(ratio, sizeof ratio, "%.3f", seconds / base);
-        char plan[32] = "-";
-        if (r.planned_bytes >= 0) std::snprintf(plan, sizeof plan, "%.1f MB", r.planned_bytes / 1e6);
-        std::printf("| %s | %.3f | %.0f | %s | %.1f%% | %.1f MB | %s | %.0f MiB |\n", known_configs().at(name).c_str(),
-                    seconds, tokens_per_s, ratio, 100.0 * tokens_per_s * token_flops / peak, r.state_bytes / 1e6, plan,
-                    r.peak_rss / 1048576.0);
+      for (const auto& dtype : dtypes) {
+        const std::string base_key = baseline + " " + dtype;
+        const double base = step_seconds.count(base_key) ? bench::median(step_seconds[base_key]) : 0.0;
+        for (const auto& name : configs) {
+          const std::string key = name + " " + dtype;
+          const double seconds = bench::median(step_seconds[key]);
+          const RunResult& r = last[key];
+          const double tokens_per_s = static_cast<double>(o.micro_batch * o.seq_len) / seconds;
+          char ratio[32] = "-";
+          if (base > 0) std::snprintf(ratio, sizeof ratio, "%.3f", seconds / base);
+          char plan[32] = "-";
+          if (r.planned_bytes >= 0) std::snprintf(plan, sizeof plan, "%.1f MB", r.planned_bytes / 1e6);
+          std::printf("| %s | %s | %.3f | %.0f | %s | %.1f%% | %.1f MB | %s | %.0f MiB |\n",
+                      known_configs().at(name).c_str(), dtype.c_str(), seconds, tokens_per_s, ratio,
+                      100.0 * tokens_per_s * token_flops / peak[dtype], r.state_bytes / 1e6, plan,
+                      r.peak_rss / 1048576.0);
+        }
+      }
+      if (peak.count("fp32") && peak.count("bf16")) {
+        std::printf("\nbf16 step time / fp32 step time:");
+        for (const auto& name : configs) {
+          std::printf(" %s %.3f;", name.c_str(),
+                      bench::median(step_seconds[name + " bf16"]) / bench::median(step_seconds[name + " fp32"]));
+        }
+        std::printf("\n");
       }
     }
     return 0;

@@ -158,6 +158,8 @@ struct ShardedEngine::State {
   double clip_coefficient = 1.0;
   double last_grad_norm = -1.0;
   int64_t optimizer_steps = 0;
+  /// grad_flat is known to hold zeros (zero_grad need not write it again).
+  bool grads_zero = true;
   int64_t forward_count = 0;
   std::vector<const Unit*> trace;          // unit order recorded on the first forward
   std::vector<const Unit*> current_order;
@@ -196,8 +198,6 @@ struct ShardedEngine::State {
     return single_rank() && options.predivide == 1.0 && options.postdivide == 1.0 &&
            (!options.reduce_at_boundary_only || options.reduce_dtype == at::kFloat);
   }
-  /// grad_flat is known to hold zeros (zero_grad need not write it again).
-  bool grads_zero = true;
   int layout_rank() const { return options.shard_params ? comm->rank() : 0; }
   bool pure() const { return options.pure_low_precision; }
   int64_t full_bytes(const UnitState& u) const {
