@@ -1,6 +1,8 @@
 #include "tiny/tiny_train.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <iostream>
 
@@ -241,11 +243,10 @@ TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) 
 TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, int world_size,
                                                DataParallelArithmetic arithmetic) {
   ReferenceSetup setup = make_reference(options, world_size);
-  ST_CHECK(setup.clip == 0.0, "run_tiny_data_parallel_reference does not clip (gradient_clipping is ",
-           setup.clip, ")");
   const int local = arithmetic.local_world_size > 0 ? arithmetic.local_world_size : world_size;
   ST_CHECK(world_size % local == 0, "local_world_size ", local, " does not divide world size ", world_size);
   const bool low_precision = arithmetic.compute_dtype != at::kFloat;
+  const at::ScalarType reduce_dtype = arithmetic.reduce_dtype.value_or(arithmetic.compute_dtype);
   ST_CHECK(!low_precision || local == world_size, "the low-precision reference covers one machine only");
   auto params = setup.model->parameters();
   // The model forward and backward run on: the fp32 master itself, or a
@@ -266,7 +267,7 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
       // dtype (a ZeRO-1 fp32 accumulator is rounded to it first).
       auto carried = [&](int r) {
         const at::Tensor& g = per_rank[r][p];
-        return low_precision ? g.to(arithmetic.compute_dtype).to(at::kFloat) : g.to(at::kFloat);
+        return low_precision ? g.to(reduce_dtype).to(at::kFloat) : g.to(at::kFloat);
       };
       at::Tensor partial = carried(machine * local).clone();
       for (int r = machine * local + 1; r < (machine + 1) * local; ++r) partial.add_(carried(r));
@@ -274,7 +275,7 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
     }
     total.div_(world_size);
     // A low-precision reduction hands back its dtype: the fp32 mean, rounded once.
-    return low_precision ? total.to(arithmetic.compute_dtype).to(at::kFloat) : total;
+    return low_precision ? total.to(reduce_dtype).to(at::kFloat) : total;
   };
   TinyRunResult result;
   for (int step = 0; step < options.steps; ++step) {
@@ -306,13 +307,23 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
       }
       if (!arithmetic.accumulate_before_reduce) {
         for (std::size_t i = 0; i < params.size(); ++i) {
-          at::Tensor reduced = reduce_over_ranks(micro_grads, i);
+          // Each reduced gradient lands in the shard's gradient dtype, where the sum is kept.
+          at::Tensor reduced = reduce_over_ranks(micro_grads, i).to(arithmetic.grad_dtype);
           summed[i] = summed[i].defined() ? summed[i].add_(reduced) : reduced;
         }
       }
     }
     if (arithmetic.accumulate_before_reduce) {
       for (std::size_t i = 0; i < params.size(); ++i) summed[i] = reduce_over_ranks(rank_accumulated, i);
+    }
+    for (auto& g : summed) g = g.to(at::kFloat);
+    double norm = -1;
+    if (setup.clip > 0) {
+      double squares = 0;
+      for (const auto& g : summed) squares += g.to(at::kDouble).pow(2).sum().item<double>();
+      norm = std::sqrt(squares);
+      const double coefficient = std::min(1.0, setup.clip / (norm + 1e-6));
+      for (auto& g : summed) g.mul_(coefficient);  // g * float(coefficient), as the fused kernels scale
     }
     setup.optimizer->zero_grad();
     for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = summed[i];
@@ -322,7 +333,7 @@ TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, in
     double loss_total = 0;
     for (int r = 0; r < world_size; ++r) loss_total += rank_losses[r] / static_cast<double>(setup.accumulation);
     result.losses.push_back(loss_total / world_size);
-    result.grad_norms.push_back(-1);
+    result.grad_norms.push_back(norm);
   }
   finish_reference(setup, result);
   return result;

@@ -76,16 +76,25 @@ struct DataParallelArithmetic {
   /// once to bf16; ZeRO-1 accumulates a rank's micro-batches in fp32 and
   /// rounds the sum) and the fp32 master is updated. One machine only.
   at::ScalarType compute_dtype = at::kFloat;
+  /// The reduction's dtype (FSDP's reduce_dtype); unset: the compute dtype.
+  std::optional<at::ScalarType> reduce_dtype;
+  /// The sharded gradient's dtype across micro-batches (bf16 under
+  /// fsdp_keep_low_precision_grads: each reduced gradient is rounded to it
+  /// and the sum is kept in it).
+  at::ScalarType grad_dtype = at::kFloat;
 };
 
 /// The plain LibTorch loop doing each rank's arithmetic in one process: every
 /// rank's micro-batch goes through the model on its own, as on its rank, and
 /// the per-rank fp32 gradients are summed in rank order (the order in which
 /// shardtrain's Gloo reductions add) and divided by the world size. Same
-/// init, data, optimizer and schedule as the engine run; no clipping (the
-/// engine's fp64 norm and torch's differ in rounding). For world sizes that
-/// are powers of two every division is exact, so an fp32 engine run matches
-/// this loop bit for bit: the expected difference is zero.
+/// init, data, optimizer and schedule as the engine run. Clipping as the
+/// engines clip: the norm from fp64 sums of squares of the reduced gradient,
+/// the coefficient min(1, max_norm / (norm + 1e-6)) applied to the fp32
+/// gradient as one float multiply. For world sizes that are powers of two
+/// every division is exact, so an engine run matches this loop bit for bit:
+/// the expected difference is zero (the norm itself only up to the order of
+/// its fp64 sum; see DistZeroClipping).
 TinyRunResult run_tiny_data_parallel_reference(const TinyRunOptions& options, int world_size,
                                                DataParallelArithmetic arithmetic = {});
 

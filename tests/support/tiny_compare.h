@@ -73,18 +73,29 @@ inline double max_relative(const std::vector<double>& a, const std::vector<doubl
   return worst;
 }
 
-/// Every parameter within `tolerance` of the reference's, relative to max(1, its largest magnitude).
-inline void expect_params_close(const tiny::TinyRunResult& actual, const tiny::TinyRunResult& reference,
-                                double tolerance) {
-  ASSERT_EQ(actual.final_params.size(), reference.final_params.size());
-  std::map<std::string, at::Tensor> by_name(reference.final_params.begin(), reference.final_params.end());
-  for (const auto& [name, value] : actual.final_params) {
-    ASSERT_TRUE(by_name.count(name)) << "parameter " << name << " missing from the reference";
-    const at::Tensor& ref = by_name[name];
-    const double diff = (value - ref).abs().max().item<double>();
-    const double scale = std::max(1.0, ref.abs().max().item<double>());
-    EXPECT_LE(diff / scale, tolerance) << name << ": max |difference| " << diff;
+/// One optimizer step of a plain module doing an engine's per-rank
+/// arithmetic: rank r's loss (`loss_of_rank(r)`) backpropagated on its own,
+/// the ranks' gradients summed in rank order and divided by `world` (a power
+/// of two: exact), then `optimizer` steps. An fp32 engine run on `world`
+/// ranks must then match the module bit for bit.
+template <typename LossOfRank>
+void data_parallel_reference_step(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int world,
+                                  LossOfRank&& loss_of_rank) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : module.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
   }
+  std::vector<at::Tensor> summed(params.size());
+  for (int r = 0; r < world; ++r) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    loss_of_rank(r).backward();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& g = params[i].grad();
+      summed[i] = summed[i].defined() ? summed[i].add_(g) : g.clone();
+    }
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = summed[i].div_(world);
+  optimizer.step();
 }
 
 /// Bit-for-bit equality with a reference that does the same per-rank
