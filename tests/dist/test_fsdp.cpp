@@ -53,7 +53,6 @@ tiny::TinyRunOptions options_for(const shardtrain::TrainingConfig& config, RankC
   return shardtrain::testing::tiny_run_options(config, ctx, steps, /*seed=*/11);
 }
 
-using shardtrain::testing::max_relative;
 
 struct StrategyCase {
   ShardingStrategy strategy;

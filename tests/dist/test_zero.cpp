@@ -29,7 +29,6 @@ tiny::TinyRunOptions tiny_options(const shardtrain::TrainingConfig& config, Rank
 }
 
 using shardtrain::testing::expect_same_bits;
-using shardtrain::testing::max_relative;
 
 struct ParityCase {
   int stage;

@@ -66,13 +66,6 @@ inline tiny::TinyRunOptions tiny_run_options(const TrainingConfig& config, RankC
   return options;
 }
 
-/// Largest |a_i - b_i| / |b_i|.
-inline double max_relative(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
 /// One optimizer step of a plain module doing an engine's per-rank
 /// arithmetic: rank r's loss (`loss_of_rank(r)`) backpropagated on its own,
 /// the ranks' gradients summed in rank order and divided by `world` (a power
