@@ -13,6 +13,7 @@
 
 #include "comm/nccl_factory.h"
 #include "compat/torch_compat.h"
+#include "kernels/cpu/cpu_gemm_choice.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/version.h"
 
@@ -94,10 +95,9 @@ EnvReport collect_env_report(bool measure_gemm) {
   add("hardware threads", std::to_string(std::thread::hardware_concurrency()));
   std::string cpu = read_first_match("/proc/cpuinfo", "model name");
   add("CPU", cpu.empty() ? "unknown" : cpu);
-  std::string flags = " " + read_first_match("/proc/cpuinfo", "flags") + " ";
   std::string features;
   for (const char* f : {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}) {
-    if (flags.find(std::string(" ") + f + " ") != std::string::npos) features += std::string(features.empty() ? "" : " ") + f;
+    if (kernels::cpu::cpu_has_flag(f)) features += std::string(features.empty() ? "" : " ") + f;
   }
   add("CPU features", features.empty() ? "none of avx2/avx512/amx" : features);
   add("CPU bf16 GEMM", nn::cpu_low_precision_gemm().describe());

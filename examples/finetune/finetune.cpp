@@ -91,8 +91,6 @@ at::ScalarType dtype_of(const std::string& name) {
   return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
 }
 
-
-
 // ---- data ---------------------------------------------------------------------------
 
 struct Dataset {

@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "build_config.h"  // SHARDTRAIN_BIN_DIR
 #include "kernels/mixed_gemm.h"
 #include "shardtrain/nn/linear.h"
+#include "support/multirank.h"
 
 namespace {
 
@@ -170,6 +172,26 @@ TEST(UnitMixedGemm, ThisProcessesChoiceIsExplained) {
   } else if (!choice.native_bf16_cpu) {  // also under SHARDTRAIN_CPU_DISABLE_ONEDNN
     EXPECT_TRUE(choice.widened) << "a CPU without native bf16 must widen: " << text;
   }
+}
+
+// The choice is made once per process, so the overrides are checked in fresh
+// processes: `shardtrain env` reports the path each one took.
+TEST(UnitMixedGemm, OverridesChooseThePathAndABadValueIsNamed) {
+  const std::string env = std::string(SHARDTRAIN_BIN_DIR) + "/shardtrain env --no-bench 2>&1";
+  using shardtrain::testing::run_command;
+  auto widened = run_command("SHARDTRAIN_CPU_GEMM=widened " + env, std::chrono::seconds(60));
+  EXPECT_EQ(widened.exit_code, 0) << widened.output;
+  EXPECT_NE(widened.output.find("widened to fp32 (fp32 GEMM, one rounding): SHARDTRAIN_CPU_GEMM=widened"),
+            std::string::npos) << widened.output;
+  auto no_onednn = run_command("SHARDTRAIN_CPU_GEMM=auto SHARDTRAIN_CPU_DISABLE_ONEDNN=1 " + env,
+                               std::chrono::seconds(60));
+  EXPECT_EQ(no_onednn.exit_code, 0) << no_onednn.output;
+  EXPECT_NE(no_onednn.output.find("widened to fp32 (fp32 GEMM, one rounding): SHARDTRAIN_CPU_DISABLE_ONEDNN=1"),
+            std::string::npos) << no_onednn.output;
+  auto bad = run_command("SHARDTRAIN_CPU_GEMM=bogus " + env, std::chrono::seconds(60));
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("SHARDTRAIN_CPU_GEMM='bogus' is not one of auto, native, widened"), std::string::npos)
+      << bad.output;
 }
 
 }  // namespace

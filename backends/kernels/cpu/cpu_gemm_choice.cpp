@@ -58,7 +58,8 @@ bool env_flag(const char* name) {
 nn::CpuLowPrecisionGemm decide() {
   nn::CpuLowPrecisionGemm choice;
   choice.native_bf16_cpu = cpu_has_flag("avx512_bf16") || cpu_has_flag("amx_bf16");
-  if (env_flag("SHARDTRAIN_CPU_DISABLE_ONEDNN")) {
+  const bool onednn_off = env_flag("SHARDTRAIN_CPU_DISABLE_ONEDNN");
+  if (onednn_off) {
     // Developer switch: LibTorch then routes bf16 GEMMs exactly as on a CPU
     // without AVX-512 (its scalar fallback), so an AVX-512 machine reproduces
     // an AVX2-only one. DNNL_MAX_CPU_ISA=AVX2 does not: oneDNN 2.6 then has
@@ -75,7 +76,7 @@ nn::CpuLowPrecisionGemm decide() {
     choice.reason = "SHARDTRAIN_CPU_GEMM=" + mode;
     return choice;
   }
-  if (env_flag("SHARDTRAIN_CPU_DISABLE_ONEDNN")) {
+  if (onednn_off) {
     choice.widened = true;
     choice.reason = "SHARDTRAIN_CPU_DISABLE_ONEDNN=1: oneDNN is off, LibTorch's bf16 GEMM runs as on a CPU without AVX-512";
     return choice;
