@@ -8,7 +8,8 @@ installed here. For each case it writes under tests/data/golden/<name>/:
   config.json        Hugging Face style config
   model.safetensors  random fp32 weights under HF parameter names
   golden.safetensors input_ids [B,T] int64, logits [B,T,V] fp32, loss [] fp32
-                     (mean next-token cross entropy)
+                     (mean next-token cross entropy), and logits_fp64 /
+                     loss_fp64: the same weights run in fp64
   greedy.json        (GREEDY_CASES only) greedy continuation of a prompt (the
                      first ids of one row of input_ids), recomputing the
                      whole sequence each step as transformers' generate() with
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-DTYPES = {torch.float32: "F32", torch.int64: "I64"}
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.int64: "I64"}
 
 
 def write_safetensors(path, tensors):
@@ -50,9 +51,16 @@ def write_safetensors(path, tensors):
 
 # ---- the model, as transformers computes it ---------------------------------
 
+def at_least_fp32(dtype):
+    """transformers computes norms, softmax and logits in fp32. In an fp64 run
+    (the rounding-free reference the tests compare with) they stay fp64;
+    everywhere else this is fp32, as in transformers."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x, weight, eps):
     input_dtype = x.dtype
-    h = x.to(torch.float32)
+    h = x.to(at_least_fp32(x.dtype))
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(input_dtype)
@@ -120,7 +128,7 @@ def forward(cfg, w, input_ids):
         k = k[:, :, None].expand(B, nkv, rep, T, d).reshape(B, nh, T, d)
         v = v[:, :, None].expand(B, nkv, rep, T, d).reshape(B, nh, T, d)
         scores = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5 + mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(q.dtype)).to(q.dtype)
         attn = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, nh * d)
         h = h + attn @ w[p + "self_attn.o_proj.weight"].T
         x = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
@@ -129,7 +137,7 @@ def forward(cfg, w, input_ids):
         h = h + (gate * up) @ w[p + "mlp.down_proj.weight"].T
     h = rms_norm(h, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else w["lm_head.weight"]
-    logits = (h @ head.T).float()
+    logits = (h @ head.T).to(at_least_fp32(h.dtype))
     V = logits.shape[-1]
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1))
     return logits, loss
@@ -253,6 +261,8 @@ def main():
         input_ids = torch.randint(0, cfg["vocab_size"], (B, T), generator=gen, dtype=torch.int64)
         with torch.no_grad():
             logits, loss = forward(cfg, dict(weights), input_ids)
+            # The same weights in fp64 (rotary tables stay fp32, as in transformers).
+            logits64, loss64 = forward(cfg, {k: v.double() for k, v in weights}, input_ids)
         out = os.path.join(out_root, name)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -260,7 +270,8 @@ def main():
             f.write("\n")
         write_safetensors(os.path.join(out, "model.safetensors"), weights)
         write_safetensors(os.path.join(out, "golden.safetensors"),
-                          [("input_ids", input_ids), ("logits", logits), ("loss", loss.reshape(()))])
+                          [("input_ids", input_ids), ("logits", logits), ("loss", loss.reshape(())),
+                           ("logits_fp64", logits64), ("loss_fp64", loss64.reshape(()))])
         print(f"{name}: loss {loss.item():.6f}")
         if name in GREEDY_CASES:
             # After the random draws above, and drawing none: the other outputs stay as they were.

@@ -158,6 +158,11 @@ at::Tensor rope_inv_freq(const LlamaConfig& config) {
 
 namespace {
 
+/// transformers computes norms, softmax and logits in fp32 whatever the model
+/// dtype (fp32 for bf16/fp16/fp32 here too). An fp64 model keeps fp64 there
+/// instead: it is the rounding-free reference the tests compare against.
+at::ScalarType at_least_fp32(at::ScalarType dtype) { return at::promote_types(dtype, at::kFloat); }
+
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
@@ -213,7 +218,7 @@ at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t d = q.size(-1);
   at::Tensor scores = shardtrain::nn::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
   scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  at::Tensor probs = at::softmax(scores, -1, at_least_fp32(q.scalar_type())).to(q.scalar_type());
   return shardtrain::nn::matmul(probs, v);
 }
 
@@ -290,7 +295,7 @@ LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden, double eps_)
 
 at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
   const auto input_dtype = x.scalar_type();
-  at::Tensor h = x.to(at::kFloat);
+  at::Tensor h = x.to(at_least_fp32(input_dtype));
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(input_dtype);
@@ -526,13 +531,13 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::
                                          const at::Tensor& document_ids) {
   at::Tensor h = model(input_ids, position_ids, document_ids);
   at::Tensor logits = lm_head ? lm_head(h) : shardtrain::nn::linear(h, model->embed_tokens->weight);
-  return logits.to(at::kFloat);
+  return logits.to(at_least_fp32(logits.scalar_type()));
 }
 
 at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& input_ids, KVCache& cache) {
   at::Tensor h = model->forward_cached(input_ids, cache);
   at::Tensor logits = lm_head ? lm_head(h) : shardtrain::nn::linear(h, model->embed_tokens->weight);
-  return logits.to(at::kFloat);
+  return logits.to(at_least_fp32(logits.scalar_type()));
 }
 
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index) {
@@ -540,7 +545,7 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids,
                logits.size(1) == input_ids.size(1),
            "causal_lm_loss: logits ", logits.sizes(), " do not match input_ids ", input_ids.sizes());
   const int64_t V = logits.size(2), T = logits.size(1);
-  at::Tensor shifted = logits.slice(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  at::Tensor shifted = logits.slice(1, 0, T - 1).to(at_least_fp32(logits.scalar_type())).reshape({-1, V});
   at::Tensor targets = input_ids.slice(1, 1).reshape({-1}).to(at::kLong);
   return at::cross_entropy_loss(shifted, targets, /*weight=*/{}, at::Reduction::Mean, ignore_index);
 }

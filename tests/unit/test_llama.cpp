@@ -24,26 +24,45 @@ namespace st = shardtrain::safetensors;
 
 namespace {
 
+using shardtrain::testing::fp64_logit_tolerance;
+using shardtrain::testing::fp64_loss_tolerance;
 using shardtrain::testing::golden_dir;
 
 sm::LlamaForCausalLM load_case(const std::string& name) { return shardtrain::testing::load_golden_case(name); }
 
 class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
 
+// Compared in fp64 (the Python side ran the same weights in fp64), where the
+// two implementations may differ only by summation order: the bound is
+// derived in fp64_logit_tolerance. In fp32 the two differ by ~4e-6 here, a
+// figure that depends on the BLAS kernels, so the fp32 run is checked for
+// what it must be (dtype, shape, the same code) rather than against a tuned
+// tolerance.
 TEST_P(UnitLlamaGolden, LogitsAndLossMatch) {
   const std::string name = GetParam();
   auto model = load_case(name);
   st::Reader golden(golden_dir(name) + "/golden.safetensors");
   at::Tensor input_ids = golden.read("input_ids");
-  at::Tensor expected = golden.read("logits");
   torch::NoGradGuard no_grad;
+  at::Tensor logits32 = model->forward(input_ids);
+  ASSERT_EQ(logits32.scalar_type(), at::kFloat);
+  ASSERT_EQ(logits32.sizes(), golden.read("logits").sizes());
+
+  model->to(at::kDouble);
+  at::Tensor expected = golden.read("logits_fp64");
+  ASSERT_EQ(expected.scalar_type(), at::kDouble);
   at::Tensor logits = model->forward(input_ids);
-  ASSERT_EQ(logits.scalar_type(), at::kFloat);
+  ASSERT_EQ(logits.scalar_type(), at::kDouble);
   ASSERT_EQ(logits.sizes(), expected.sizes());
-  const double max_diff = (logits - expected).abs().max().item<double>();
-  EXPECT_LE(max_diff, 1e-5) << name;
+  const double max_logit = expected.abs().max().item<double>();
+  const int64_t T = input_ids.size(1);
+  EXPECT_LE((logits - expected).abs().max().item<double>(), fp64_logit_tolerance(model->config, T, max_logit))
+      << name;
   const double loss = sm::causal_lm_loss(logits, input_ids).item<double>();
-  EXPECT_NEAR(loss, golden.read("loss").item<double>(), 1e-5) << name;
+  const double expected_loss = golden.read("loss_fp64").item<double>();
+  EXPECT_NEAR(loss, expected_loss,
+              fp64_loss_tolerance(model->config, T, max_logit, expected_loss, input_ids.numel()))
+      << name;
 }
 
 // Prefix "UnitLlama" so the suite matches the Unit* label filter.
@@ -104,6 +123,7 @@ TEST(UnitLlama, HfNamesRoundTrip) {
 TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
   for (const std::string name : {"llama", "mistral_swa"}) {
     auto model = load_case(name);
+    model->to(at::kDouble);  // see fp64_logit_tolerance
     torch::NoGradGuard no_grad;
     const int64_t V = model->config.vocab_size;
     const std::vector<int64_t> lengths = {5, 3, 7};  // 7 > sliding_window 4
@@ -123,7 +143,8 @@ TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
     for (int64_t len : lengths) {
       at::Tensor alone = model->forward(ids.slice(1, start, start + len));
       const double diff = (packed.slice(1, start, start + len) - alone).abs().max().item<double>();
-      EXPECT_LE(diff, 1e-5) << name << " document at " << start;
+      const double bound = fp64_logit_tolerance(model->config, ids.size(1), alone.abs().max().item<double>());
+      EXPECT_LE(diff, bound) << name << " document at " << start;
       start += len;
     }
     // Without document ids the later documents see earlier ones: logits differ.
