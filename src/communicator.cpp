@@ -160,6 +160,35 @@ WorkPtr Communicator::reduce_scatter_async(const at::Tensor& output, const at::T
   return do_reduce_scatter(out, padded, op, event);
 }
 
+WorkPtr Communicator::all_gather_coalesced_async(const std::vector<at::Tensor>& outputs,
+                                                 const std::vector<at::Tensor>& inputs) {
+  ST_CHECK(outputs.size() == inputs.size(), "all_gather_coalesced on rank ", rank_, ": ", outputs.size(),
+           " outputs for ", inputs.size(), " inputs");
+  // Each pair is its own collective, issued back to back, so the backends'
+  // single-tensor paths (in-place NCCL, Gloo's rank-ordered arithmetic) apply.
+  std::vector<WorkPtr> works;
+  works.reserve(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(all_gather_async(outputs[i], inputs[i]));
+  return works.empty() ? completed_work() : all_of_work(std::move(works));
+}
+
+WorkPtr Communicator::reduce_scatter_coalesced_async(const std::vector<at::Tensor>& outputs,
+                                                     const std::vector<at::Tensor>& inputs, ReduceOp op) {
+  ST_CHECK(outputs.size() == inputs.size(), "reduce_scatter_coalesced on rank ", rank_, ": ", outputs.size(),
+           " outputs for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  works.reserve(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(reduce_scatter_async(outputs[i], inputs[i], op));
+  return works.empty() ? completed_work() : all_of_work(std::move(works));
+}
+
+WorkPtr Communicator::all_reduce_coalesced_async(const std::vector<at::Tensor>& tensors, ReduceOp op) {
+  std::vector<WorkPtr> works;
+  works.reserve(tensors.size());
+  for (const auto& tensor : tensors) works.push_back(all_reduce_async(tensor, op));
+  return works.empty() ? completed_work() : all_of_work(std::move(works));
+}
+
 WorkPtr Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   CollectiveEvent event{"all_reduce", tensor.defined() ? tensor.scalar_type() : at::kFloat,
                         tensor.defined() ? tensor.numel() : 0, tensor.defined() ? tensor.numel() : 0,

@@ -94,8 +94,9 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
   plan.grads_bytes = (low_grads ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
   plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
-  // One rank whose shard holds the compute dtype: the parameters view the shard.
-  if (world_size == 1 && !fp16_on_cpu) gathered_at_rest = 0;
+  // A shard that is the whole model (one rank, or no sharding) and holds the
+  // compute dtype: the parameters view the shard, nothing is kept gathered.
+  if ((world_size == 1 || shards == 1) && !fp16_on_cpu) gathered_at_rest = 0;
   plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";

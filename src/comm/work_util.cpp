@@ -39,6 +39,20 @@ class ThenWork final : public Work {
   bool done_ = false;
 };
 
+class AllOfWork final : public Work {
+ public:
+  explicit AllOfWork(std::vector<WorkPtr> works) : works_(std::move(works)) {}
+  void wait() override {
+    for (auto& work : works_) work->wait();
+  }
+  bool is_completed() override {
+    return std::all_of(works_.begin(), works_.end(), [](const WorkPtr& w) { return w->is_completed(); });
+  }
+
+ private:
+  std::vector<WorkPtr> works_;
+};
+
 bool looks_like_timeout(std::string message) {
   std::transform(message.begin(), message.end(), message.begin(), ::tolower);
   return message.find("timed out") != std::string::npos ||
@@ -56,6 +70,11 @@ std::string backend_message(const std::exception& failure) {
 }
 
 WorkPtr completed_work() { return std::make_shared<CompletedWork>(); }
+
+WorkPtr all_of_work(std::vector<WorkPtr> works) {
+  if (works.size() == 1) return std::move(works[0]);
+  return std::make_shared<AllOfWork>(std::move(works));
+}
 
 WorkPtr then_work(WorkPtr inner, std::function<void()> then) {
   return std::make_shared<ThenWork>(std::move(inner), std::move(then));

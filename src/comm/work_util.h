@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "shardtrain/comm/communicator.h"
 
@@ -15,6 +16,10 @@ WorkPtr completed_work();
 /// that must follow the transfer on the host: copying out of a padded
 /// buffer, a local reduction, a cast back to the caller's dtype.
 WorkPtr then_work(WorkPtr inner, std::function<void()> then);
+
+/// Completes when every one of `works` has; wait() waits them in order, so
+/// a failure surfaces from the first collective that failed.
+WorkPtr all_of_work(std::vector<WorkPtr> works);
 
 /// The backend's message without the C++ backtrace c10::Error appends.
 std::string backend_message(const std::exception& failure);

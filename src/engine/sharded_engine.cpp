@@ -14,6 +14,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "comm/work_util.h"
+#include "compat/autograd_hooks.h"
 #include "compat/torch_compat.h"
 #include "engine/loss_scaler.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -119,8 +120,9 @@ struct UnitState {
   at::Tensor boundary_grad_accumulator;          // zero 1: rank-major fp32
   bool gathered = false;
   bool persistent = false;
-  /// One rank, and the shard holds the compute dtype: the parameters view the
-  /// shard itself, so gathering and releasing are nothing to do.
+  /// One rank or no sharding (the shard is the whole unit), and the shard
+  /// holds the compute dtype: the parameters view the shard itself, so
+  /// gathering and releasing are nothing to do.
   bool views_shard = false;
   comm::WorkPtr gather_work;
   at::Tensor gather_buffer;
@@ -138,12 +140,20 @@ struct BufferState {
   at::Tensor original;   // its value before the cast (full precision)
 };
 
+/// Gradient reductions issued together. Each entry reduces `input` (a
+/// parameter's gradient, or a piece of a full-layout gradient buffer) and
+/// adds the result to unit `unit`'s gradient at [grad_offset, +length).
 struct ReduceBucket {
-  std::vector<int> units;
-  std::vector<at::Tensor> inputs;
-  int64_t numel = 0;
+  struct Entry {
+    int unit = 0;
+    at::Tensor input;
+    int64_t grad_offset = 0;
+    int64_t length = 0;
+  };
+  std::vector<Entry> entries;
+  int64_t numel = 0;  ///< input elements queued
   comm::WorkPtr work;
-  at::Tensor output;
+  at::Tensor output;  ///< sharded: the reduced chunks, entry after entry
 };
 
 struct ShardedEngine::State {
@@ -171,6 +181,11 @@ struct ShardedEngine::State {
   std::unique_ptr<torch::optim::Optimizer> custom_optimizer;
   std::vector<at::Tensor> custom_leaves;
   std::vector<BufferState> buffers;
+  /// The trainable parameters' AccumulateGrad nodes, kept alive so that
+  /// their post hooks (on_grad_accumulated) stay attached.
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
+  /// Cleared when the engine is destroyed; hooks check it first.
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
   // Set-up accounting (MemoryStats::load_peak).
   int64_t load_held = 0;       // the module's parameter storage not yet replaced by shards
   int64_t load_transient = 0;  // value copies and loading chunks of the unit being set up
@@ -328,22 +343,35 @@ struct ShardedEngine::State {
   }
 
   // ---- gathering ------------------------------------------------------------
+  /// All-gathers `shard`'s pieces into `target`, a full-layout buffer of the
+  /// shard's dtype: each piece lands where the parameters view it.
+  comm::WorkPtr gather_pieces(const UnitLayout& layout, const at::Tensor& shard, const at::Tensor& target) {
+    const int W = comm->world_size();
+    std::vector<at::Tensor> outputs, inputs;
+    for (const auto& piece : layout.pieces()) {
+      outputs.push_back(target.narrow(0, piece.full_offset, W * piece.chunk));
+      inputs.push_back(shard.narrow(0, piece.shard_offset, piece.chunk));
+    }
+    return comm->all_gather_coalesced_async(outputs, inputs);
+  }
+
   void start_gather(UnitState& u) {
     if (u.gathered || u.gather_work || u.views_shard) return;
     compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
     add_gathered(full_bytes(u));
     if (!options.shard_params) {
-      u.gather_buffer = u.lp_shard;  // complete on every rank already
+      u.gather_buffer = u.lp_shard;  // complete on every rank already; only its dtype differs
       u.gather_work = comm::completed_work();
       return;
     }
-    if (u.layout->kind() == UnitLayout::Kind::kFlat && options.param_dtype == options.compute_dtype) {
-      u.gather_buffer = u.full;  // the flat parameter is gathered in place
-    } else {
-      u.gather_buffer = at::empty({u.layout->gathered_numel()}, u.lp_shard.options());
+    at::Tensor target = u.full;
+    if (options.param_dtype != options.compute_dtype) {
+      // fp16 on a CPU computes in fp32: gathered in fp16, then widened.
+      u.gather_buffer = at::empty({u.layout->full_numel()}, u.lp_shard.options());
       add_gathered(bytes_of(u.gather_buffer));
+      target = u.gather_buffer;
     }
-    u.gather_work = comm->all_gather_async(u.gather_buffer, u.lp_shard);
+    u.gather_work = gather_pieces(*u.layout, u.lp_shard, target);
   }
 
   void finish_gather(UnitState& u) {
@@ -351,9 +379,11 @@ struct ShardedEngine::State {
     if (!u.gather_work) start_gather(u);
     u.gather_work->wait();
     u.gather_work.reset();
-    u.layout->unpack(u.gather_buffer, u.full);
-    if (options.shard_params && !u.gather_buffer.is_same(u.full)) add_gathered(-bytes_of(u.gather_buffer));
-    u.gather_buffer = at::Tensor();
+    if (u.gather_buffer.defined()) {
+      u.full.copy_(u.gather_buffer);  // the same layout, the compute dtype
+      if (options.shard_params) add_gathered(-bytes_of(u.gather_buffer));
+      u.gather_buffer = at::Tensor();
+    }
     u.gathered = true;
   }
 
@@ -422,11 +452,51 @@ struct ShardedEngine::State {
   }
 
   // ---- gradients --------------------------------------------------------------
-  void on_param_grad(int state_index, int param_index, const at::Tensor& grad) {
+  /// After autograd accumulated into a parameter's .grad(): the engine takes
+  /// that tensor (autograd's own output, not a copy) and leaves .grad() empty.
+  void on_grad_accumulated(int state_index, int param_index) {
     UnitState& u = units[state_index];
-    if (!u.pending_grads[param_index].defined()) ++u.grads_seen;
-    u.pending_grads[param_index] = grad;
-    if (u.grads_seen == static_cast<int>(u.params.size())) unit_grads_ready(state_index);
+    at::Tensor& slot = u.params[param_index].mutable_grad();
+    if (!slot.defined()) return;
+    at::Tensor grad = std::move(slot);
+    slot = at::Tensor();
+    at::Tensor& pending = u.pending_grads[param_index];
+    if (pending.defined()) {
+      // A second accumulation in the same backward (a reentrant recompute): sum them.
+      pending = pending + grad;
+      return;
+    }
+    pending = std::move(grad);
+    if (++u.grads_seen == static_cast<int>(u.params.size())) unit_grads_ready(state_index);
+  }
+
+  /// A pending gradient in the reduce dtype, flattened (zeros where the
+  /// parameter got none: every rank reduces the same pieces).
+  at::Tensor reduce_input(const UnitState& u, int k) const {
+    const at::Tensor& g = u.pending_grads[k];
+    if (!g.defined()) return at::zeros({u.layout->param_numel(k)}, u.full.options().dtype(options.reduce_dtype));
+    return g.to(options.reduce_dtype).reshape({-1});
+  }
+
+  void enqueue_reduction(int state_index, at::Tensor input, int64_t grad_offset, int64_t length) {
+    if (options.predivide != 1.0) input.div_(options.predivide);
+    filling.numel += input.numel();
+    filling.entries.push_back({state_index, std::move(input), grad_offset, length});
+  }
+
+  /// Queues the reduction of a unit's gradients held in the full layout (the
+  /// flat gradient, ZeRO-1's accumulator), one piece at a time.
+  void enqueue_full_layout(int state_index, const at::Tensor& full_input) {
+    const UnitLayout& layout = *units[state_index].layout;
+    if (!options.shard_params) {
+      enqueue_reduction(state_index, full_input, 0, layout.shard_numel());
+      return;
+    }
+    const int W = comm->world_size();
+    for (const auto& piece : layout.pieces()) {
+      enqueue_reduction(state_index, full_input.narrow(0, piece.full_offset, W * piece.chunk), piece.shard_offset,
+                        piece.chunk);
+    }
   }
 
   void unit_grads_ready(int state_index) {
@@ -442,25 +512,52 @@ struct ShardedEngine::State {
         const at::Tensor& g = u.pending_grads[k];
         if (!g.defined()) continue;
         at::Tensor place = u.grad.narrow(0, u.layout->param_offset_in_full(k), g.numel()).view(g.sizes());
-        // Through the reduce dtype into the gradient's, as pack() and the add after the collective do.
+        // Through the reduce dtype into the gradient's, as the collective path does.
         place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
       }
     } else if (options.reduce_at_boundary_only) {
-      at::Tensor packed = at::empty({u.layout->gathered_numel()}, u.boundary_grad_accumulator.options());
-      u.layout->pack(u.pending_grads, packed);
-      u.boundary_grad_accumulator.add_(packed);
+      // Accumulated unreduced, each gradient into its slice of the full layout.
+      for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
+        const at::Tensor& g = u.pending_grads[k];
+        if (!g.defined()) continue;
+        u.boundary_grad_accumulator.narrow(0, u.layout->param_offset_in_full(k), g.numel()).add_(g.reshape({-1}));
+      }
+    } else if (u.layout->kind() == UnitLayout::Kind::kPerParam || !options.shard_params) {
+      // Every parameter is a piece of its own (or, unsharded, reduced whole):
+      // each is reduced from the gradient autograd produced, where it lies.
+      const int W = layout_world();
+      for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
+        at::Tensor input = reduce_input(u, k);
+        const int64_t n = u.layout->param_numel(k);
+        if (n == 0) continue;
+        if (!options.shard_params) {
+          enqueue_reduction(state_index, std::move(input), u.layout->param_offset_in_full(k), n);
+        } else {
+          // The piece's chunk sits at the parameter's place in the shard.
+          const int64_t chunk = (n + W - 1) / W;
+          if (n <= (W - 1) * chunk) {
+            // Whole ranks' chunks are padding (a parameter smaller than the
+            // world): the communicator pads only the last chunk, so pad here.
+            at::Tensor padded = at::zeros({W * chunk}, input.options());
+            padded.narrow(0, 0, n).copy_(input);
+            input = padded;
+          }
+          enqueue_reduction(state_index, std::move(input), u.layout->param_offset_in_full(k) / W, chunk);
+        }
+      }
     } else {
-      at::Tensor input = at::empty({u.layout->gathered_numel()}, u.full.options().dtype(options.reduce_dtype));
-      u.layout->pack(u.pending_grads, input);
-      if (options.predivide != 1.0) input.div_(options.predivide);
-      filling.units.push_back(state_index);
-      filling.inputs.push_back(std::move(input));
-      filling.numel += u.layout->gathered_numel();
-      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
-      if (!options.overlap_comm) finish_reductions();
+      // FSDP's flat gradient: the parameters' gradients side by side, as
+      // autograd builds flat_param.grad in FSDP itself.
+      at::Tensor flat = at::empty({u.layout->full_numel()}, u.full.options().dtype(options.reduce_dtype));
+      u.layout->pack(u.pending_grads, flat);
+      enqueue_full_layout(state_index, flat);
     }
     for (auto& g : u.pending_grads) g = at::Tensor();
     u.grads_seen = 0;
+    if (!adds_grads_directly() && !options.reduce_at_boundary_only) {
+      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+      if (!options.overlap_comm) finish_reductions();
+    }
     // Every autograd node that read the unit's trainable weights has run (each
     // produced its weight's gradient). Frozen weights give no such signal, so a
     // unit holding some stays gathered until the end of backward.
@@ -471,34 +568,28 @@ struct ShardedEngine::State {
     }
   }
 
+  /// Issues the queued reductions as one coalesced collective: reduce-scatters
+  /// of the pieces into one output buffer, or (unsharded) all-reduces in place.
   void flush_bucket() {
-    if (filling.units.empty()) return;
+    if (filling.entries.empty()) return;
     ReduceBucket bucket = std::move(filling);
     filling = ReduceBucket();
-    const int rows = layout_world();
-    at::Tensor input;
-    if (bucket.units.size() == 1) {
-      input = bucket.inputs[0];
-    } else {
-      int64_t shard_total = 0;
-      for (int idx : bucket.units) shard_total += units[idx].layout->shard_numel();
-      input = at::empty({rows * shard_total}, bucket.inputs[0].options());
-      at::Tensor grid = input.view({rows, shard_total});
-      int64_t offset = 0;
-      for (std::size_t k = 0; k < bucket.units.size(); ++k) {
-        const int64_t S = units[bucket.units[k]].layout->shard_numel();
-        grid.narrow(1, offset, S).copy_(bucket.inputs[k].view({rows, S}));
-        offset += S;
-      }
-    }
-    bucket.inputs.clear();
     const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
+    std::vector<at::Tensor> inputs;
+    for (const auto& e : bucket.entries) inputs.push_back(e.input);
     if (!options.shard_params) {
-      bucket.output = input;
-      bucket.work = comm->all_reduce_async(bucket.output, op);
+      bucket.work = comm->all_reduce_coalesced_async(inputs, op);
     } else {
-      bucket.output = at::empty({input.numel() / rows}, input.options());
-      bucket.work = comm->reduce_scatter_async(bucket.output, input, op);
+      int64_t total = 0;
+      for (const auto& e : bucket.entries) total += e.length;
+      bucket.output = at::empty({total}, inputs[0].options());
+      std::vector<at::Tensor> outputs;
+      int64_t offset = 0;
+      for (const auto& e : bucket.entries) {
+        outputs.push_back(bucket.output.narrow(0, offset, e.length));
+        offset += e.length;
+      }
+      bucket.work = comm->reduce_scatter_coalesced_async(outputs, inputs, op);
     }
     in_flight.push_back(std::move(bucket));
   }
@@ -507,16 +598,26 @@ struct ShardedEngine::State {
     flush_bucket();
     for (auto& bucket : in_flight) {
       bucket.work->wait();
-      if (options.replicate_group) {
-        options.replicate_group->all_reduce(bucket.output, options.average ? ReduceOp::kAvg : ReduceOp::kSum);
-      }
-      if (options.postdivide != 1.0) bucket.output.div_(options.postdivide);
+      // The reduced values: the bucket's output, or (unsharded) the inputs in place.
+      std::vector<at::Tensor> reduced;
       int64_t offset = 0;
-      for (int idx : bucket.units) {
-        UnitState& u = units[idx];
-        const int64_t S = u.layout->shard_numel();
-        u.grad.add_(bucket.output.narrow(0, offset, S).to(u.grad.scalar_type()));
-        offset += S;
+      for (const auto& e : bucket.entries) {
+        reduced.push_back(options.shard_params ? bucket.output.narrow(0, offset, e.length) : e.input);
+        offset += e.length;
+      }
+      if (options.replicate_group) {
+        const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
+        if (options.shard_params) {
+          options.replicate_group->all_reduce(bucket.output, op);
+        } else {
+          options.replicate_group->all_reduce_coalesced_async(reduced, op)->wait();
+        }
+      }
+      for (std::size_t k = 0; k < bucket.entries.size(); ++k) {
+        const auto& e = bucket.entries[k];
+        if (options.postdivide != 1.0) reduced[k].div_(options.postdivide);
+        UnitState& u = units[e.unit];
+        u.grad.narrow(0, e.grad_offset, e.length).add_(reduced[k].reshape({-1}).to(u.grad.scalar_type()));
       }
     }
     in_flight.clear();
@@ -529,10 +630,7 @@ struct ShardedEngine::State {
       if (!u.trainable) continue;
       // A copy: the accumulator is zeroed below, before the bucket is sent.
       at::Tensor input = u.boundary_grad_accumulator.to(options.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
-      if (options.predivide != 1.0) input.div_(options.predivide);
-      filling.units.push_back(static_cast<int>(i));
-      filling.inputs.push_back(std::move(input));
-      filling.numel += u.layout->gathered_numel();
+      enqueue_full_layout(static_cast<int>(i), input);
       if (filling.numel >= options.reduce_bucket_size) flush_bucket();
       u.boundary_grad_accumulator.zero_();
     }
@@ -551,7 +649,7 @@ struct ShardedEngine::State {
       if (!kept) { release(u); continue; }
       release(u);
       bucket.push_back(static_cast<int>(i));
-      bucket_numel += u.layout->gathered_numel();
+      bucket_numel += u.layout->full_numel();
       if (bucket_numel >= options.allgather_bucket_size) {
         gather_bucket(bucket);
         bucket.clear();
@@ -561,40 +659,10 @@ struct ShardedEngine::State {
     gather_bucket(bucket);
   }
 
-  /// One all-gather for several units: each rank contributes its shards side
-  /// by side, so row r of the result holds every unit's rank-r shard.
+  /// The units' gathers in flight together, then waited for in order.
   void gather_bucket(const std::vector<int>& bucket) {
-    if (bucket.empty()) return;
-    if (!options.shard_params || bucket.size() == 1) {
-      for (int idx : bucket) start_gather(units[idx]);
-      for (int idx : bucket) finish_gather(units[idx]);
-      return;
-    }
-    int64_t total = 0;
-    for (int idx : bucket) total += units[idx].layout->shard_numel();
-    at::Tensor input = at::empty({total}, units[bucket[0]].lp_shard.options());
-    int64_t offset = 0;
-    for (int idx : bucket) {
-      const int64_t S = units[idx].layout->shard_numel();
-      input.narrow(0, offset, S).copy_(units[idx].lp_shard);
-      offset += S;
-    }
-    const int W = comm->world_size();
-    at::Tensor output = at::empty({W * total}, input.options());
-    add_gathered(bytes_of(output));
-    comm->all_gather(output, input);
-    at::Tensor grid = output.view({W, total});
-    offset = 0;
-    for (int idx : bucket) {
-      UnitState& u = units[idx];
-      const int64_t S = u.layout->shard_numel();
-      compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
-      add_gathered(full_bytes(u));
-      u.layout->unpack(grid.narrow(1, offset, S).contiguous().view({-1}), u.full);
-      u.gathered = true;
-      offset += S;
-    }
-    add_gathered(-bytes_of(output));
+    for (int idx : bucket) start_gather(units[idx]);
+    for (int idx : bucket) finish_gather(units[idx]);
   }
 
   /// Elements gathered between this unit's forward and its backward, by the recorded order.
@@ -881,11 +949,11 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     if (u.master.defined()) u.master.copy_(shard_init);
     if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(shard_init);
     shard_init = at::Tensor();
-    // The module's parameters become views into one compute-dtype buffer: on
-    // one rank, when the shard holds that dtype, the shard itself (at one rank
-    // the shard and the gathered layout coincide), so the optimizer's writes
-    // are the next forward's values and nothing is ever gathered or copied.
-    u.views_shard = s.single_rank() && !u.loads_released && s.options.param_dtype == s.options.compute_dtype &&
+    // The module's parameters become views into one compute-dtype buffer:
+    // when the shard is the whole unit (one rank, or no sharding) and holds
+    // that dtype, the shard itself, so the optimizer's writes are the next
+    // forward's values and nothing is ever gathered or copied.
+    u.views_shard = s.layout_world() == 1 && !u.loads_released && s.options.param_dtype == s.options.compute_dtype &&
                     u.lp_shard.numel() == u.layout->full_numel();
     if (u.views_shard) {
       u.full = u.lp_shard;
@@ -915,15 +983,19 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
       s.note_load();
     }
     if (s.options.reduce_at_boundary_only && u.trainable && !s.adds_grads_directly()) {
-      u.boundary_grad_accumulator = at::zeros({u.layout->gathered_numel()}, fp32);
+      u.boundary_grad_accumulator = at::zeros({u.layout->full_numel()}, fp32);
     }
     if (u.trainable) {
       State* state = state_.get();
       const int state_index = static_cast<int>(i);
+      std::shared_ptr<bool> alive = s.alive;
       for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
-        u.params[k].register_hook([state, state_index, k](const at::Tensor& grad) {
-          state->on_param_grad(state_index, k, grad);
-        });
+        ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), s.options.name, ": trainable parameter '",
+                 u.names[k], "' must be a leaf that requires grad");
+        s.grad_accumulators.push_back(compat::add_post_accumulate_grad_hook(u.params[k], [state, alive, state_index, k]() {
+          // A graph built before the engine went away may still run backward.
+          if (*alive) state->on_grad_accumulated(state_index, k);
+        }));
       }
     }
     if (u.unit) u.unit->attach_unit_hooks(this, static_cast<int>(i));
@@ -969,6 +1041,7 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
 }
 
 ShardedEngine::~ShardedEngine() {
+  *state_->alive = false;
   for (auto& u : state_->units) {
     if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
   }
@@ -1190,13 +1263,11 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
   std::vector<std::pair<std::string, at::Tensor>> result;
   for (auto& u : s.units) {
     const at::Tensor source = (u.master.defined() ? u.master : u.lp_shard.to(at::kFloat)).contiguous();
-    at::Tensor gathered = source;
+    at::Tensor full = source;  // without sharding the shard is the full buffer
     if (s.options.shard_params) {
-      gathered = at::empty({u.layout->gathered_numel()}, source.options());
-      s.comm->all_gather(gathered, source);
+      full = at::empty({u.layout->full_numel()}, source.options());
+      s.gather_pieces(*u.layout, source, full)->wait();
     }
-    at::Tensor full = at::empty({u.layout->full_numel()}, source.options());
-    u.layout->unpack(gathered, full);
     for (std::size_t k = 0; k < u.params.size(); ++k) {
       result.emplace_back(u.names[k], full.narrow(0, u.layout->param_offset_in_full(static_cast<int>(k)),
                                                   u.params[k].numel()).view(u.shapes[k]).clone());

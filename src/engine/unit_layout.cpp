@@ -1,3 +1,4 @@
+// Shard and full-buffer arithmetic of UnitLayout (see unit_layout.h).
 #include "engine/unit_layout.h"
 
 #include <algorithm>
@@ -18,16 +19,14 @@ UnitLayout::UnitLayout(Kind kind, std::vector<int64_t> numels, int world_size, i
     chunk_offsets_.resize(n);
     chunk_sizes_.resize(n);
     int64_t shard = 0;
-    int64_t full = 0;
     for (int i = 0; i < n; ++i) {
       chunk_sizes_[i] = (numels_[i] + world_size_ - 1) / world_size_;
       chunk_offsets_[i] = shard;
+      full_offsets_[i] = shard * world_size_;
+      if (chunk_sizes_[i] > 0) pieces_.push_back({full_offsets_[i], shard, chunk_sizes_[i], i});
       shard += chunk_sizes_[i];
-      full_offsets_[i] = full;
-      full += numels_[i];
     }
     shard_numel_ = shard;
-    full_numel_ = full;
   } else {
     int64_t offset = 0;
     for (int i = 0; i < n; ++i) {
@@ -36,7 +35,7 @@ UnitLayout::UnitLayout(Kind kind, std::vector<int64_t> numels, int world_size, i
       offset += numels_[i];
     }
     shard_numel_ = (offset + world_size_ - 1) / world_size_;
-    full_numel_ = shard_numel_ * world_size_;
+    if (shard_numel_ > 0) pieces_.push_back({0, 0, shard_numel_, -1});
   }
 }
 
@@ -71,55 +70,27 @@ std::vector<OwnedSegment> UnitLayout::segments_of_rank(int rank) const {
   return segments;
 }
 
-void UnitLayout::unpack(const at::Tensor& rank_major, const at::Tensor& full) const {
-  ST_CHECK(rank_major.numel() == gathered_numel(), "unpack: expected ", gathered_numel(), " elements, got ",
-           rank_major.numel());
-  ST_CHECK(full.numel() == full_numel_, "unpack: full buffer has ", full.numel(), " elements, layout needs ",
-           full_numel_);
-  if (kind_ == Kind::kFlat) {
-    if (!rank_major.is_same(full)) full.copy_(rank_major);
-    return;
-  }
-  at::Tensor grid = rank_major.view({world_size_, shard_numel_});
-  for (int i = 0; i < num_params(); ++i) {
-    const int64_t c = chunk_sizes_[i];
-    if (c == 0) continue;
-    at::Tensor padded = grid.narrow(1, chunk_offsets_[i], c).reshape({-1});
-    full.narrow(0, full_offsets_[i], numels_[i]).copy_(padded.narrow(0, 0, numels_[i]));
-  }
-}
-
 void UnitLayout::pack(const std::vector<at::Tensor>& values, const at::Tensor& out) const {
   ST_CHECK(static_cast<int>(values.size()) == num_params(), "pack: ", values.size(), " tensors for ",
            num_params(), " parameters");
-  ST_CHECK(out.numel() == gathered_numel() && out.is_contiguous(), "pack: output must be a contiguous ",
-           gathered_numel(), "-element tensor");
-  if (kind_ == Kind::kFlat) {
-    out.zero_();
-    for (int i = 0; i < num_params(); ++i) {
-      if (values[i].defined()) out.narrow(0, full_offsets_[i], numels_[i]).copy_(values[i].reshape({-1}));
-    }
-    return;
-  }
-  at::Tensor grid = out.view({world_size_, shard_numel_});
+  ST_CHECK(out.numel() == full_numel() && out.is_contiguous(), "pack: output must be a contiguous ",
+           full_numel(), "-element tensor");
+  // Each element is written once: the values where they go, zeros in the
+  // gaps (kPerParam: each parameter's tail padding; kFlat: alignment gaps and
+  // the end), so no pass over the whole buffer precedes the copies.
+  int64_t written_to = 0;
   for (int i = 0; i < num_params(); ++i) {
-    const int64_t c = chunk_sizes_[i];
-    if (c == 0) continue;
-    at::Tensor block = grid.narrow(1, chunk_offsets_[i], c);  // W x c, strided
-    if (!values[i].defined()) {
-      block.zero_();
-      continue;
-    }
-    const int64_t n = numels_[i];
-    at::Tensor flat = values[i].reshape({-1});
-    if (n == world_size_ * c) {
-      block.copy_(flat.view({world_size_, c}));
+    const int64_t start = full_offsets_[i];
+    if (start > written_to) out.narrow(0, written_to, start - written_to).zero_();
+    at::Tensor place = out.narrow(0, start, numels_[i]);
+    if (values[i].defined()) {
+      place.copy_(values[i].reshape({-1}));
     } else {
-      at::Tensor padded = at::zeros({world_size_ * c}, out.options());
-      padded.narrow(0, 0, n).copy_(flat);
-      block.copy_(padded.view({world_size_, c}));
+      place.zero_();
     }
+    written_to = start + numels_[i];
   }
+  if (full_numel() > written_to) out.narrow(0, written_to, full_numel() - written_to).zero_();
 }
 
 void UnitLayout::pack_shard(const std::vector<at::Tensor>& values, int rank, const at::Tensor& shard) const {

@@ -1,5 +1,6 @@
 #pragma once
-// How one unit's parameters map onto equal per-rank shards.
+// How one unit's parameters map onto equal per-rank shards, and onto the
+// full buffer the module's parameters view.
 //
 // Both engines shard a unit's parameters into W shards of S elements each;
 // they differ in which elements a rank owns:
@@ -11,10 +12,14 @@
 //    aligned), the whole is padded to a multiple of W and split evenly, so a
 //    rank owns one contiguous range of the concatenation.
 //
-// Everything the engines move goes through the "rank-major" W*S layout: an
-// all-gather of the shards produces it, and a reduce-scatter consumes it. In
-// the flat layout it is the gathered buffer itself; in the per-param layout
-// it is unpacked into a compact buffer where each parameter is contiguous.
+// The full buffer (W*S elements in both) is laid out so that every
+// collective reads or writes it in place: it is a sequence of "pieces", and
+// piece p holds rank r's shard[p.shard_offset, +p.chunk) at
+// p.full_offset + r * p.chunk. kFlat has one piece, the concatenation itself;
+// kPerParam has one per parameter, the parameter followed by its padding. An
+// all-gather per piece therefore writes straight into the storage the
+// parameters view, and a reduce-scatter per piece reads a parameter's
+// gradient (or the flat gradient) where it lies.
 
 #include <cstdint>
 #include <vector>
@@ -31,6 +36,14 @@ struct OwnedSegment {
   int64_t length = 0;
 };
 
+/// One all-gather / reduce-scatter over the full buffer (see the file comment).
+struct CollectivePiece {
+  int64_t full_offset = 0;   ///< start in the full buffer; W * chunk elements from here
+  int64_t shard_offset = 0;  ///< start in every rank's shard
+  int64_t chunk = 0;         ///< elements each rank contributes
+  int param_index = -1;      ///< kPerParam: the parameter it holds; kFlat: -1 (all of them)
+};
+
 class UnitLayout {
  public:
   enum class Kind { kPerParam, kFlat };
@@ -45,28 +58,25 @@ class UnitLayout {
   int64_t param_numel(int i) const { return numels_[i]; }
   /// S: elements per rank shard.
   int64_t shard_numel() const { return shard_numel_; }
-  /// W * S.
-  int64_t gathered_numel() const { return shard_numel_ * world_size_; }
-  /// Elements of the buffer the module's parameters view (compact for
-  /// kPerParam, the gathered buffer for kFlat).
-  int64_t full_numel() const { return full_numel_; }
+  /// W * S: the full buffer, padding included.
+  int64_t full_numel() const { return shard_numel_ * world_size_; }
   /// Where parameter i starts inside the full buffer.
   int64_t param_offset_in_full(int i) const { return full_offsets_[i]; }
   /// Sum of the parameters' element counts (no padding).
   int64_t total_param_numel() const;
 
+  /// The pieces, in full-buffer order; pieces of no elements are left out.
+  const std::vector<CollectivePiece>& pieces() const { return pieces_; }
+
   /// The parameter runs rank r owns.
   std::vector<OwnedSegment> segments_of_rank(int rank) const;
 
-  /// Rank-major W*S tensor -> full buffer (casts if dtypes differ). For kFlat
-  /// with the same storage this is a no-op; callers may pass the same tensor.
-  void unpack(const at::Tensor& rank_major, const at::Tensor& full) const;
-
-  /// Writes `values[i]` (any shape with numel n_i; undefined = zeros) into the
-  /// rank-major layout `out` (W*S, padding zeroed), casting to out's dtype.
+  /// Writes `values[i]` (any shape with numel n_i; undefined = zeros) into
+  /// the full buffer `out` and zeroes its padding, casting to out's dtype.
   void pack(const std::vector<at::Tensor>& values, const at::Tensor& out) const;
 
-  /// Rank r's shard of `values`, as pack() would lay it out (S elements).
+  /// Rank r's shard of `values`, as an all-gather of the pieces would lay it
+  /// out in the full buffer (S elements).
   void pack_shard(const std::vector<at::Tensor>& values, int rank, const at::Tensor& shard) const;
 
  private:
@@ -74,8 +84,8 @@ class UnitLayout {
   std::vector<int64_t> numels_;
   int world_size_;
   int64_t shard_numel_ = 0;
-  int64_t full_numel_ = 0;
   std::vector<int64_t> full_offsets_;
+  std::vector<CollectivePiece> pieces_;
   /// kPerParam: offset of parameter i's chunk inside a shard, and the chunk size.
   std::vector<int64_t> chunk_offsets_;
   std::vector<int64_t> chunk_sizes_;

@@ -91,6 +91,18 @@ class Communicator {
   WorkPtr all_reduce_async(const at::Tensor& tensor, ReduceOp op);
   WorkPtr broadcast_async(const at::Tensor& tensor, int root);
 
+  /// Several all-gathers issued together: outputs[i] receives every rank's
+  /// inputs[i], each pair under all_gather_async's rules; the one handle
+  /// completes when all have. Engines pass the pieces of a unit's buffer, so
+  /// that each rank's values land where the parameters look for them.
+  WorkPtr all_gather_coalesced_async(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
+  /// Several reduce-scatters issued together, as all_gather_coalesced_async.
+  WorkPtr reduce_scatter_coalesced_async(const std::vector<at::Tensor>& outputs,
+                                         const std::vector<at::Tensor>& inputs, ReduceOp op);
+
+  /// Several all-reduces issued together, as all_gather_coalesced_async.
+  WorkPtr all_reduce_coalesced_async(const std::vector<at::Tensor>& tensors, ReduceOp op);
+
   /// Concatenates every rank's `input` into `output` (rank order).
   void all_gather(const at::Tensor& output, const at::Tensor& input) {
     all_gather_async(output, input)->wait();
