@@ -160,6 +160,37 @@ WorkPtr Communicator::reduce_scatter_async(const at::Tensor& output, const at::T
   return do_reduce_scatter(out, padded, op, event);
 }
 
+WorkPtr Communicator::reduce_scatter_v_async(const at::Tensor& output, const at::Tensor& input,
+                                             const std::vector<int64_t>& splits, ReduceOp op) {
+  CollectiveEvent event{"reduce_scatter", input.defined() ? input.scalar_type() : at::kFloat,
+                        input.defined() ? input.numel() : 0, output.defined() ? output.numel() : 0, op};
+  check_tensor(*this, event, input, "input");
+  check_tensor(*this, event, output, "output");
+  check_same_dtype(event, output, input);
+  ST_CHECK(!(op == ReduceOp::kAvg && !at::isFloatingType(input.scalar_type())), describe(event),
+           ": AVG needs a floating-point dtype; reduce with SUM and divide yourself");
+  ST_CHECK(static_cast<int>(splits.size()) == world_size_, describe(event), ": ", splits.size(),
+           " split sizes for ", world_size_, " ranks; give one per rank");
+  int64_t total = 0;
+  for (int64_t n : splits) {
+    ST_CHECK(n >= 0, describe(event), ": split sizes must not be negative");
+    total += n;
+  }
+  ST_CHECK(total == input.numel(), describe(event), ": split sizes sum to ", total, ", the input has ",
+           input.numel(), " elements");
+  ST_CHECK(output.numel() == splits[rank_], describe(event), ": output must hold this rank's split, ",
+           splits[rank_], " elements");
+  before_collective(event);
+  if (total == 0) return completed_work();
+  at::Tensor in = input.reshape({-1});
+  at::Tensor out = output.reshape({-1});
+  if (world_size_ == 1) {
+    out.copy_(in);
+    return completed_work();
+  }
+  return do_reduce_scatter_v(out, in, splits, op, event);
+}
+
 WorkPtr Communicator::all_gather_coalesced_async(const std::vector<at::Tensor>& outputs,
                                                  const std::vector<at::Tensor>& inputs) {
   ST_CHECK(outputs.size() == inputs.size(), "all_gather_coalesced on rank ", rank_, ": ", outputs.size(),

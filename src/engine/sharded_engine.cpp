@@ -117,7 +117,7 @@ struct UnitState {
   at::Tensor full;                // compute dtype; the parameters are views into it
   at::Tensor lp_shard;            // param dtype shard (all-gather input)
   at::Tensor master, grad, exp_avg, exp_avg_sq;  // views into the flat partitions / own (frozen master)
-  at::Tensor boundary_grad_accumulator;          // zero 1: rank-major fp32
+  at::Tensor boundary_grad_accumulator;          // zero 1: fp32, in the full layout
   bool gathered = false;
   bool persistent = false;
   /// One rank or no sharding (the shard is the whole unit), and the shard
@@ -125,8 +125,8 @@ struct UnitState {
   /// gathering and releasing are nothing to do.
   bool views_shard = false;
   comm::WorkPtr gather_work;
-  at::Tensor gather_buffer;
-  std::vector<at::Tensor> pending_grads;
+  at::Tensor gather_buffer;       // param-dtype staging when the compute dtype differs (fp16 on a CPU)
+  std::vector<at::Tensor> pending_grads;  // autograd's gradients, moved out of .grad()
   int grads_seen = 0;
   bool loads_released = false;        // some rank built a parameter of it without storage
   int64_t original_storage_bytes = 0; // the module's own storage behind its parameters, before set-up
@@ -149,10 +149,11 @@ struct ReduceBucket {
     at::Tensor input;
     int64_t grad_offset = 0;
     int64_t length = 0;
+    std::vector<int64_t> splits;  ///< uneven reduce-scatter counts per rank; empty: even chunks
   };
   std::vector<Entry> entries;
   int64_t numel = 0;  ///< input elements queued
-  comm::WorkPtr work;
+  std::vector<comm::WorkPtr> works;  ///< in issue order
   at::Tensor output;  ///< sharded: the reduced chunks, entry after entry
 };
 
@@ -478,10 +479,12 @@ struct ShardedEngine::State {
     return g.to(options.reduce_dtype).reshape({-1});
   }
 
-  void enqueue_reduction(int state_index, at::Tensor input, int64_t grad_offset, int64_t length) {
+  /// `splits` (one count per rank) makes it an uneven reduce-scatter; empty: even chunks of `length`.
+  void enqueue_reduction(int state_index, at::Tensor input, int64_t grad_offset, int64_t length,
+                         std::vector<int64_t> splits = {}) {
     if (options.predivide != 1.0) input.div_(options.predivide);
     filling.numel += input.numel();
-    filling.entries.push_back({state_index, std::move(input), grad_offset, length});
+    filling.entries.push_back({state_index, std::move(input), grad_offset, length, std::move(splits)});
   }
 
   /// Queues the reduction of a unit's gradients held in the full layout (the
@@ -546,11 +549,22 @@ struct ShardedEngine::State {
         }
       }
     } else {
-      // FSDP's flat gradient: the parameters' gradients side by side, as
-      // autograd builds flat_param.grad in FSDP itself.
-      at::Tensor flat = at::empty({u.layout->full_numel()}, u.full.options().dtype(options.reduce_dtype));
-      u.layout->pack(u.pending_grads, flat);
-      enqueue_full_layout(state_index, flat);
+      // FSDP's flat parameter: the ranks' shards cut the concatenation of the
+      // gradients, so each gradient is reduced where it lies, split where the
+      // shard boundaries fall (rank r's shard is [r*S, (r+1)*S) of it).
+      const int W = comm->world_size();
+      const int me = layout_rank();
+      const int64_t S = u.layout->shard_numel();
+      for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
+        const int64_t n = u.layout->param_numel(k);
+        if (n == 0) continue;
+        const int64_t lo = u.layout->param_offset_in_full(k);
+        std::vector<int64_t> splits(static_cast<std::size_t>(W));
+        for (int r = 0; r < W; ++r) splits[r] = std::max<int64_t>(0, std::min((r + 1) * S, lo + n) - std::max(r * S, lo));
+        const int64_t grad_offset = splits[me] > 0 ? std::max(me * S, lo) - me * S : 0;
+        const int64_t length = splits[me];
+        enqueue_reduction(state_index, reduce_input(u, k), grad_offset, length, std::move(splits));
+      }
     }
     for (auto& g : u.pending_grads) g = at::Tensor();
     u.grads_seen = 0;
@@ -575,21 +589,34 @@ struct ShardedEngine::State {
     ReduceBucket bucket = std::move(filling);
     filling = ReduceBucket();
     const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
-    std::vector<at::Tensor> inputs;
-    for (const auto& e : bucket.entries) inputs.push_back(e.input);
     if (!options.shard_params) {
-      bucket.work = comm->all_reduce_coalesced_async(inputs, op);
+      std::vector<at::Tensor> inputs;
+      for (const auto& e : bucket.entries) inputs.push_back(e.input);
+      bucket.works.push_back(comm->all_reduce_coalesced_async(inputs, op));
     } else {
       int64_t total = 0;
       for (const auto& e : bucket.entries) total += e.length;
-      bucket.output = at::empty({total}, inputs[0].options());
-      std::vector<at::Tensor> outputs;
+      bucket.output = at::empty({total}, bucket.entries[0].input.options());
+      // Consecutive even pieces go out as one coalesced call; uneven ones on their own.
+      std::vector<at::Tensor> inputs, outputs;
+      auto issue_even = [&] {
+        if (!inputs.empty()) bucket.works.push_back(comm->reduce_scatter_coalesced_async(outputs, inputs, op));
+        inputs.clear();
+        outputs.clear();
+      };
       int64_t offset = 0;
       for (const auto& e : bucket.entries) {
-        outputs.push_back(bucket.output.narrow(0, offset, e.length));
+        at::Tensor out = bucket.output.narrow(0, offset, e.length);
         offset += e.length;
+        if (e.splits.empty()) {
+          inputs.push_back(e.input);
+          outputs.push_back(out);
+          continue;
+        }
+        issue_even();
+        bucket.works.push_back(comm->reduce_scatter_v_async(out, e.input, e.splits, op));
       }
-      bucket.work = comm->reduce_scatter_coalesced_async(outputs, inputs, op);
+      issue_even();
     }
     in_flight.push_back(std::move(bucket));
   }
@@ -597,7 +624,7 @@ struct ShardedEngine::State {
   void finish_reductions() {
     flush_bucket();
     for (auto& bucket : in_flight) {
-      bucket.work->wait();
+      for (auto& work : bucket.works) work->wait();
       // The reduced values: the bucket's output, or (unsharded) the inputs in place.
       std::vector<at::Tensor> reduced;
       int64_t offset = 0;

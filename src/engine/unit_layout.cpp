@@ -70,29 +70,6 @@ std::vector<OwnedSegment> UnitLayout::segments_of_rank(int rank) const {
   return segments;
 }
 
-void UnitLayout::pack(const std::vector<at::Tensor>& values, const at::Tensor& out) const {
-  ST_CHECK(static_cast<int>(values.size()) == num_params(), "pack: ", values.size(), " tensors for ",
-           num_params(), " parameters");
-  ST_CHECK(out.numel() == full_numel() && out.is_contiguous(), "pack: output must be a contiguous ",
-           full_numel(), "-element tensor");
-  // Each element is written once: the values where they go, zeros in the
-  // gaps (kPerParam: each parameter's tail padding; kFlat: alignment gaps and
-  // the end), so no pass over the whole buffer precedes the copies.
-  int64_t written_to = 0;
-  for (int i = 0; i < num_params(); ++i) {
-    const int64_t start = full_offsets_[i];
-    if (start > written_to) out.narrow(0, written_to, start - written_to).zero_();
-    at::Tensor place = out.narrow(0, start, numels_[i]);
-    if (values[i].defined()) {
-      place.copy_(values[i].reshape({-1}));
-    } else {
-      place.zero_();
-    }
-    written_to = start + numels_[i];
-  }
-  if (full_numel() > written_to) out.narrow(0, written_to, full_numel() - written_to).zero_();
-}
-
 void UnitLayout::pack_shard(const std::vector<at::Tensor>& values, int rank, const at::Tensor& shard) const {
   ST_CHECK(shard.numel() == shard_numel_, "pack_shard: shard has ", shard.numel(), " elements, layout needs ",
            shard_numel_);

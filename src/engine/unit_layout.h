@@ -18,8 +18,10 @@
 // p.full_offset + r * p.chunk. kFlat has one piece, the concatenation itself;
 // kPerParam has one per parameter, the parameter followed by its padding. An
 // all-gather per piece therefore writes straight into the storage the
-// parameters view, and a reduce-scatter per piece reads a parameter's
-// gradient (or the flat gradient) where it lies.
+// parameters view. Gradients are reduced where autograd left them: a
+// kPerParam gradient is its piece (copied into a padded one only when n is
+// not a multiple of W); a kFlat gradient is cut unevenly where the shards cut
+// the concatenation (segments_of_rank), a reduce-scatter with uneven counts.
 
 #include <cstdint>
 #include <vector>
@@ -70,10 +72,6 @@ class UnitLayout {
 
   /// The parameter runs rank r owns.
   std::vector<OwnedSegment> segments_of_rank(int rank) const;
-
-  /// Writes `values[i]` (any shape with numel n_i; undefined = zeros) into
-  /// the full buffer `out` and zeroes its padding, casting to out's dtype.
-  void pack(const std::vector<at::Tensor>& values, const at::Tensor& out) const;
 
   /// Rank r's shard of `values`, as an all-gather of the pieces would lay it
   /// out in the full buffer (S elements).

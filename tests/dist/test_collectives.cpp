@@ -93,6 +93,24 @@ void check_all_collectives(RankContext& ctx) {
         }
       }
 
+      // Uneven reduce-scatter: rank w's piece has chunk + w elements, and rank
+      // 1's is empty (a parameter the shard boundaries leave off a rank).
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        if (op == ReduceOp::kAvg && dtype == at::kLong) continue;
+        std::vector<int64_t> splits;
+        for (int w = 0; w < W; ++w) splits.push_back(w == 1 ? 0 : chunk + w);
+        int64_t total = 0, offset = 0;
+        for (int w = 0; w < W; ++w) {
+          if (w == r) offset = total;
+          total += splits[w];
+        }
+        at::Tensor in = contribution(r, total, dtype);
+        at::Tensor out = at::empty({splits[r]}, in.options());
+        comm.reduce_scatter_v_async(out, in, splits, op)->wait();
+        expect_same(out, reference_reduce(W, total, dtype, op).narrow(0, offset, splits[r]),
+                    std::string("reduce_scatter_v(") + shardtrain::comm::to_string(op) + ") " + tag);
+      }
+
       // all-reduce.
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
         if (op == ReduceOp::kAvg && dtype == at::kLong) continue;

@@ -94,6 +94,31 @@ WorkPtr GlooCommunicator::do_all_gather(const at::Tensor& output, const at::Tens
   }
 }
 
+namespace {
+
+/// `output` = the rank-order reduction of `received`'s rows (row w: rank w's
+/// contribution), accumulated in fp32 for 16-bit dtypes. Explicit rank order:
+/// the result does not depend on how ATen would vectorise a dim-0 reduction
+/// for this shape. An output that already has the accumulation dtype is the
+/// accumulator (one pass less).
+void reduce_rows_in_rank_order(const at::Tensor& output, const at::Tensor& received, ReduceOp op, int world) {
+  const at::ScalarType accumulate_dtype = is_low_precision(output.scalar_type()) ? at::kFloat : output.scalar_type();
+  const bool in_place = output.scalar_type() == accumulate_dtype;
+  at::Tensor acc = in_place ? output.copy_(received.select(0, 0))
+                            : received.select(0, 0).to(accumulate_dtype, /*non_blocking=*/false, /*copy=*/true);
+  for (int w = 1; w < world; ++w) {
+    if (op == ReduceOp::kMax) {
+      at::maximum_out(acc, acc, received.select(0, w).to(accumulate_dtype));
+    } else {
+      acc.add_(received.select(0, w).to(accumulate_dtype));
+    }
+  }
+  if (op == ReduceOp::kAvg) acc.div_(world);
+  if (!in_place) output.copy_(acc);
+}
+
+}  // namespace
+
 WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                             ReduceOp op, const CollectiveEvent& event) {
   const int64_t chunk = output.numel();
@@ -103,27 +128,30 @@ WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::
   at::Tensor wire_received = as_wire_bytes(received);
   std::vector<int64_t> equal_splits;  // empty = equal splits
   const int world = world_size();
-  auto finalize = [output, received, op, world]() mutable {
-    const at::ScalarType accumulate_dtype =
-        is_low_precision(output.scalar_type()) ? at::kFloat : output.scalar_type();
-    // Explicit rank-order accumulation: the result does not depend on how
-    // ATen would vectorise a dim-0 reduction for this shape. An output that
-    // already has the accumulation dtype is the accumulator (one pass less).
-    const bool in_place = output.scalar_type() == accumulate_dtype;
-    at::Tensor acc = in_place ? output.copy_(received.select(0, 0))
-                              : received.select(0, 0).to(accumulate_dtype, /*non_blocking=*/false, /*copy=*/true);
-    for (int w = 1; w < world; ++w) {
-      if (op == ReduceOp::kMax) {
-        at::maximum_out(acc, acc, received.select(0, w).to(accumulate_dtype));
-      } else {
-        acc.add_(received.select(0, w).to(accumulate_dtype));
-      }
-    }
-    if (op == ReduceOp::kAvg) acc.div_(world);
-    if (!in_place) output.copy_(acc);
-  };
+  auto finalize = [output, received, op, world]() { reduce_rows_in_rank_order(output, received, op, world); };
   try {
     return wrap(group_->alltoall_base(wire_received, wire_in, equal_splits, equal_splits), event,
+                std::move(finalize));
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
+WorkPtr GlooCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
+                                              const std::vector<int64_t>& splits, ReduceOp op,
+                                              const CollectiveEvent& event) {
+  const int world = world_size();
+  const int64_t mine = output.numel();
+  // Rank w sends input[its offset of split r, +splits[r]] to rank r: an
+  // alltoall with the splits as send counts reads the input where it lies.
+  at::Tensor received = at::empty({world, mine}, input.options());
+  at::Tensor wire_received = as_wire_bytes(received).view({-1});
+  at::Tensor wire_in = as_wire_bytes(input);
+  std::vector<int64_t> receive_splits(static_cast<std::size_t>(world), mine);
+  std::vector<int64_t> send_splits = splits;
+  auto finalize = [output, received, op, world]() { reduce_rows_in_rank_order(output, received, op, world); };
+  try {
+    return wrap(group_->alltoall_base(wire_received, wire_in, receive_splits, send_splits), event,
                 std::move(finalize));
   } catch (const std::exception& failure) {
     rethrow_collective_failure(describe(event), options().timeout, failure);

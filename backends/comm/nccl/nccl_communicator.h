@@ -58,6 +58,8 @@ class NcclCommunicator : public Communicator {
                         const CollectiveEvent& event) override;
   WorkPtr do_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                             const CollectiveEvent& event) override;
+  WorkPtr do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& splits,
+                              ReduceOp op, const CollectiveEvent& event) override;
   WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event) override;
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
   void do_barrier() override;

@@ -100,6 +100,15 @@ class Communicator {
   WorkPtr reduce_scatter_coalesced_async(const std::vector<at::Tensor>& outputs,
                                          const std::vector<at::Tensor>& inputs, ReduceOp op);
 
+  /// A reduce-scatter with uneven pieces: `splits` has one count per rank
+  /// and sums to input.numel(); rank r receives in `output` (splits[r]
+  /// elements, possibly none) the reduction of every rank's
+  /// input[splits[0] + ... + splits[r-1], +splits[r]). No padding: engines
+  /// reduce a parameter's gradient where it lies even when the ranks' shards
+  /// cut it unevenly (FSDP's flat parameter).
+  WorkPtr reduce_scatter_v_async(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& splits,
+                                 ReduceOp op);
+
   /// Several all-reduces issued together, as all_gather_coalesced_async.
   WorkPtr all_reduce_coalesced_async(const std::vector<at::Tensor>& tensors, ReduceOp op);
 
@@ -144,6 +153,10 @@ class Communicator {
                                 const CollectiveEvent& event) = 0;
   virtual WorkPtr do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                     ReduceOp op, const CollectiveEvent& event) = 0;
+  /// `splits` sums to input.numel() and output holds splits[rank()]; world > 1.
+  virtual WorkPtr do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
+                                      const std::vector<int64_t>& splits, ReduceOp op,
+                                      const CollectiveEvent& event) = 0;
   virtual WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op,
                                 const CollectiveEvent& event) = 0;
   virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) = 0;

@@ -1,0 +1,113 @@
+// The engine's layout and gradient plumbing, without ranks: UnitLayout's
+// pieces place every rank's shard where the parameters view it, and the
+// post-accumulate hook hands the engine autograd's own gradient tensor.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "compat/autograd_hooks.h"
+#include "engine/unit_layout.h"
+
+namespace {
+
+using shardtrain::engine::UnitLayout;
+
+/// Every rank's shard of `values` laid into a full buffer through the
+/// pieces, as an all-gather of each piece would: rank r's
+/// shard[shard_offset, +chunk) at full_offset + r * chunk.
+at::Tensor gather_through_pieces(const UnitLayout& layout, const std::vector<at::Tensor>& values) {
+  const int W = layout.world_size();
+  at::Tensor full = at::full({layout.full_numel()}, -1.0);
+  for (int r = 0; r < W; ++r) {
+    at::Tensor shard = at::empty({layout.shard_numel()});
+    layout.pack_shard(values, r, shard);
+    for (const auto& piece : layout.pieces()) {
+      full.narrow(0, piece.full_offset + r * piece.chunk, piece.chunk)
+          .copy_(shard.narrow(0, piece.shard_offset, piece.chunk));
+    }
+  }
+  return full;
+}
+
+std::vector<at::Tensor> distinct_values(const std::vector<int64_t>& numels) {
+  std::vector<at::Tensor> values;
+  double start = 1.0;
+  for (int64_t n : numels) {
+    values.push_back(at::arange(start, start + static_cast<double>(n), at::kFloat));
+    start += 1000.0;
+  }
+  return values;
+}
+
+// Sizes that divide by the world, that do not, one smaller than the world
+// (whole ranks of padding) and an empty one, at worlds 1 to 4.
+TEST(UnitUnitLayout, PiecesPutEveryShardWhereTheParametersViewIt) {
+  const std::vector<int64_t> numels = {12, 7, 1, 0, 30};
+  for (const auto kind : {UnitLayout::Kind::kPerParam, UnitLayout::Kind::kFlat}) {
+    for (int W = 1; W <= 4; ++W) {
+      const UnitLayout layout(kind, numels, W);
+      ASSERT_EQ(layout.full_numel(), W * layout.shard_numel());
+      const auto values = distinct_values(numels);
+      const at::Tensor full = gather_through_pieces(layout, values);
+      // The pieces tile the full buffer exactly: nothing is left unwritten.
+      EXPECT_FALSE(full.eq(-1.0).any().item<bool>()) << "world " << W;
+      int64_t covered = 0;
+      for (const auto& piece : layout.pieces()) covered += W * piece.chunk;
+      EXPECT_EQ(covered, layout.full_numel()) << "world " << W;
+      for (int i = 0; i < layout.num_params(); ++i) {
+        EXPECT_TRUE(at::equal(full.narrow(0, layout.param_offset_in_full(i), numels[i]), values[i]))
+            << "parameter " << i << " world " << W;
+      }
+    }
+  }
+}
+
+TEST(UnitUnitLayout, PerParamPiecesAreOnePerParameterAndFlatIsOne) {
+  const UnitLayout per_param(UnitLayout::Kind::kPerParam, {12, 7, 0}, 3);
+  ASSERT_EQ(per_param.pieces().size(), 2u) << "the empty parameter has no piece";
+  EXPECT_EQ(per_param.pieces()[0].param_index, 0);
+  EXPECT_EQ(per_param.pieces()[0].chunk, 4);
+  EXPECT_EQ(per_param.pieces()[1].chunk, 3);  // ceil(7 / 3)
+  EXPECT_EQ(per_param.pieces()[1].full_offset, 12);
+  EXPECT_EQ(per_param.pieces()[1].shard_offset, 4);
+  const UnitLayout flat(UnitLayout::Kind::kFlat, {12, 7, 0}, 3);
+  ASSERT_EQ(flat.pieces().size(), 1u);
+  EXPECT_EQ(flat.pieces()[0].chunk, 7);  // ceil(19 / 3)
+}
+
+// The engine reduces the tensor autograd produced. A tensor hook that keeps
+// the gradient forces AccumulateGrad to clone it; the post-accumulate hook
+// sees .grad() as autograd's own output, the storage the pre-hook saw.
+TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientTensor) {
+  for (const bool hold_in_pre_hook : {false, true}) {
+    at::Tensor w = torch::randn({64, 32}, torch::requires_grad());
+    const void* produced = nullptr;
+    at::Tensor held;
+    w.register_hook([&](const at::Tensor& grad) {
+      produced = grad.data_ptr();  // the address only, no reference
+      if (hold_in_pre_hook) held = grad;
+    });
+    int calls = 0;
+    const void* accumulated = nullptr;
+    auto keep = shardtrain::compat::add_post_accumulate_grad_hook(w, [&] {
+      ++calls;
+      ASSERT_TRUE(w.grad().defined());
+      accumulated = w.grad().data_ptr();
+    });
+    at::Tensor x = torch::randn({8, 64});
+    at::matmul(x, w).sum().backward();
+    EXPECT_EQ(calls, 1);
+    // The same product autograd computes for it (mm backward: mat1^T @ grad).
+    EXPECT_TRUE(at::equal(w.grad(), at::mm(x.t(), at::ones({8, 32}))));
+    if (hold_in_pre_hook) {
+      EXPECT_NE(accumulated, produced) << "a held gradient is cloned into .grad()";
+    } else {
+      EXPECT_EQ(accumulated, produced) << ".grad() is the tensor autograd produced";
+    }
+  }
+}
+
+}  // namespace
