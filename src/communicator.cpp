@@ -195,12 +195,43 @@ WorkPtr Communicator::all_gather_coalesced_async(const std::vector<at::Tensor>& 
                                                  const std::vector<at::Tensor>& inputs) {
   ST_CHECK(outputs.size() == inputs.size(), "all_gather_coalesced on rank ", rank_, ": ", outputs.size(),
            " outputs for ", inputs.size(), " inputs");
-  // Each pair is its own collective, issued back to back, so the backends'
-  // single-tensor paths (in-place NCCL, Gloo's rank-ordered arithmetic) apply.
+  // Even pairs of one dtype go to the backend as one operation (Gloo: one
+  // collective, which matters when a generation loop gathers every unit for
+  // every token); anything else pair by pair under all_gather_async's rules.
+  bool even = world_size_ > 1 && !inputs.empty();
+  int64_t in_total = 0, out_total = 0;
+  for (std::size_t i = 0; i < inputs.size() && even; ++i) {
+    even = inputs[i].defined() && outputs[i].defined() && inputs[i].numel() > 0 &&
+           outputs[i].numel() == world_size_ * inputs[i].numel() &&
+           inputs[i].scalar_type() == inputs[0].scalar_type() && outputs[i].scalar_type() == inputs[0].scalar_type();
+    if (even) {
+      in_total += inputs[i].numel();
+      out_total += outputs[i].numel();
+    }
+  }
+  if (!even) {
+    std::vector<WorkPtr> works;
+    works.reserve(inputs.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(all_gather_async(outputs[i], inputs[i]));
+    return works.empty() ? completed_work() : all_of_work(std::move(works));
+  }
+  CollectiveEvent event{"all_gather", inputs[0].scalar_type(), in_total, out_total};
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(*this, event, inputs[i], "input");
+    check_tensor(*this, event, outputs[i], "output");
+  }
+  before_collective(event);
+  return do_all_gather_coalesced(outputs, inputs, event);
+}
+
+WorkPtr Communicator::do_all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                                              const std::vector<at::Tensor>& inputs, const CollectiveEvent& event) {
   std::vector<WorkPtr> works;
   works.reserve(inputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(all_gather_async(outputs[i], inputs[i]));
-  return works.empty() ? completed_work() : all_of_work(std::move(works));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    works.push_back(do_all_gather(outputs[i].reshape({-1}), inputs[i].reshape({-1}), event));
+  }
+  return all_of_work(std::move(works));
 }
 
 WorkPtr Communicator::reduce_scatter_coalesced_async(const std::vector<at::Tensor>& outputs,

@@ -11,6 +11,7 @@
 // 1.13 has only post hooks on the AccumulateGrad node, which is what
 // PyTorch's DDP reducer and DeepSpeed use, and which 2.x still has.
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -21,19 +22,29 @@
 
 namespace shardtrain::compat {
 
-/// Runs `hook` each time autograd has accumulated into `leaf.grad()`. The
-/// returned node must be kept alive as long as the hook should run: the leaf
-/// holds its accumulator only weakly, and a new one would have no hook.
-inline std::shared_ptr<torch::autograd::Node> add_post_accumulate_grad_hook(const at::Tensor& leaf,
-                                                                             std::function<void()> hook) {
-  std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(leaf);
-  accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-      [hook = std::move(hook)](const torch::autograd::variable_list& outputs,
-                               const torch::autograd::variable_list& /*inputs*/) {
-        hook();
-        return outputs;
-      }));
-  return accumulator;
-}
+/// Runs a function each time autograd has accumulated into a leaf's
+/// .grad(), from construction until destruction: the destructor removes the
+/// hook, so a graph that outlives its owner never calls into freed state.
+class PostAccumulateGradHook {
+ public:
+  PostAccumulateGradHook(const at::Tensor& leaf, std::function<void()> hook)
+      : accumulator_(torch::autograd::impl::grad_accumulator(leaf)) {
+    // The leaf holds its accumulator only weakly: keeping it here keeps the
+    // hook's node the one the next backward uses.
+    key_ = accumulator_->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [hook = std::move(hook)](const torch::autograd::variable_list& outputs,
+                                 const torch::autograd::variable_list& /*inputs*/) {
+          hook();
+          return outputs;
+        }));
+  }
+  ~PostAccumulateGradHook() { accumulator_->del_post_hook(key_); }
+  PostAccumulateGradHook(const PostAccumulateGradHook&) = delete;
+  PostAccumulateGradHook& operator=(const PostAccumulateGradHook&) = delete;
+
+ private:
+  std::shared_ptr<torch::autograd::Node> accumulator_;
+  std::uintptr_t key_ = 0;
+};
 
 }  // namespace shardtrain::compat

@@ -182,11 +182,8 @@ struct ShardedEngine::State {
   std::unique_ptr<torch::optim::Optimizer> custom_optimizer;
   std::vector<at::Tensor> custom_leaves;
   std::vector<BufferState> buffers;
-  /// The trainable parameters' AccumulateGrad nodes, kept alive so that
-  /// their post hooks (on_grad_accumulated) stay attached.
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
-  /// Cleared when the engine is destroyed; hooks check it first.
-  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+  /// on_grad_accumulated's hooks on the trainable parameters; removed with the engine.
+  std::vector<std::unique_ptr<compat::PostAccumulateGradHook>> grad_hooks;
   // Set-up accounting (MemoryStats::load_peak).
   int64_t load_held = 0;       // the module's parameter storage not yet replaced by shards
   int64_t load_transient = 0;  // value copies and loading chunks of the unit being set up
@@ -1015,14 +1012,11 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     if (u.trainable) {
       State* state = state_.get();
       const int state_index = static_cast<int>(i);
-      std::shared_ptr<bool> alive = s.alive;
       for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
         ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), s.options.name, ": trainable parameter '",
                  u.names[k], "' must be a leaf that requires grad");
-        s.grad_accumulators.push_back(compat::add_post_accumulate_grad_hook(u.params[k], [state, alive, state_index, k]() {
-          // A graph built before the engine went away may still run backward.
-          if (*alive) state->on_grad_accumulated(state_index, k);
-        }));
+        s.grad_hooks.push_back(std::make_unique<compat::PostAccumulateGradHook>(
+            u.params[k], [state, state_index, k]() { state->on_grad_accumulated(state_index, k); }));
       }
     }
     if (u.unit) u.unit->attach_unit_hooks(this, static_cast<int>(i));
@@ -1068,7 +1062,6 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
 }
 
 ShardedEngine::~ShardedEngine() {
-  *state_->alive = false;
   for (auto& u : state_->units) {
     if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
   }

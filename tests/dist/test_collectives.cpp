@@ -93,6 +93,34 @@ void check_all_collectives(RankContext& ctx) {
         }
       }
 
+      // Coalesced all-gathers into views of one buffer (the engine's pieces),
+      // even (one backend operation) and with an uneven pair (pair by pair).
+      for (const bool uneven : {false, true}) {
+        const std::vector<int64_t> chunks = {chunk, 3, chunk + 2};
+        int64_t total = 0;
+        for (int64_t c : chunks) total += W * c;
+        at::Tensor full = at::empty({total}, contribution(0, 1, dtype).options());
+        std::vector<at::Tensor> outputs, inputs, expected;
+        int64_t offset = 0;
+        for (std::size_t i = 0; i < chunks.size(); ++i) {
+          const int64_t n = (uneven && i == 1 && W > 1) ? W * chunks[i] - 1 : W * chunks[i];
+          outputs.push_back(full.narrow(0, offset, n));
+          offset += W * chunks[i];
+          // Piece i of rank w: a slice of w's contribution, distinct per piece.
+          inputs.push_back(contribution(r, 3 * chunks[i], dtype).narrow(0, static_cast<int64_t>(i) * chunks[i], chunks[i]).contiguous());
+          std::vector<at::Tensor> rows;
+          for (int w = 0; w < W; ++w) {
+            rows.push_back(contribution(w, 3 * chunks[i], dtype).narrow(0, static_cast<int64_t>(i) * chunks[i], chunks[i]));
+          }
+          expected.push_back(at::cat(rows).narrow(0, 0, n));
+        }
+        comm.all_gather_coalesced_async(outputs, inputs)->wait();
+        for (std::size_t i = 0; i < chunks.size(); ++i) {
+          expect_same(outputs[i], expected[i], "all_gather_coalesced piece " + std::to_string(i) +
+                                                   (uneven ? " (uneven)" : "") + " " + tag);
+        }
+      }
+
       // Uneven reduce-scatter: rank w's piece has chunk + w elements, and rank
       // 1's is empty (a parameter the shard boundaries leave off a rank).
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "compat/autograd_hooks.h"
@@ -81,7 +82,7 @@ TEST(UnitUnitLayout, PerParamPiecesAreOnePerParameterAndFlatIsOne) {
 // The engine reduces the tensor autograd produced. A tensor hook that keeps
 // the gradient forces AccumulateGrad to clone it; the post-accumulate hook
 // sees .grad() as autograd's own output, the storage the pre-hook saw.
-TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientTensor) {
+TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientAndGoesWithItsHandle) {
   for (const bool hold_in_pre_hook : {false, true}) {
     at::Tensor w = torch::randn({64, 32}, torch::requires_grad());
     const void* produced = nullptr;
@@ -92,7 +93,7 @@ TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientTensor) {
     });
     int calls = 0;
     const void* accumulated = nullptr;
-    auto keep = shardtrain::compat::add_post_accumulate_grad_hook(w, [&] {
+    auto hook = std::make_unique<shardtrain::compat::PostAccumulateGradHook>(w, [&] {
       ++calls;
       ASSERT_TRUE(w.grad().defined());
       accumulated = w.grad().data_ptr();
@@ -107,6 +108,11 @@ TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientTensor) {
     } else {
       EXPECT_EQ(accumulated, produced) << ".grad() is the tensor autograd produced";
     }
+    // Gone with its handle: a later backward does not call it.
+    hook.reset();
+    w.mutable_grad() = at::Tensor();
+    at::matmul(x, w).sum().backward();
+    EXPECT_EQ(calls, 1);
   }
 }
 

@@ -119,6 +119,28 @@ void reduce_rows_in_rank_order(const at::Tensor& output, const at::Tensor& recei
 
 }  // namespace
 
+WorkPtr GlooCommunicator::do_all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const CollectiveEvent& event) {
+  // One Gloo collective for all pairs: c10d concatenates the inputs, gathers
+  // once and copies rank r's part of pair i into output_lists[r][i], which
+  // are views into outputs[i], so each lands in place.
+  const int world = world_size();
+  std::vector<at::Tensor> input_list;
+  std::vector<std::vector<at::Tensor>> output_lists(static_cast<std::size_t>(world));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t chunk = inputs[i].numel();
+    input_list.push_back(as_wire_bytes(inputs[i]).reshape({-1}));
+    at::Tensor rows = as_wire_bytes(outputs[i]).view({world, chunk});
+    for (int r = 0; r < world; ++r) output_lists[r].push_back(rows.select(0, r));
+  }
+  try {
+    return wrap(group_->allgather_coalesced(output_lists, input_list), event, nullptr);
+  } catch (const std::exception& failure) {
+    rethrow_collective_failure(describe(event), options().timeout, failure);
+  }
+}
+
 WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                             ReduceOp op, const CollectiveEvent& event) {
   const int64_t chunk = output.numel();

@@ -153,6 +153,10 @@ class Communicator {
                                 const CollectiveEvent& event) = 0;
   virtual WorkPtr do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                     ReduceOp op, const CollectiveEvent& event) = 0;
+  /// Even all-gathers of one dtype (outputs[i] = W x inputs[i]); world > 1.
+  /// Default: one do_all_gather per pair, issued back to back.
+  virtual WorkPtr do_all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                                          const std::vector<at::Tensor>& inputs, const CollectiveEvent& event);
   /// `splits` sums to input.numel() and output holds splits[rank()]; world > 1.
   virtual WorkPtr do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
                                       const std::vector<int64_t>& splits, ReduceOp op,
