@@ -202,9 +202,9 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       zo.reduce_dtype = reduce;
       zo.overlap_comm = s.config.zero.overlap_comm.value_or(zo.stage == 3);
       zo.sub_group_size = s.config.zero.sub_group_size;
-      zo.reduce_bucket_size = s.config.zero.reduce_bucket_size.value_or(500000000);
-      zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(50000000);
-      zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(100000);
+      zo.reduce_bucket_size = s.config.zero.reduce_bucket_size.value_or(ZeroConfig::kDefaultReduceBucketSize);
+      zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(ZeroConfig::kDefaultPrefetchBucketSize);
+      zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(ZeroConfig::kDefaultParamPersistenceThreshold);
       zo.max_live_parameters = s.config.zero.stage3_max_live_parameters;
       zo.max_reuse_distance = s.config.zero.stage3_max_reuse_distance;
       zo.allgather_bucket_size = s.config.zero.allgather_bucket_size;

@@ -198,7 +198,20 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
   }
 
   std::string backend = options.backend;
-  if (backend == "auto") backend = comm::nccl_usable() ? "nccl" : "gloo";
+  if (backend == "auto") {
+    if (comm::nccl_usable()) {
+      backend = "nccl";
+    } else if (compat::visible_cuda_devices() > 0) {
+      // Silently training a GPU node's job over Gloo on the CPU is never what was meant.
+      ST_THROW(ConfigError, "backend 'auto': this process sees ", compat::visible_cuda_devices(),
+               " GPU(s) but cannot use NCCL (", comm::nccl_unavailable_reason(),
+               "). Build shardtrain with NCCL (cmake -DSHARDTRAIN_CUDA=ON, with NCCL's headers and library "
+               "installed, e.g. Debian's libnccl-dev or the nvidia-nccl wheel), or choose backend 'gloo' "
+               "to train on the CPU");
+    } else {
+      backend = "gloo";
+    }
+  }
   if (backend != "gloo" && backend != "nccl") {
     ST_THROW(ConfigError, "unknown communication backend '", options.backend, "'; use auto, gloo or nccl");
   }

@@ -43,6 +43,8 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
   o.overlap_comm = true;
   // One bucket per unit: FSDP reduce-scatters each FlatParameter on its own.
   o.reduce_bucket_size = 1;
+  // FSDP frees a FULL_SHARD unit after forward whenever its backward comes.
+  o.max_reuse_distance = 0;
   // FSDP gathers one unit ahead (limit_all_gathers caps in-flight gathers at two).
   o.max_prefetch_units = 1;
   o.prefetch_bucket_size = c.forward_prefetch ? (int64_t{1} << 62) : 0;

@@ -31,13 +31,17 @@ struct ZeroOptions {
   /// dtype of the gradient reduction (communication_data_type).
   at::ScalarType reduce_dtype = at::kFloat;
   bool overlap_comm = true;
-  int64_t reduce_bucket_size = 500000000;
-  int64_t sub_group_size = 1000000000;
-  int64_t prefetch_bucket_size = 50000000;       ///< elements gathered ahead (stage 3)
-  int64_t param_persistence_threshold = 100000;  ///< units smaller than this stay gathered (stage 3)
-  int64_t max_live_parameters = 1000000000;
-  int64_t max_reuse_distance = 1000000000;      ///< stage 3: keep units reused within this many elements
-  int64_t allgather_bucket_size = 500000000;    ///< stages 1/2: elements per post-step all-gather
+  // Defaults: DeepSpeed's, from ZeroConfig (shardtrain/config.h).
+  int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;
+  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;
+  int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< elements gathered ahead (stage 3)
+  /// Units smaller than this stay gathered (stage 3).
+  int64_t param_persistence_threshold = ZeroConfig::kDefaultParamPersistenceThreshold;
+  int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
+  /// Stage 3: keep units reused within this many elements.
+  int64_t max_reuse_distance = ZeroConfig::kDefaultMaxReuseDistance;
+  /// Stages 1/2: elements per post-step all-gather.
+  int64_t allgather_bucket_size = ZeroConfig::kDefaultAllgatherBucketSize;
   bool offload_optimizer = false;
   bool activation_checkpointing = false;  ///< recompute each unit in backward (gradient_checkpointing)
   LossScaleConfig loss_scale;

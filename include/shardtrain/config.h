@@ -86,18 +86,28 @@ struct SchedulerConfig {
 
 /// DeepSpeed's `zero_optimization` block (defaults as DeepSpeed's pydantic model).
 struct ZeroConfig {
+  /// DeepSpeed's fixed defaults, written once: the config readers, the
+  /// accelerator and the engines' option structs all take them from here.
+  static constexpr int64_t kDefaultReduceBucketSize = 500000000;
+  static constexpr int64_t kDefaultAllgatherBucketSize = 500000000;
+  static constexpr int64_t kDefaultSubGroupSize = 1000000000;
+  static constexpr int64_t kDefaultPrefetchBucketSize = 50000000;
+  static constexpr int64_t kDefaultParamPersistenceThreshold = 100000;
+  static constexpr int64_t kDefaultMaxLiveParameters = 1000000000;
+  static constexpr int64_t kDefaultMaxReuseDistance = 1000000000;
+
   int stage = 0;
   bool contiguous_gradients = true;
   bool reduce_scatter = true;
   std::optional<int64_t> reduce_bucket_size;          ///< default 5e8; "auto" = H*H
   bool allgather_partitions = true;
-  int64_t allgather_bucket_size = 500000000;
+  int64_t allgather_bucket_size = kDefaultAllgatherBucketSize;
   std::optional<bool> overlap_comm;                   ///< default: true for stage 3, else false
-  int64_t sub_group_size = 1000000000;
+  int64_t sub_group_size = kDefaultSubGroupSize;
   std::optional<int64_t> stage3_prefetch_bucket_size;        ///< default 5e7; "auto" = 0.9*H*H
   std::optional<int64_t> stage3_param_persistence_threshold; ///< default 1e5; "auto" = 10*H
-  int64_t stage3_max_live_parameters = 1000000000;
-  int64_t stage3_max_reuse_distance = 1000000000;
+  int64_t stage3_max_live_parameters = kDefaultMaxLiveParameters;
+  int64_t stage3_max_reuse_distance = kDefaultMaxReuseDistance;
   bool stage3_gather_16bit_weights_on_model_save = false;
   OffloadDevice offload_optimizer = OffloadDevice::kNone;
   OffloadDevice offload_param = OffloadDevice::kNone;

@@ -93,6 +93,15 @@ inline cudaStream_t current_cuda_stream(int device_index) {
 inline int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
 #endif
 
+/// GPUs this process can use: 0 without a CUDA build of LibTorch, or without a driver or a visible device.
+inline int visible_cuda_devices() {
+#if defined(SHARDTRAIN_TORCH_CUDA)
+  return cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace shardtrain::compat
 
 #include <ATen/native/Resize.h>

@@ -12,9 +12,9 @@
 namespace shardtrain::config_detail {
 
 // DeepSpeed's defaults for the values "auto" derives from the hidden size.
-constexpr int64_t kDeepSpeedReduceBucketSize = 500000000;
-constexpr int64_t kDeepSpeedPrefetchBucketSize = 50000000;
-constexpr int64_t kDeepSpeedParamPersistenceThreshold = 100000;
+constexpr int64_t kDeepSpeedReduceBucketSize = ZeroConfig::kDefaultReduceBucketSize;
+constexpr int64_t kDeepSpeedPrefetchBucketSize = ZeroConfig::kDefaultPrefetchBucketSize;
+constexpr int64_t kDeepSpeedParamPersistenceThreshold = ZeroConfig::kDefaultParamPersistenceThreshold;
 // DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR default warmup.
 constexpr int64_t kDeepSpeedWarmupSteps = 1000;
 

@@ -38,6 +38,10 @@ enum class Reshard {
 /// Which unit to gather ahead during backward.
 enum class BackwardPrefetchMode { kNone, kPre, kPost };
 
+/// Every engine sets each field it cares about from its own options (ZeRO's
+/// defaults are ZeroConfig's, FSDP's are its config's); the values here are
+/// the neutral ones an engine gets for a feature it does not have, and the
+/// size limits are DeepSpeed's, taken from ZeroConfig.
 struct ShardingOptions {
   std::string name = "sharded";
   UnitLayout::Kind layout = UnitLayout::Kind::kPerParam;
@@ -76,20 +80,21 @@ struct ShardingOptions {
   /// are all-reduced (SUM) over this replica group. Null otherwise.
   comm::CommunicatorPtr replicate_group;
   bool overlap_comm = true;
-  int64_t reduce_bucket_size = 500000000;   ///< gradient elements per reduction
-  int64_t sub_group_size = 1000000000;      ///< optimizer step slices
-  int64_t prefetch_bucket_size = 50000000;  ///< forward prefetch window, elements (0 = none)
+  int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;  ///< gradient elements per reduction
+  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices
+  int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< forward prefetch window, elements (0 = none)
   int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
   BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
   int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered
   /// kAfterForward: a unit whose backward use comes within this many gathered
   /// elements of its forward (per the recorded order) is not freed in between
-  /// (DeepSpeed's stage3_max_reuse_distance). 0 = always free.
+  /// (DeepSpeed's stage3_max_reuse_distance). 0 = always free: FSDP's
+  /// behaviour; ZeRO-3 sets ZeroConfig's default.
   int64_t max_reuse_distance = 0;
   /// Parameter all-gathers after an optimizer step (units kept gathered) are
   /// combined into collectives of up to this many elements (allgather_bucket_size).
   int64_t allgather_bucket_size = 1;
-  int64_t max_live_parameters = 1000000000;
+  int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
   bool offload_optimizer = false;
   /// Unit selection among the model's shardtrain::Unit modules (outermost wins):
   /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
