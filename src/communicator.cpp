@@ -213,7 +213,7 @@ WorkPtr Communicator::all_gather_coalesced_async(const std::vector<at::Tensor>& 
     std::vector<WorkPtr> works;
     works.reserve(inputs.size());
     for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(all_gather_async(outputs[i], inputs[i]));
-    return works.empty() ? completed_work() : all_of_work(std::move(works));
+    return all_of_work(std::move(works));
   }
   CollectiveEvent event{"all_gather", inputs[0].scalar_type(), in_total, out_total};
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -241,14 +241,14 @@ WorkPtr Communicator::reduce_scatter_coalesced_async(const std::vector<at::Tenso
   std::vector<WorkPtr> works;
   works.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) works.push_back(reduce_scatter_async(outputs[i], inputs[i], op));
-  return works.empty() ? completed_work() : all_of_work(std::move(works));
+  return all_of_work(std::move(works));
 }
 
 WorkPtr Communicator::all_reduce_coalesced_async(const std::vector<at::Tensor>& tensors, ReduceOp op) {
   std::vector<WorkPtr> works;
   works.reserve(tensors.size());
   for (const auto& tensor : tensors) works.push_back(all_reduce_async(tensor, op));
-  return works.empty() ? completed_work() : all_of_work(std::move(works));
+  return all_of_work(std::move(works));
 }
 
 WorkPtr Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {

@@ -72,6 +72,7 @@ std::string backend_message(const std::exception& failure) {
 WorkPtr completed_work() { return std::make_shared<CompletedWork>(); }
 
 WorkPtr all_of_work(std::vector<WorkPtr> works) {
+  if (works.empty()) return completed_work();
   if (works.size() == 1) return std::move(works[0]);
   return std::make_shared<AllOfWork>(std::move(works));
 }

@@ -17,8 +17,9 @@ WorkPtr completed_work();
 /// buffer, a local reduction, a cast back to the caller's dtype.
 WorkPtr then_work(WorkPtr inner, std::function<void()> then);
 
-/// Completes when every one of `works` has; wait() waits them in order, so
-/// a failure surfaces from the first collective that failed.
+/// Completes when every one of `works` has (at once when there are none);
+/// wait() waits them in order, so a failure surfaces from the first
+/// collective that failed.
 WorkPtr all_of_work(std::vector<WorkPtr> works);
 
 /// The backend's message without the C++ backtrace c10::Error appends.

@@ -522,45 +522,24 @@ struct ShardedEngine::State {
         if (!g.defined()) continue;
         u.boundary_grad_accumulator.narrow(0, u.layout->param_offset_in_full(k), g.numel()).add_(g.reshape({-1}));
       }
-    } else if (u.layout->kind() == UnitLayout::Kind::kPerParam || !options.shard_params) {
-      // Every parameter is a piece of its own (or, unsharded, reduced whole):
-      // each is reduced from the gradient autograd produced, where it lies.
-      const int W = layout_world();
+    } else if (!options.shard_params) {
+      // Unsharded: each gradient is all-reduced whole, from autograd's tensor.
       for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
-        at::Tensor input = reduce_input(u, k);
         const int64_t n = u.layout->param_numel(k);
-        if (n == 0) continue;
-        if (!options.shard_params) {
-          enqueue_reduction(state_index, std::move(input), u.layout->param_offset_in_full(k), n);
-        } else {
-          // The piece's chunk sits at the parameter's place in the shard.
-          const int64_t chunk = (n + W - 1) / W;
-          if (n <= (W - 1) * chunk) {
-            // Whole ranks' chunks are padding (a parameter smaller than the
-            // world): the communicator pads only the last chunk, so pad here.
-            at::Tensor padded = at::zeros({W * chunk}, input.options());
-            padded.narrow(0, 0, n).copy_(input);
-            input = padded;
-          }
-          enqueue_reduction(state_index, std::move(input), u.layout->param_offset_in_full(k) / W, chunk);
-        }
+        if (n > 0) enqueue_reduction(state_index, reduce_input(u, k), u.layout->param_offset_in_full(k), n);
       }
     } else {
-      // FSDP's flat parameter: the ranks' shards cut the concatenation of the
-      // gradients, so each gradient is reduced where it lies, split where the
-      // shard boundaries fall (rank r's shard is [r*S, (r+1)*S) of it).
-      const int W = comm->world_size();
+      // Each gradient is reduce-scattered where autograd left it, cut where
+      // the ranks' shards cut it: ZeRO's in even chunks unless its size does
+      // not divide by the world, FSDP's wherever the flat shards' boundaries fall.
       const int me = layout_rank();
-      const int64_t S = u.layout->shard_numel();
       for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
-        const int64_t n = u.layout->param_numel(k);
-        if (n == 0) continue;
-        const int64_t lo = u.layout->param_offset_in_full(k);
-        std::vector<int64_t> splits(static_cast<std::size_t>(W));
-        for (int r = 0; r < W; ++r) splits[r] = std::max<int64_t>(0, std::min((r + 1) * S, lo + n) - std::max(r * S, lo));
-        const int64_t grad_offset = splits[me] > 0 ? std::max(me * S, lo) - me * S : 0;
+        if (u.layout->param_numel(k) == 0) continue;
+        std::vector<int64_t> splits = u.layout->param_splits(k);
+        const bool even = std::all_of(splits.begin(), splits.end(), [&](int64_t c) { return c == splits[0]; });
         const int64_t length = splits[me];
-        enqueue_reduction(state_index, reduce_input(u, k), grad_offset, length, std::move(splits));
+        enqueue_reduction(state_index, reduce_input(u, k), u.layout->param_shard_offset(k, me), length,
+                          even ? std::vector<int64_t>{} : std::move(splits));
       }
     }
     for (auto& g : u.pending_grads) g = at::Tensor();

@@ -70,6 +70,26 @@ std::vector<OwnedSegment> UnitLayout::segments_of_rank(int rank) const {
   return segments;
 }
 
+std::vector<int64_t> UnitLayout::param_splits(int i) const {
+  std::vector<int64_t> splits(static_cast<std::size_t>(world_size_));
+  const int64_t n = numels_[i];
+  for (int r = 0; r < world_size_; ++r) {
+    if (kind_ == Kind::kPerParam) {
+      splits[r] = std::max<int64_t>(0, std::min(n, (r + 1) * chunk_sizes_[i]) - r * chunk_sizes_[i]);
+    } else {
+      const int64_t lo = full_offsets_[i];
+      splits[r] = std::max<int64_t>(0, std::min((r + 1) * shard_numel_, lo + n) - std::max(r * shard_numel_, lo));
+    }
+  }
+  return splits;
+}
+
+int64_t UnitLayout::param_shard_offset(int i, int rank) const {
+  if (kind_ == Kind::kPerParam) return chunk_offsets_[i];
+  const int64_t lo = rank * shard_numel_;
+  return std::max<int64_t>(0, std::min(full_offsets_[i] - lo, shard_numel_));
+}
+
 void UnitLayout::pack_shard(const std::vector<at::Tensor>& values, int rank, const at::Tensor& shard) const {
   ST_CHECK(shard.numel() == shard_numel_, "pack_shard: shard has ", shard.numel(), " elements, layout needs ",
            shard_numel_);

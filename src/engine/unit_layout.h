@@ -73,6 +73,12 @@ class UnitLayout {
   /// The parameter runs rank r owns.
   std::vector<OwnedSegment> segments_of_rank(int rank) const;
 
+  /// How parameter i's elements fall on the ranks' shards: element counts per
+  /// rank (summing to n_i; a rank may get none), in element order.
+  std::vector<int64_t> param_splits(int i) const;
+  /// Where rank r's part of parameter i starts in r's shard (0 if it has none).
+  int64_t param_shard_offset(int i, int rank) const;
+
   /// Rank r's shard of `values`, as an all-gather of the pieces would lay it
   /// out in the full buffer (S elements).
   void pack_shard(const std::vector<at::Tensor>& values, int rank, const at::Tensor& shard) const;

@@ -62,6 +62,25 @@ TEST(UnitUnitLayout, PiecesPutEveryShardWhereTheParametersViewIt) {
         EXPECT_TRUE(at::equal(full.narrow(0, layout.param_offset_in_full(i), numels[i]), values[i]))
             << "parameter " << i << " world " << W;
       }
+      // param_splits / param_shard_offset (how the engine cuts a gradient)
+      // agree with the segments each rank owns.
+      for (int i = 0; i < layout.num_params(); ++i) {
+        const auto splits = layout.param_splits(i);
+        int64_t sum = 0;
+        for (int r = 0; r < W; ++r) {
+          int64_t owned = 0, offset = -1;
+          for (const auto& segment : layout.segments_of_rank(r)) {
+            if (segment.param_index == i) {
+              owned = segment.length;
+              offset = segment.shard_offset;
+            }
+          }
+          EXPECT_EQ(splits[r], owned) << "parameter " << i << " rank " << r << " world " << W;
+          if (owned > 0) EXPECT_EQ(layout.param_shard_offset(i, r), offset) << "parameter " << i << " rank " << r;
+          sum += splits[r];
+        }
+        EXPECT_EQ(sum, numels[i]);
+      }
     }
   }
 }

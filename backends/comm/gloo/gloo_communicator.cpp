@@ -143,20 +143,9 @@ WorkPtr GlooCommunicator::do_all_gather_coalesced(const std::vector<at::Tensor>&
 
 WorkPtr GlooCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                             ReduceOp op, const CollectiveEvent& event) {
-  const int64_t chunk = output.numel();
-  // Row w of `received` is rank w's copy of this rank's chunk.
-  at::Tensor received = at::empty({world_size(), chunk}, input.options());
-  at::Tensor wire_in = as_wire_bytes(input);
-  at::Tensor wire_received = as_wire_bytes(received);
-  std::vector<int64_t> equal_splits;  // empty = equal splits
-  const int world = world_size();
-  auto finalize = [output, received, op, world]() { reduce_rows_in_rank_order(output, received, op, world); };
-  try {
-    return wrap(group_->alltoall_base(wire_received, wire_in, equal_splits, equal_splits), event,
-                std::move(finalize));
-  } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
-  }
+  // Even chunks are the uneven case with every count equal.
+  return do_reduce_scatter_v(output, input, std::vector<int64_t>(static_cast<std::size_t>(world_size()), output.numel()),
+                             op, event);
 }
 
 WorkPtr GlooCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
@@ -166,6 +155,7 @@ WorkPtr GlooCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
   const int64_t mine = output.numel();
   // Rank w sends input[its offset of split r, +splits[r]] to rank r: an
   // alltoall with the splits as send counts reads the input where it lies.
+  // Row w of `received` is rank w's copy of this rank's piece.
   at::Tensor received = at::empty({world, mine}, input.options());
   at::Tensor wire_received = as_wire_bytes(received).view({-1});
   at::Tensor wire_in = as_wire_bytes(input);

@@ -543,22 +543,17 @@ WorkPtr NcclCommunicator::do_all_gather(const at::Tensor& output, const at::Tens
   });
 }
 
-WorkPtr NcclCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                                            const CollectiveEvent& event) {
+WorkPtr NcclCommunicator::issue_reduction(
+    const CollectiveEvent& event, const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+    const std::function<void(IssueContext&, const at::Tensor&, const at::Tensor&, ncclDataType_t)>& reduce) {
   check_device(event, output);
   check_device(event, input);
-  const size_t chunk = static_cast<size_t>(output.numel());
-  const ncclRedOp_t nccl_op = nccl_detail::nccl_op(op);
   if (!nccl_detail::widen_for_reduction(input.scalar_type(), op)) {
     const ncclDataType_t type = nccl_detail::nccl_type(input.scalar_type());
-    return issue(event, {output, input}, [&](IssueContext& ctx) {
-      ctx.nccl(ncclReduceScatter(input.data_ptr(), output.data_ptr(), chunk, type, nccl_op, ctx.comm(),
-                                 ctx.stream),
-               "ncclReduceScatter");
-    });
+    return issue(event, {output, input}, [&](IssueContext& ctx) { reduce(ctx, input, output, type); });
   }
   // fp32 staging costs 2x the 16-bit input in temporary memory (plus the
-  // chunk) for the duration of the collective, and twice the bytes on the
+  // output) for the duration of the collective, and twice the bytes on the
   // wire; that is the price of fp32 accumulation, as in Gloo's path.
   const kcuda::DType narrow = nccl_detail::kernel_type(input.scalar_type());
   at::Tensor wide_input = at::empty({input.numel()}, input.options().dtype(at::kFloat));
@@ -567,59 +562,52 @@ WorkPtr NcclCommunicator::do_reduce_scatter(const at::Tensor& output, const at::
     ctx.cuda(kcuda::launch_cast(input.data_ptr(), narrow, wide_input.data_ptr(), kcuda::DType::kF32,
                                 input.numel(), ctx.stream),
              "launch_cast (widen to float32)");
-    ctx.nccl(ncclReduceScatter(wide_input.data_ptr(), wide_output.data_ptr(), chunk, ncclFloat32, nccl_op,
-                               ctx.comm(), ctx.stream),
-             "ncclReduceScatter");
-    ctx.cuda(kcuda::launch_cast(wide_output.data_ptr(), kcuda::DType::kF32, output.data_ptr(), narrow,
-                                output.numel(), ctx.stream),
-             "launch_cast (narrow the float32 result)");
-  });
-}
-
-WorkPtr NcclCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
-                                              const std::vector<int64_t>& splits, ReduceOp op,
-                                              const CollectiveEvent& event) {
-  check_device(event, output);
-  check_device(event, input);
-  const ncclRedOp_t nccl_op = nccl_detail::nccl_op(op);
-  // NCCL has no uneven reduce-scatter: one reduce per rank, rooted there, in
-  // one group, each reading the input where that rank's piece lies.
-  auto reduce_pieces = [splits, nccl_op](IssueContext& ctx, const at::Tensor& in, const at::Tensor& out,
-                                             ncclDataType_t type) {
-    const std::size_t element = in.element_size();
-    ctx.nccl(ncclGroupStart(), "ncclGroupStart");
-    int64_t offset = 0;
-    for (int root = 0; root < static_cast<int>(splits.size()); ++root) {
-      if (splits[root] > 0) {
-        const char* send = static_cast<const char*>(in.data_ptr()) + offset * element;
-        // The receive buffer is read only at the root; elsewhere it is ignored.
-        ctx.nccl(ncclReduce(send, out.data_ptr(), static_cast<size_t>(splits[root]), type, nccl_op, root, ctx.comm(),
-                            ctx.stream),
-                 "ncclReduce");
-      }
-      offset += splits[root];
-    }
-    ctx.nccl(ncclGroupEnd(), "ncclGroupEnd");
-  };
-  if (!nccl_detail::widen_for_reduction(input.scalar_type(), op)) {
-    const ncclDataType_t type = nccl_detail::nccl_type(input.scalar_type());
-    return issue(event, {output, input}, [&](IssueContext& ctx) { reduce_pieces(ctx, input, output, type); });
-  }
-  // 16-bit sums accumulate in fp32, as in do_reduce_scatter.
-  const kcuda::DType narrow = nccl_detail::kernel_type(input.scalar_type());
-  at::Tensor wide_input = at::empty({input.numel()}, input.options().dtype(at::kFloat));
-  at::Tensor wide_output = at::empty({output.numel()}, output.options().dtype(at::kFloat));
-  return issue(event, {output, input, wide_input, wide_output}, [&](IssueContext& ctx) {
-    ctx.cuda(kcuda::launch_cast(input.data_ptr(), narrow, wide_input.data_ptr(), kcuda::DType::kF32,
-                                input.numel(), ctx.stream),
-             "launch_cast (widen to float32)");
-    reduce_pieces(ctx, wide_input, wide_output, ncclFloat32);
+    reduce(ctx, wide_input, wide_output, ncclFloat32);
     if (output.numel() > 0) {
       ctx.cuda(kcuda::launch_cast(wide_output.data_ptr(), kcuda::DType::kF32, output.data_ptr(), narrow,
                                   output.numel(), ctx.stream),
                "launch_cast (narrow the float32 result)");
     }
   });
+}
+
+WorkPtr NcclCommunicator::do_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                            const CollectiveEvent& event) {
+  const ncclRedOp_t nccl_op = nccl_detail::nccl_op(op);
+  return issue_reduction(event, output, input, op,
+                         [nccl_op](IssueContext& ctx, const at::Tensor& in, const at::Tensor& out,
+                                   ncclDataType_t type) {
+                           ctx.nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(),
+                                                      static_cast<size_t>(out.numel()), type, nccl_op, ctx.comm(),
+                                                      ctx.stream),
+                                    "ncclReduceScatter");
+                         });
+}
+
+WorkPtr NcclCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
+                                              const std::vector<int64_t>& splits, ReduceOp op,
+                                              const CollectiveEvent& event) {
+  const ncclRedOp_t nccl_op = nccl_detail::nccl_op(op);
+  // NCCL has no uneven reduce-scatter: one reduce per rank, rooted there, in
+  // one group, each reading the input where that rank's piece lies.
+  return issue_reduction(event, output, input, op,
+                         [&splits, nccl_op](IssueContext& ctx, const at::Tensor& in, const at::Tensor& out,
+                                            ncclDataType_t type) {
+                           const std::size_t element = in.element_size();
+                           ctx.nccl(ncclGroupStart(), "ncclGroupStart");
+                           int64_t offset = 0;
+                           for (int root = 0; root < static_cast<int>(splits.size()); ++root) {
+                             if (splits[root] > 0) {
+                               const char* send = static_cast<const char*>(in.data_ptr()) + offset * element;
+                               // The receive buffer is read only at the root; elsewhere it is ignored.
+                               ctx.nccl(ncclReduce(send, out.data_ptr(), static_cast<size_t>(splits[root]), type,
+                                                   nccl_op, root, ctx.comm(), ctx.stream),
+                                        "ncclReduce");
+                             }
+                             offset += splits[root];
+                           }
+                           ctx.nccl(ncclGroupEnd(), "ncclGroupEnd");
+                         });
 }
 
 WorkPtr NcclCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include "compat/torch_compat.h"
 #include "shardtrain/comm/communicator.h"
@@ -71,6 +72,14 @@ class NcclCommunicator : public Communicator {
   /// returns the Work that owns `keep_alive` until it is waited for.
   WorkPtr issue(const CollectiveEvent& event, std::vector<at::Tensor> keep_alive,
                 const std::function<void(nccl_detail::IssueContext&)>& enqueue);
+  /// A reduction from `input` into `output` (separate buffers): `reduce`
+  /// enqueues the NCCL calls on the buffers and type it is given, which are
+  /// `input`/`output` themselves, or fp32 copies when 16-bit sums must
+  /// accumulate in fp32 (widened before, narrowed after, on the same stream).
+  WorkPtr issue_reduction(const CollectiveEvent& event, const at::Tensor& output, const at::Tensor& input,
+                          ReduceOp op,
+                          const std::function<void(nccl_detail::IssueContext&, const at::Tensor& in,
+                                                   const at::Tensor& out, ncclDataType_t type)>& reduce);
   void check_device(const CollectiveEvent& event, const at::Tensor& tensor) const;
 
   compat::StorePtr root_store_;
