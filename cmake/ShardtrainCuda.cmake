@@ -25,21 +25,40 @@ if(NOT _st_cuda_mode STREQUAL "OFF")
   if(CMAKE_CUDA_COMPILER)
     # Must be decided before enable_language(CUDA): afterwards the cache already
     # holds nvcc's own default (52 with CUDA <= 11, 75 with CUDA 13), which
-    # cannot be told apart from a user's choice. Hopper is what GPU users of
-    # this project run; one arch keeps the build short. -DCMAKE_CUDA_ARCHITECTURES
-    # or the CUDAARCHS environment variable override it.
+    # cannot be told apart from a user's choice. Ampere (80), Hopper (90) and
+    # Blackwell (100) are what GPU users of this project run; architectures
+    # this nvcc does not know are left out. -DCMAKE_CUDA_ARCHITECTURES or the
+    # CUDAARCHS environment variable override it.
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-      set(CMAKE_CUDA_ARCHITECTURES 90 CACHE STRING "CUDA architectures to compile the kernels for")
+      execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --list-gpu-arch
+        OUTPUT_VARIABLE _st_nvcc_archs ERROR_QUIET RESULT_VARIABLE _st_nvcc_list_failed)
+      set(_st_archs "")
+      foreach(_st_arch 80 90 100)
+        if(NOT _st_nvcc_list_failed AND _st_nvcc_archs MATCHES "compute_${_st_arch}([^0-9]|$)")
+          list(APPEND _st_archs ${_st_arch})
+        endif()
+      endforeach()
+      if(NOT _st_archs)
+        set(_st_archs 80)  # an nvcc without --list-gpu-arch (CUDA < 11) still knows 80 from 11.0
+      endif()
+      set(CMAKE_CUDA_ARCHITECTURES "${_st_archs}" CACHE STRING "CUDA architectures to compile the kernels for")
     endif()
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(SHARDTRAIN_WITH_CUDA_KERNELS ON)
+    # The NCCL LibTorch loads comes first: a pip wheel's (nvidia/nccl, which
+    # ships libnccl.so.2 without the unversioned link), else the one next to
+    # LibTorch's own CUDA libraries. Two NCCL copies in one process share
+    # symbols but not ncclGroupStart's thread-local state. NCCL_HOME overrides.
     find_path(SHARDTRAIN_NCCL_INCLUDE_DIR nccl.h
-      HINTS ${CUDAToolkit_INCLUDE_DIRS} $ENV{NCCL_HOME}/include)
-    # Prefer the NCCL next to LibTorch's own CUDA libraries: two NCCL copies in one
-    # process share symbols but not ncclGroupStart's thread-local state.
-    find_library(SHARDTRAIN_NCCL_LIBRARY nccl
-      HINTS ${TORCH_INSTALL_PREFIX}/lib $ENV{NCCL_HOME}/lib ${CUDAToolkit_LIBRARY_DIR})
+      HINTS $ENV{NCCL_HOME}/include ${SHARDTRAIN_WHEEL_NCCL_DIR}/include ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(SHARDTRAIN_NCCL_LIBRARY NAMES nccl libnccl.so.2
+      HINTS $ENV{NCCL_HOME}/lib ${SHARDTRAIN_WHEEL_NCCL_DIR}/lib ${TORCH_INSTALL_PREFIX}/lib ${CUDAToolkit_LIBRARY_DIR})
+    if(SHARDTRAIN_WHEEL_NCCL_DIR AND SHARDTRAIN_NCCL_INCLUDE_DIR
+       AND NOT SHARDTRAIN_NCCL_INCLUDE_DIR STREQUAL "${SHARDTRAIN_WHEEL_NCCL_DIR}/include")
+      message(WARNING "NCCL headers from ${SHARDTRAIN_NCCL_INCLUDE_DIR}, but LibTorch loads the NCCL of its wheel "
+        "(${SHARDTRAIN_WHEEL_NCCL_DIR}); the NCCL backend checks the versions when it starts")
+    endif()
     # The backend needs non-blocking communicators (a rank that never joins must
     # end in a timeout, not a hang inside ncclCommInitRank) and ncclCommFinalize:
     # NCCL 2.14; ncclAvg and ncclBfloat16 came in 2.10.

@@ -30,6 +30,8 @@
 #include <torch/torch.h>
 
 #include "shardtrain/accelerator.h"
+#include "shardtrain/comm/rendezvous.h"
+#include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/generation.h"
 #include "shardtrain/models/instruction_data.h"
@@ -75,7 +77,8 @@ std::string join_ids(const std::vector<int64_t>& ids) {
 
 int main(int argc, char** argv) {
   CLI::App app{"generate: KV-cached text generation with a Hugging Face Llama / Mistral model"};
-  std::string model_dir, tokenizer_path, prompt, prompt_ids_text, chat_format = "none", dtype = "fp32", config_path;
+  std::string model_dir, tokenizer_path, prompt, prompt_ids_text, chat_format = "none", dtype = "fp32", config_path,
+              device_name = "auto";
   sm::GenerationOptions options;
   options.max_new_tokens = 64;
   bool print_ids = false, ignore_eos = false, no_bos = false;
@@ -96,6 +99,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--top-p", options.top_p, "Nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--seed", options.seed, "Sampling seed")->capture_default_str();
+  app.add_option("--device", device_name,
+                 "cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto (a GPU when visible); with --config the backend "
+                 "follows the device")
+      ->capture_default_str();
   app.add_flag("--print-ids", print_ids, "Print the generated token ids comma-separated instead of text");
   app.add_flag("--ignore-eos", ignore_eos, "Do not stop at config.json's eos_token_id");
   app.add_flag("--no-bos", no_bos, "Do not prepend BOS to --prompt");
@@ -166,9 +173,11 @@ int main(int argc, char** argv) {
     }
     if (!ignore_eos) options.stop_ids = {config.eos_token_id};
 
+    const at::Device device = shardtrain::resolve_device(device_name, shardtrain::detect_dist_env().local_rank);
     sm::LlamaForCausalLM model(config);
     if (dtype == "bf16") model->to(at::kBFloat16);
     sm::load_hf_weights(model, model_dir);
+    model->to(device);
     model->eval();
     torch::NoGradGuard no_grad;
 
@@ -180,6 +189,7 @@ int main(int argc, char** argv) {
     if (!config_path.empty()) {
       shardtrain::AcceleratorOptions accelerator_options;
       accelerator_options.config_path = config_path;
+      accelerator_options.init.backend = shardtrain::backend_for(device);
       accelerator = std::make_unique<shardtrain::Accelerator>(accelerator_options);
       main_process = accelerator->is_main_process();
       // SGD without momentum: the engine then allocates no optimizer state.
@@ -198,7 +208,7 @@ int main(int argc, char** argv) {
       // Every forward is collective: all ranks continue with rank 0's token,
       // so they take the same number of steps.
       options.agree_on_token = [&accelerator](int64_t token) {
-        at::Tensor t = at::full({1}, token, at::TensorOptions().dtype(at::kLong));
+        at::Tensor t = at::full({1}, token, at::TensorOptions().dtype(at::kLong).device(accelerator->device()));
         accelerator->communicator().broadcast(t, 0);
         return t.item<int64_t>();
       };

@@ -83,20 +83,40 @@ int main(int argc, char** argv) {
   app.add_option("--show-examples", options.show_examples, "Print this many eval answers at the end")
       ->capture_default_str();
   app.add_option("--peak-tflops", options.peak_tflops,
-                 "Per-rank peak TFLOP/s for MFU (e.g. 989 for H100 bf16); 0: measure a GEMM here")
+                 "Per-rank peak TFLOP/s for MFU; 0: the GPU's datasheet peak where known (H100/H200 SXM bf16 "
+                 "989, A100 312), else a GEMM measured here")
+      ->capture_default_str();
+  app.add_option("--device", options.device,
+                 "cpu, cuda (cuda:LOCAL_RANK), cuda:N, or auto (cuda:LOCAL_RANK when a GPU is visible, else cpu); "
+                 "the backend follows: gloo for cpu, nccl for cuda")
       ->capture_default_str();
   app.add_flag("--no-export", options.no_export, "Skip the Hugging Face export at the end");
+  app.add_flag("--no-save", options.no_save, "No checkpoint at the end (benchmarks)");
   app.add_flag("--no-progress", options.no_progress, "No progress bar");
+  app.add_option("--throughput-skip-steps", options.throughput_skip_steps,
+                 "Leave the first N steps (warm-up) out of tokens/s and MFU")
+      ->capture_default_str();
+  bool no_eval = false;
+  app.add_flag("--no-eval", no_eval, "No evaluation before and after training (benchmarks)");
+  std::string summary_json;
+  app.add_option("--summary-json", summary_json,
+                 "Write the run's summary (throughput, MFU and its peak, memory, per-step losses) here as JSON (rank 0)");
   CLI11_PARSE(app, argc, argv);
 
   if (options.model_dir.empty()) {
     if (options.model_config.empty()) options.model_config = bundled + "/config.json";
     if (options.tokenizer.empty()) options.tokenizer = bundled + "/tokenizer.model";
     if (options.data.empty()) options.data = bundled + "/data/train.jsonl";
-    if (options.eval_data.empty()) options.eval_data = bundled + "/data/eval.jsonl";
+    if (options.eval_data.empty() && !no_eval) options.eval_data = bundled + "/data/eval.jsonl";
   }
+  if (no_eval) options.eval_data.clear();
   try {
     finetune::FinetuneSummary summary = finetune::run_finetune(options);
+    if (!summary_json.empty() && summary.main_process) {
+      std::ofstream out(summary_json);
+      out << finetune::summary_to_json(summary).dump(2) << "\n";
+      if (!out.good()) throw std::runtime_error("cannot write --summary-json " + summary_json);
+    }
     return summary.ok ? 0 : 1;
   } catch (const std::exception& e) {
     std::cerr << program << ": " << e.what() << std::endl;

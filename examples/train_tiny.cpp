@@ -25,6 +25,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-out", options.metrics_out, "Write one JSON object per step here (rank 0)");
   app.add_option("--load-dtype", options.load_dtype, "Model load dtype: fp32 or bf16")->capture_default_str()
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--device", options.device,
+                 "cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto (a GPU when visible); the backend follows the device")
+      ->capture_default_str();
   app.add_option("--save-dir", options.save_dir, "Save checkpoints here (with --save-every)");
   app.add_option("--save-every", options.save_every, "Save every N steps")->capture_default_str();
   app.add_option("--resume", options.resume_dir, "Resume from this checkpoint directory's latest checkpoint");

@@ -325,8 +325,10 @@ void Accelerator::zero_grad() {
 
 const StepInfo& Accelerator::last_step() const { return state_->last; }
 
+at::Device Accelerator::device() const { return state_->comm->device(); }
+
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
-  at::Tensor input = tensor.contiguous();
+  at::Tensor input = tensor.to(device()).contiguous();
   const bool widen = !comm::is_supported_dtype(input.scalar_type());
   if (widen) input = input.to(at::isFloatingType(input.scalar_type()) ? at::kFloat : at::kLong);
   std::vector<int64_t> shape = input.sizes().vec();
@@ -334,16 +336,17 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   shape[0] *= num_processes();
   at::Tensor output = at::empty(shape, input.options());
   communicator().all_gather(output, input);
-  return widen ? output.to(tensor.scalar_type()) : output;
+  return output.to(tensor.device(), tensor.scalar_type());
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& op) {
-  at::Tensor copy = tensor.clone().contiguous();
+  // A copy on the communicator's device (to() alone would alias a tensor already there).
+  at::Tensor copy = tensor.to(device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
   if (op == "sum") communicator().all_reduce(copy, comm::ReduceOp::kSum);
   else if (op == "mean") communicator().all_reduce(copy, comm::ReduceOp::kAvg);
   else if (op == "max") communicator().all_reduce(copy, comm::ReduceOp::kMax);
   else ST_THROW(ConfigError, "reduce: op '", op, "' is not one of sum, mean, max");
-  return copy;
+  return copy.to(tensor.device());
 }
 
 void Accelerator::wait_for_everyone() { communicator().barrier(); }
@@ -358,8 +361,7 @@ std::map<std::string, int64_t>& Accelerator::checkpoint_extras() { return state_
 
 std::string Accelerator::save_state(const std::string& dir, const std::string& tag) {
   State& s = *state_;
-  auto* sharded = dynamic_cast<engine::ShardedEngine*>(&engine());
-  ST_CHECK(sharded != nullptr, "save_state: this engine cannot be checkpointed");
+  engine::Engine& running = engine();
   ST_CHECK(s.micro_in_window == 0 || s.micro_in_window == s.accumulation,
            "save_state in the middle of a gradient-accumulation window (", s.micro_in_window, " of ", s.accumulation,
            " micro-batches done): the accumulated gradients are not saved; call it after accelerator.step()");
@@ -370,14 +372,14 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"samples_seen", (s.last.step + s.last.skipped_total) * global_batch},
                              {"skipped_total", s.last.skipped_total},
                              {"world_size", num_processes()},
-                             {"optimizer_steps", sharded->optimizer_steps()},
-                             {"loss_scaler", sharded->loss_scaler_state()},
+                             {"optimizer_steps", running.optimizer_steps()},
+                             {"loss_scaler", running.loss_scaler_state()},
                              {"extras", s.extras}};
   if (s.sampler) {
     const SamplerState sampler = s.sampler->state();
     training["sampler"] = {{"seed", sampler.seed}, {"epoch", sampler.epoch}, {"position", sampler.position}};
   }
-  return checkpoint::save(*sharded, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
+  return checkpoint::save(running, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
                           training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
 }
 
@@ -405,14 +407,13 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {
   State& s = *state_;
-  auto* sharded = dynamic_cast<engine::ShardedEngine*>(&engine());
-  ST_CHECK(sharded != nullptr, "load_state: this engine cannot load checkpoints");
-  const nlohmann::json training = checkpoint::load(*sharded, *s.comm, dir, tag);
+  engine::Engine& running = engine();
+  const nlohmann::json training = checkpoint::load(running, *s.comm, dir, tag);
   s.last = StepInfo();
   s.last.step = training.at("step").get<int64_t>();
   s.last.skipped_total = training.at("skipped_total").get<int64_t>();
-  sharded->set_optimizer_steps(training.at("optimizer_steps").get<int64_t>());
-  sharded->load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
+  running.set_optimizer_steps(training.at("optimizer_steps").get<int64_t>());
+  running.load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
   s.extras = training.at("extras").get<std::map<std::string, int64_t>>();
   if (s.sampler && training.contains("sampler")) {
     // Positions are per rank; at another world size the epoch position maps by samples consumed.

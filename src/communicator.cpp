@@ -291,7 +291,10 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
              world_size_, " ranks");
   }
   const int64_t index = next_group_index_++;
-  if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) return nullptr;
+  if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) {
+    do_new_group_not_member(index);
+    return nullptr;
+  }
   return do_new_group(ranks, index);
 }
 

@@ -11,6 +11,8 @@
 
 #include "finetune/progress.h"
 #include "shardtrain/accelerator.h"
+#include "shardtrain/comm/rendezvous.h"
+#include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/models/generation.h"
@@ -120,7 +122,7 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
         if (row >= rows) repeats.push_back(static_cast<int64_t>(indices.size()));
         indices.push_back(row < rows ? row : 0);
       }
-      models::InstructionBatch batch = models::make_batch(eval.rows, indices);
+      models::InstructionBatch batch = models::make_batch(eval.rows, indices).to(accelerator.device());
       at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
       for (int64_t b : repeats) batch.labels[b].fill_(models::kIgnoreIndex);  // not counted
       const double tokens = (batch.labels.slice(1, 1) != models::kIgnoreIndex).sum().item<double>();
@@ -180,21 +182,48 @@ std::string number(double value, const char* format = "%.4f") {
 
 }  // namespace
 
-double measure_gemm_flops(const std::string& dtype_name) {
+double measure_gemm_flops(const std::string& dtype_name, const at::Device& device) {
   const at::ScalarType dtype = dtype_of(dtype_name);
   torch::NoGradGuard no_grad;
-  const int64_t n = 512;
-  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
+  // A GPU needs large products to reach its rate; a CPU gets there at 512.
+  const int64_t n = device.is_cuda() ? 8192 : 512;
+  at::Tensor a = at::randn({n, n}).to(device, dtype), b = at::randn({n, n}).to(device, dtype);
   // Through shardtrain::nn, as the model's products run: on a CPU without
   // fast bf16 that is the widened fp32 GEMM, not LibTorch's scalar fallback.
   shardtrain::nn::matmul(a, b);  // warm-up
   int64_t runs = 0;
   const auto start = Clock::now();
   while (seconds_since(start) < 0.4) {
-    shardtrain::nn::matmul(a, b);
+    at::Tensor c = shardtrain::nn::matmul(a, b);
     ++runs;
+    // A GPU queues products asynchronously: wait for each before the clock reads.
+    if (device.is_cuda()) c.sum().item<double>();
   }
   return 2.0 * n * n * n * runs / seconds_since(start);
+}
+
+nlohmann::json summary_to_json(const FinetuneSummary& summary) {
+  auto finite_or_null = [](double x) { return std::isfinite(x) ? json(x) : json(); };
+  return json{{"ok", summary.ok},
+              {"engine", summary.plan.engine},
+              {"compute_dtype", summary.plan.compute_dtype},
+              {"device", summary.device},
+              {"device_name", summary.device_name},
+              {"world_size", summary.world_size},
+              {"first_step", summary.first_step},
+              {"steps", summary.losses.size()},
+              {"tokens_per_step_per_rank", summary.tokens_per_step},
+              {"tokens_per_s_per_rank", summary.tokens_per_s_per_rank},
+              {"flops_per_token", summary.flops_per_token},
+              {"peak_tflops_per_rank", summary.peak_flops / 1e12},
+              {"peak_source", summary.peak_source},
+              {"mfu", finite_or_null(summary.mfu)},
+              {"peak_rss_max_bytes", summary.peak_rss_max},
+              {"peak_device_allocated_max_bytes", summary.peak_device_memory_max},
+              {"losses", summary.losses},
+              {"step_seconds", summary.step_seconds},
+              {"eval_loss_before", finite_or_null(summary.eval_before.loss)},
+              {"eval_loss_after", finite_or_null(summary.eval_after.loss)}};
 }
 
 FinetuneSummary run_finetune(const FinetuneOptions& options) {
@@ -223,7 +252,14 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   accelerator_options.communicator = options.communicator;
   accelerator_options.checkpoint_total_limit = options.keep_last;
   accelerator_options.print_plan = !options.quiet;
+  // The device decides the backend (gloo for cpu, nccl for cuda), as
+  // Accelerate's does; a communicator given in code brings its own device.
+  const at::Device device = options.communicator
+                                ? options.communicator->device()
+                                : shardtrain::resolve_device(options.device, shardtrain::detect_dist_env().local_rank);
+  if (!options.communicator) accelerator_options.init.backend = shardtrain::backend_for(device);
   shardtrain::Accelerator accelerator(accelerator_options);
+  ST_CHECK(accelerator.device() == device, "--device ", device, " but the accelerator runs on ", accelerator.device());
   const bool main_process = accelerator.is_main_process();
   const bool verbose = main_process && !options.quiet;
 
@@ -277,12 +313,14 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     // layer, storage released) and the engine fills this rank's shard from
     // the safetensors files, reading only those bytes.
     auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
-    model = models::make_llama_without_weights(mc, dtype_of(load_dtype));
+    model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
     checkpoint->check_against(*model);
     weight_source = models::hf_weight_source(checkpoint);
   } else {
+    // Initialised on the CPU whatever the device, so a seed gives the same
+    // weights on a CPU and on a GPU.
     model = models::LlamaForCausalLM(mc);
-    if (load_dtype != "fp32") model->to(dtype_of(load_dtype));
+    model->to(device, dtype_of(load_dtype));
   }
   // Selective: only the core attention (the O(T^2) scores and probabilities) is recomputed.
   if (checkpointing == "selective") model->set_activation_checkpointing(models::ActivationCheckpointing::kSelective);
@@ -346,9 +384,30 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     }
   }
 
-  const double peak_flops =
-      options.peak_tflops > 0 ? options.peak_tflops * 1e12
-                              : measure_gemm_flops(summary.plan.compute_dtype);
+  // The peak MFU is measured against: --peak-tflops, else the GPU's
+  // datasheet rate, else a GEMM rate measured here.
+  const std::optional<double> known_peak =
+      shardtrain::known_peak_tflops(shardtrain::device_name(device), summary.plan.compute_dtype);
+  std::string peak_source;
+  double peak_flops = 0;
+  if (options.peak_tflops > 0) {
+    peak_flops = options.peak_tflops * 1e12;
+    peak_source = number(options.peak_tflops, "%.0f") + " TFLOP/s (--peak-tflops)";
+  } else if (device.is_cuda() && known_peak) {
+    peak_flops = *known_peak * 1e12;
+    peak_source = number(*known_peak, "%.0f") + " TFLOP/s, the " + shardtrain::device_name(device) + " " +
+                  summary.plan.compute_dtype + " dense peak";
+  } else {
+    peak_flops = measure_gemm_flops(summary.plan.compute_dtype, device);
+    peak_source = "a measured GEMM rate, " + number(peak_flops / 1e9, "%.1f") + " GFLOP/s per rank";
+  }
+  summary.device = device.str();
+  summary.device_name = shardtrain::device_name(device);
+  summary.world_size = world;
+  summary.main_process = main_process;
+  summary.peak_flops = peak_flops;
+  summary.peak_source = peak_source;
+  shardtrain::reset_device_peak_memory(device);
   const double token_flops = models::training_flops_per_token(mc, num_params, options.seq_len);
 
   // Rows of this rank, epoch by epoch; the sampler's position survives checkpoints.
@@ -375,7 +434,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     double loss_sum = 0;
     int64_t step_tokens = 0;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      models::InstructionBatch batch = models::make_batch(train.rows, next_rows(options.micro_batch));
+      models::InstructionBatch batch =
+          models::make_batch(train.rows, next_rows(options.micro_batch)).to(device);
       at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
       at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
       accelerator.backward(loss);
@@ -392,8 +452,12 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     const double step_loss =
         accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean").item<double>();
     const double seconds = seconds_since(start);
-    train_seconds += seconds;
-    train_tokens += step_tokens;
+    // The first --throughput-skip-steps steps (cuBLAS set-up, the caching
+    // allocator's first allocations) stay out of tokens/s and MFU.
+    if (step - summary.first_step >= options.throughput_skip_steps) {
+      train_seconds += seconds;
+      train_tokens += step_tokens;
+    }
     summary.losses.push_back(step_loss);
     summary.step_seconds.push_back(seconds);
     summary.tokens_per_step = step_tokens;
@@ -460,14 +524,19 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const shardtrain::MemoryReport mem = accelerator.memory();
   at::Tensor rss = accelerator.gather_for_metrics(at::full({1}, static_cast<double>(mem.peak_rss), at::kDouble));
   summary.peak_rss_max = static_cast<int64_t>(rss.max().item<double>());
+  // On a GPU the model state lives in the caching allocator, which RSS does not see.
+  const shardtrain::DeviceMemory device_mem = shardtrain::device_memory(device);
+  at::Tensor device_peak =
+      accelerator.gather_for_metrics(at::full({1}, static_cast<double>(device_mem.peak_allocated), at::kDouble));
+  summary.peak_device_memory_max = static_cast<int64_t>(device_peak.max().item<double>());
   if (verbose) {
     SummaryTable table;
     const std::string first = summary.losses.empty() ? "n/a" : number(summary.losses.front());
     const std::string last = summary.losses.empty() ? "n/a" : number(summary.losses.back());
     table.add("model", mc.model_type + ", " + std::to_string(num_params) + " parameters" +
                            (options.model_dir.empty() ? " (random init)" : " from " + options.model_dir));
-    table.add("engine", summary.plan.engine + ", " + std::to_string(world) + " ranks, compute " +
-                            summary.plan.compute_dtype);
+    table.add("engine", summary.plan.engine + ", " + std::to_string(world) + " ranks on " + device.str() + " (" +
+                            shardtrain::device_name(device) + "), compute " + summary.plan.compute_dtype);
     table.add("steps", std::to_string(summary.first_step) + " -> " + std::to_string(options.max_steps));
     table.add("train loss (first -> last step)", first + " -> " + last);
     table.add("eval loss", number(summary.eval_before.loss) + " -> " + number(summary.eval_after.loss));
@@ -475,15 +544,19 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
                                       percent(summary.eval_after.exact_match) + " of " +
                                       std::to_string(summary.eval_after.prompts) + " prompts");
     table.add("tokens/s per rank", number(summary.tokens_per_s_per_rank, "%.0f"));
-    table.add("MFU", percent(summary.mfu) + (options.peak_tflops > 0
-                                                 ? " of " + number(options.peak_tflops, "%.0f") + " TFLOP/s"
-                                                 : " of a measured GEMM rate, " + number(peak_flops / 1e9, "%.1f") +
-                                                       " GFLOP/s per rank"));
+    table.add("MFU", percent(summary.mfu) + " of " + peak_source);
     std::ostringstream rss_text;
     for (int64_t r = 0; r < rss.numel(); ++r) {
       rss_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(rss[r].item<double>());
     }
     table.add("peak memory (RSS)", rss_text.str());
+    if (device.is_cuda()) {
+      std::ostringstream gpu_text;
+      for (int64_t r = 0; r < device_peak.numel(); ++r) {
+        gpu_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(device_peak[r].item<double>());
+      }
+      table.add("peak GPU memory (allocated)", gpu_text.str());
+    }
     if (!summary.checkpoint_dir.empty()) table.add("checkpoint", summary.checkpoint_dir);
     if (!summary.export_dir.empty()) table.add("exported model", summary.export_dir);
     std::cout << table.render("fine-tune summary");

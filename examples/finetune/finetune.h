@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/precision_plan.h"
 
@@ -41,7 +43,9 @@ struct FinetuneOptions {
   int64_t eval_samples = 200;
   int64_t max_new_tokens = 16;
   int64_t show_examples = 4;
-  double peak_tflops = 0;
+  double peak_tflops = 0;  ///< 0: the GPU's known peak (device.h), else a measured GEMM rate
+  std::string device = "auto";
+  int64_t throughput_skip_steps = 0;  ///< warm-up steps left out of tokens/s and MFU  ///< cpu | cuda | cuda:N | auto (cuda:LOCAL_RANK when a GPU is visible)
   bool no_export = false;
   bool no_save = false;  ///< no checkpoint at the end (benchmarks)
   bool no_progress = false;
@@ -68,13 +72,23 @@ struct FinetuneSummary {
   double mfu = NAN;
   double flops_per_token = 0;  ///< model FLOPs of one trained token (forward + backward)
   int64_t peak_rss_max = 0;
+  int64_t peak_device_memory_max = 0;  ///< caching allocator's peak over ranks (0 on cpu)
+  std::string device;                  ///< where rank 0 trained ("cpu", "cuda:0")
+  std::string device_name;             ///< "cpu" or the GPU's product name
+  int world_size = 1;
+  bool main_process = true;
+  double peak_flops = 0;               ///< per rank, what MFU is measured against
+  std::string peak_source;             ///< where peak_flops came from
   std::string checkpoint_dir, export_dir;
   shardtrain::PrecisionPlan plan;
 };
 
 /// Measured GEMM throughput of this rank in dtype "fp32", "bf16" or "fp16"
 /// (FLOP/s): the denominator of MFU where nobody gives the peak (CPUs).
-double measure_gemm_flops(const std::string& dtype);
+/// The summary as one JSON object (what llama_finetune --summary-json writes).
+nlohmann::json summary_to_json(const FinetuneSummary& summary);
+
+double measure_gemm_flops(const std::string& dtype, const at::Device& device = at::Device(at::kCPU));
 
 /// Runs the whole job: load, (resume), train, evaluate, save, export, summary.
 FinetuneSummary run_finetune(const FinetuneOptions& options);

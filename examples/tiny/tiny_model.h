@@ -55,7 +55,7 @@ struct TinyBlockImpl : torch::nn::Module, shardtrain::Unit {
     auto parts = qkv(x).view({B, T, 3, nh, d}).permute({2, 0, 3, 1, 4});  // 3,B,nh,T,d
     at::Tensor q = parts[0], k = parts[1], v = parts[2];
     at::Tensor scores = shardtrain::nn::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-    at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
     at::Tensor probs = at::softmax(scores.to(at::kFloat), -1).to(x.scalar_type());
     at::Tensor out = shardtrain::nn::matmul(probs, v).transpose(1, 2).reshape({B, T, H});

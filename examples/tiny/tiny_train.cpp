@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/lr_scheduler.h"
+#include "shardtrain/comm/rendezvous.h"
+#include "shardtrain/device.h"
 #include "shardtrain/error.h"
 
 namespace tiny {
@@ -61,11 +63,16 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
   accelerator_options.config = load(options);
   accelerator_options.communicator = options.communicator;
   accelerator_options.checkpoint_total_limit = options.keep_last;
+  const at::Device device = options.communicator
+                                ? options.communicator->device()
+                                : shardtrain::resolve_device(options.device, shardtrain::detect_dist_env().local_rank);
+  if (!options.communicator) accelerator_options.init.backend = shardtrain::backend_for(device);
   shardtrain::Accelerator accelerator(accelerator_options);
 
+  // Initialised on the CPU, then moved: a seed gives the same weights on every device.
   torch::manual_seed(options.seed);
   TinyModel model(options.model);
-  if (options.load_dtype == "bf16") model->to(at::kBFloat16);
+  model->to(device, options.load_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
   shardtrain::OptimizerOptions optimizer;
   optimizer.lr = options.lr;
   shardtrain::RunInfo run;
@@ -97,7 +104,8 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       at::Tensor tokens = batch_of(options.seed, options.model, step, micro, rank, world, options.micro_batch,
-                                   accumulation);
+                                   accumulation)
+                              .to(device);
       at::Tensor loss = next_token_loss(prepared(tokens), tokens);
       accelerator.backward(loss);
       loss_sum += loss.item<double>();

@@ -25,6 +25,9 @@ struct TinyRunOptions {
   TinyConfig model;
   /// Load dtype of the model ("fp32", "bf16").
   std::string load_dtype = "fp32";
+  /// cpu | cuda | cuda:N | auto (see shardtrain::resolve_device); ignored when
+  /// `communicator` is given (its device is used).
+  std::string device = "cpu";
   /// Run inside an existing job (tests); otherwise connect from the environment.
   shardtrain::comm::CommunicatorPtr communicator;
   bool quiet = false;

@@ -53,6 +53,8 @@ class Engine;
 class LRScheduler;
 }  // namespace engine
 
+struct AcceleratorInternals;
+
 struct AcceleratorOptions {
   /// Config file (Accelerate YAML or DeepSpeed JSON). Unset: the launcher's
   /// environment (SHARDTRAIN_CONFIG_FILE, ...), else a plain run.
@@ -154,6 +156,10 @@ class Accelerator {
   bool is_main_process() const { return process_index() == 0; }
   bool is_local_main_process() const { return local_process_index() == 0; }
   comm::Communicator& communicator();
+  /// Where this process computes: the communicator's device (cuda:LOCAL_RANK
+  /// under nccl, cpu under gloo). Put the model and the batches here before
+  /// prepare(), as with Accelerate's accelerator.device.
+  at::Device device() const;
   /// The resolved config (after prepare(); before it, as read).
   const TrainingConfig& config() const;
 
@@ -202,8 +208,10 @@ class Accelerator {
 
   // ---- collectives for metrics
   /// Concatenates every rank's tensor along dim 0 (same shape on every rank).
+  /// Tensors on another device than device() travel there for the
+  /// collective; the result comes back on the input's device.
   at::Tensor gather_for_metrics(const at::Tensor& tensor);
-  /// All-reduces a copy ("sum", "mean" or "max").
+  /// All-reduces a copy ("sum", "mean" or "max"), with gather_for_metrics's device rule.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "mean");
   void wait_for_everyone();
   /// Prints on the main process only.
@@ -234,13 +242,17 @@ class Accelerator {
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   MemoryReport memory() const;
   void reset_memory_peaks();
-  engine::Engine& engine();
 
   // Used by PreparedModel.
   void begin_forward();
   at::Tensor end_forward(at::Tensor output);
 
  private:
+  // The engine is not part of the installed API; shardtrain's own tests reach
+  // it through src/accelerator_internals.h.
+  friend struct AcceleratorInternals;
+  engine::Engine& engine();
+
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -98,7 +98,7 @@ std::string latest_tag(const std::string& dir) {
   return tag;
 }
 
-std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
                  const std::string& precision_plan, int keep_last) {
   ST_CHECK(!tag.empty() && tag.find('/') == std::string::npos && tag[0] != '.', "checkpoint tag '", tag,
@@ -120,7 +120,8 @@ std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const 
     nlohmann::json kinds = nlohmann::json::array();
     std::string dtype;
     for (const auto& [kind, value] : slice.state) {
-      tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.contiguous());
+      // The file is written from host memory; state on a GPU comes down here.
+      tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.to(at::kCPU).contiguous());
       kinds.push_back(kind);
       if (kind == "master") dtype = c10::toString(value.scalar_type());
     }
@@ -198,7 +199,7 @@ std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const 
   return final_dir.string();
 }
 
-nlohmann::json load(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag_or_empty) {
   const std::string tag = tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty;
   const fs::path ckpt = fs::path(dir) / tag;
@@ -258,10 +259,10 @@ nlohmann::json load(engine::ShardedEngine& engine, comm::Communicator& comm, con
     }
     ST_CHECK(covered == length, "checkpoint ", ckpt.string(), ": parameter '", name, "' elements [", begin, ", ",
              begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
-    if (kind == "master" && !warned_rounding && result.scalar_type() == at::kFloat && comm.rank() == 0 &&
-        engine.options().pure_low_precision) {
+    const std::optional<at::ScalarType> pure_dtype = engine.pure_low_precision_dtype();
+    if (kind == "master" && !warned_rounding && result.scalar_type() == at::kFloat && comm.rank() == 0 && pure_dtype) {
       ST_LOG_WARN("checkpoint: loading fp32 masters into a pure low-precision run rounds them to {}",
-                  c10::toString(engine.options().param_dtype));
+                  c10::toString(*pure_dtype));
       warned_rounding = true;
     }
     return result;

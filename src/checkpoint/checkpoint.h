@@ -21,7 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/sharded_engine.h"
+#include "engine/engine.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::checkpoint {
@@ -30,14 +30,14 @@ constexpr int kFormatVersion = 1;
 
 /// Collective. Returns the checkpoint directory DIR/TAG. `keep_last` > 0
 /// removes the oldest published checkpoints beyond that many (never the new one).
-std::string save(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
                  const std::string& precision_plan, int keep_last = 0);
 
 /// Collective. Verifies every file (size, CRC-32) and that the checkpoint
 /// holds exactly the model's parameters with their shapes, loads every slice
 /// this rank owns, and returns the training state. `tag` empty: DIR/latest.
-nlohmann::json load(engine::ShardedEngine& engine, comm::Communicator& comm, const std::string& dir,
+nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag);
 
 /// The tag DIR/latest names (throws naming the path when there is none).

@@ -5,7 +5,8 @@
 // ProcessGroup became a dispatcher over Backend objects, TCPStoreOptions grew
 // fields (so it must be filled by name, never positionally), c10::optional
 // became std::optional, and Gloo gained _allgather_base / reduce_scatter
-// fallbacks. Every version- or CUDA-dependent call goes through this header.
+// fallbacks. Every version-dependent c10d call goes through this header; the
+// calls that need a CUDA LibTorch are in torch_cuda.h.
 
 #include <chrono>
 #include <cstdint>
@@ -19,11 +20,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#if defined(SHARDTRAIN_TORCH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include "compat/torch_cuda.h"
 
 #define SHARDTRAIN_TORCH_VERSION_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -69,63 +66,7 @@ inline GlooGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
 
 inline std::string torch_version_string() { return TORCH_VERSION; }
 
-inline bool torch_has_cuda() {
-#if defined(SHARDTRAIN_TORCH_CUDA)
-  return true;
-#else
-  return false;
-#endif
-}
-
-#if defined(SHARDTRAIN_TORCH_CUDA)
-// Only in a CUDA LibTorch: CUDA streams of ATen. Without one, callers that
-// still compile CUDA code (the NCCL backend) order against the legacy default
-// stream, which is the stream every CUDA op would run on anyway.
-
-/// The stream ATen enqueues work on for `device_index` in this thread (what
-/// at::cuda::CUDAStreamGuard set, else the default stream). Collectives order
-/// themselves after it, and it waits for them.
-inline cudaStream_t current_cuda_stream(int device_index) {
-  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
-}
-
-/// CUDA devices ATen can use (0 when the driver is missing or no GPU is visible).
-inline int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
-#endif
-
 /// GPUs this process can use: 0 without a CUDA build of LibTorch, or without a driver or a visible device.
-inline int visible_cuda_devices() {
-#if defined(SHARDTRAIN_TORCH_CUDA)
-  return cuda_device_count();
-#else
-  return 0;
-#endif
-}
-
-}  // namespace shardtrain::compat
-
-#include <ATen/native/Resize.h>
-#if defined(SHARDTRAIN_TORCH_CUDA)
-#include <ATen/native/cuda/Resize.h>
-#endif
-
-namespace shardtrain::compat {
-
-/// Frees (bytes = 0) or re-allocates a tensor's storage in place, keeping the
-/// StorageImpl — so every view and every tensor autograd saved keeps pointing
-/// at it (FSDP1's trick for freeing gathered parameters between forward and
-/// backward).
-inline void resize_storage_bytes(const at::Tensor& tensor, std::size_t bytes) {
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  if (tensor.is_cpu()) {
-    at::native::resize_bytes_cpu(storage, bytes);
-    return;
-  }
-#if defined(SHARDTRAIN_TORCH_CUDA)
-  at::native::resize_bytes_cuda(storage, bytes);
-#else
-  TORCH_CHECK(false, "resize_storage_bytes: ", tensor.device(), " tensors need a CUDA build of LibTorch");
-#endif
-}
+inline int visible_cuda_devices() { return cuda_device_count(); }
 
 }  // namespace shardtrain::compat

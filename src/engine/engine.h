@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,6 +54,25 @@ struct OptimizerSpec {
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> custom_factory;
 };
 
+/// One contiguous run of a parameter this rank holds the state of.
+struct CheckpointSlice {
+  std::string name;             ///< fully-qualified parameter name
+  std::vector<int64_t> shape;   ///< the whole parameter's shape
+  bool trainable = true;
+  int64_t begin = 0;            ///< element offset in the flattened parameter
+  int64_t length = 0;
+  /// State by kind, views into the engine's buffers (on the model's device):
+  /// "master" (fp32; in pure mode and for frozen parameters the
+  /// low-precision value), "exp_avg", "exp_avg_sq", "momentum" — only the
+  /// kinds this run has.
+  std::vector<std::pair<std::string, at::Tensor>> state;
+};
+
+/// Gives the value of elements [begin, begin + length) of parameter `name`'s
+/// state `kind`, or throws when it cannot.
+using SliceSource =
+    std::function<at::Tensor(const std::string& name, const std::string& kind, int64_t begin, int64_t length)>;
+
 class Engine : public UnitHooks {
  public:
   ~Engine() override = default;
@@ -79,6 +99,24 @@ class Engine : public UnitHooks {
   virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
   virtual MemoryStats memory() const = 0;
   virtual void reset_gathered_peak() = 0;
+
+  // ---- checkpoints: what the checkpoint format reads and writes, the same
+  // for every engine (a checkpoint of one resumes under the other).
+  /// This rank's slices to save. Replicas (NO_SHARD / zero 0 ranks other than
+  /// 0, HYBRID_SHARD machines other than the first) return none: the first
+  /// copy is the checkpoint.
+  virtual std::vector<CheckpointSlice> checkpoint_slices() const = 0;
+  /// Overwrites every owned slice with `source(name, kind, begin, length)`,
+  /// then refreshes the low-precision shards and the gathered parameters.
+  virtual void load_slices(const SliceSource& source) = 0;
+  virtual int64_t optimizer_steps() const = 0;
+  virtual void set_optimizer_steps(int64_t steps) = 0;
+  /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.
+  virtual std::vector<double> loss_scaler_state() const = 0;
+  virtual void load_loss_scaler_state(const std::vector<double>& state) = 0;
+  /// The dtype the optimizer state is kept in when it is not fp32 (pure low
+  /// precision), else nullopt: loading fp32 masters there rounds them.
+  virtual std::optional<at::ScalarType> pure_low_precision_dtype() const = 0;
 };
 
 }  // namespace shardtrain::engine

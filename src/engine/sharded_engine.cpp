@@ -15,9 +15,9 @@
 
 #include "comm/work_util.h"
 #include "compat/autograd_hooks.h"
-#include "compat/torch_compat.h"
+#include "compat/storage.h"
 #include "engine/loss_scaler.h"
-#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/kernels.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
@@ -192,6 +192,24 @@ struct ShardedEngine::State {
   // chunk buffer, sized for the largest unit (no per-unit heap churn).
   at::Tensor load_shard_buffer, load_chunk_buffer;
 
+  /// The model's device: every buffer, flag and scalar the engine creates lives
+  /// there (the optimizer offload's host copies excepted).
+  at::Device device{at::kCPU};
+
+  /// All-reduces a small host tensor of control values (flags, hashes)
+  /// through `group`, which needs its tensors on its own device; the result
+  /// comes back into `values`.
+  static void all_reduce_control(comm::Communicator& group, at::Tensor& values, ReduceOp op) {
+    if (group.world_size() == 1) return;
+    if (values.device() == group.device()) {
+      group.all_reduce(values, op);
+      return;
+    }
+    at::Tensor moved = values.to(group.device());
+    group.all_reduce(moved, op);
+    values.copy_(moved);  // from a GPU: waits for the collective's stream
+  }
+
   at::Tensor load_buffer(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
     if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
     return buffer.narrow(0, 0, numel);
@@ -289,7 +307,7 @@ struct ShardedEngine::State {
     }
     // Every rank learns whether any failed, so none waits in the next collective.
     at::Tensor failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::TensorOptions().dtype(at::kDouble));
-    if (sync.world_size() > 1) sync.all_reduce(failed, ReduceOp::kMax);
+    all_reduce_control(sync, failed, ReduceOp::kMax);
     if (!failure.empty()) {
       ST_THROW(Error, options.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
                "' from the weight source failed: ", failure);
@@ -768,13 +786,32 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
   }
 
   // ---- layouts and flat partitions (trainable states) -------------------------
-  at::Device device(at::kCPU);
-  for (const auto& u : s.units) {
-    if (!u.params.empty()) {
-      device = u.params[0].device();
-      break;
+  // ---- the device: the model's, and the communicators' -----------------------
+  // Checked once here, so a model left on the CPU under NCCL (or moved to a
+  // GPU under Gloo) fails with the fix instead of inside the first collective.
+  s.device = s.comm->device();
+  {
+    const std::string* first_name = nullptr;
+    for (const auto& u : s.units) {
+      for (std::size_t k = 0; k < u.params.size(); ++k) {
+        const at::Device d = u.params[k].device();
+        if (first_name == nullptr) {
+          first_name = &u.names[k];
+          s.device = d;
+        }
+        ST_CHECK(d == s.device, s.options.name, ": parameter '", u.names[k], "' is on ", d, " but '", *first_name,
+                 "' is on ", s.device, "; move the whole model to one device (model->to(device)) before prepare()");
+      }
     }
   }
+  for (comm::Communicator* group : {s.comm.get(), s.options.sync_group.get()}) {
+    if (group == nullptr) continue;
+    ST_CHECK_T(ConfigError, group->device() == s.device, s.options.name, ": the model is on ", s.device,
+               " but the ", group->backend(), " communicator moves tensors on ", group->device(),
+               "; move the model there before prepare() (model->to(accelerator.device())), or pick the backend "
+               "for the model's device (gloo for cpu, nccl for cuda:LOCAL_RANK)");
+  }
+  const at::Device device = s.device;
   const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const at::TensorOptions low = fp32.dtype(s.options.param_dtype);
   const at::TensorOptions state_options = s.pure() ? low : fp32;  // dtype the optimizer steps in
@@ -810,12 +847,17 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
   }
   if (s.options.offload_optimizer && !s.pure()) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
-    const at::TensorOptions host = fp32.device(at::kCPU);
+    // Pinned next to a GPU, as DeepSpeed's offload buffers are: copies between
+    // pinned host memory and the device run at full bus speed and can overlap.
+    const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device.is_cuda());
     if (!s.master_flat.is_cpu()) {
-      s.master_flat = s.master_flat.cpu();
-      if (s.exp_avg_flat.defined()) s.exp_avg_flat = s.exp_avg_flat.cpu();
-      if (s.exp_avg_sq_flat.defined()) s.exp_avg_sq_flat = s.exp_avg_sq_flat.cpu();
-      if (s.momentum_flat.defined()) s.momentum_flat = s.momentum_flat.cpu();
+      auto to_host = [&](at::Tensor& t) {
+        if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
+      };
+      to_host(s.master_flat);
+      to_host(s.exp_avg_flat);
+      to_host(s.exp_avg_sq_flat);
+      to_host(s.momentum_flat);
     }
     s.host_grad_flat = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
     s.host_lp_flat = at::zeros({total_shard}, host.dtype(s.options.param_dtype));
@@ -868,7 +910,7 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     f[2 * count + 2] = h;
     f[2 * count + 3] = -h;
     s.note_load();
-    if (sync.world_size() > 1) sync.all_reduce(flags, ReduceOp::kMax);
+    s.all_reduce_control(sync, flags, ReduceOp::kMax);
     ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], s.options.name,
              ": the ranks built different models (parameter names, shapes, dtypes or requires_grad differ between "
              "ranks); every rank must construct the same architecture, with or without its weights");
@@ -1147,8 +1189,9 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
 
 double ShardedEngine::clip_grad_norm(double max_norm) {
   State& s = *state_;
-  const double local = kernels::cpu::sum_of_squares(s.grad_flat.is_cpu() ? s.grad_flat : s.grad_flat.cpu());
-  at::Tensor total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+  // The local sum stays on the gradients' device through the all-reduce;
+  // item() is the step's one wait for it.
+  at::Tensor total = kernels::sum_of_squares(s.grad_flat).reshape({1});
   s.comm->all_reduce(total, ReduceOp::kSum);
   if (!s.options.shard_params) {
     // Every rank holds all gradients: the sum over ranks counted each W times.
@@ -1167,7 +1210,7 @@ StepResult ShardedEngine::step(double lr) {
   result.loss_scale = s.scaler.scale();
   result.grad_norm = s.last_grad_norm;
   if (s.options.fp16) {
-    at::Tensor overflow = at::full({1}, kernels::cpu::has_inf_or_nan(s.grad_flat) ? 1.0f : 0.0f);
+    at::Tensor overflow = kernels::non_finite_flag(s.grad_flat).reshape({1});
     s.comm->all_reduce(overflow, ReduceOp::kMax);
     if (overflow.item<float>() > 0) {
       s.scaler.update(true);
@@ -1212,13 +1255,19 @@ StepResult ShardedEngine::step(double lr) {
       at::Tensor lp = separate_lp ? lp_out.narrow(0, begin, len) : at::Tensor();
       if (o.type == "SGD") {
         at::Tensor momentum = s.momentum_flat.defined() ? s.momentum_flat.narrow(0, begin, len) : at::Tensor();
-        kernels::cpu::fused_sgd(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr,
-                                lr, o.momentum, o.weight_decay, o.nesterov, grad_scale, s.optimizer_steps == 1);
+        kernels::SgdParams p;
+        p.lr = lr;
+        p.momentum = o.momentum;
+        p.weight_decay = o.weight_decay;
+        p.nesterov = o.nesterov;
+        p.grad_scale = grad_scale;
+        p.first_step = s.optimizer_steps == 1;
+        kernels::sgd_step(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr, p);
         continue;
       }
       at::Tensor m = s.exp_avg_flat.narrow(0, begin, len);
       at::Tensor v = s.exp_avg_sq_flat.narrow(0, begin, len);
-      kernels::cpu::AdamParams p;
+      kernels::AdamParams p;
       p.lr = lr;
       p.beta1 = o.beta1;
       p.beta2 = o.beta2;
@@ -1228,9 +1277,9 @@ StepResult ShardedEngine::step(double lr) {
       p.adam_w_mode = o.type == "AdamW";
       p.grad_scale = grad_scale;
       if (s.pure()) {
-        kernels::cpu::fused_adam_low_precision(param, m, v, g, p);
+        kernels::adam_step_low_precision(param, m, v, g, p);
       } else {
-        kernels::cpu::fused_adam(param, m, v, g, separate_lp ? &lp : nullptr, p);
+        kernels::adam_step(param, m, v, g, separate_lp ? &lp : nullptr, p);
       }
     }
   }
@@ -1318,7 +1367,7 @@ const at::Tensor& ShardedEngine::gradient_partition() const {
 const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->exp_avg_flat; }
 const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->exp_avg_sq_flat; }
 
-std::vector<ShardedEngine::CheckpointSlice> ShardedEngine::checkpoint_slices() const {
+std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const {
   const State& s = *state_;
   std::vector<CheckpointSlice> slices;
   const bool is_copy = s.options.replicate_group ? s.options.replicate_group->rank() != 0
@@ -1347,8 +1396,7 @@ std::vector<ShardedEngine::CheckpointSlice> ShardedEngine::checkpoint_slices() c
   return slices;
 }
 
-void ShardedEngine::load_slices(const std::function<at::Tensor(const std::string&, const std::string&, int64_t,
-                                                               int64_t)>& source) {
+void ShardedEngine::load_slices(const SliceSource& source) {
   State& s = *state_;
   for (auto& u : s.units) {
     for (const auto& seg : u.layout->segments_of_rank(s.layout_rank())) {
@@ -1382,6 +1430,11 @@ void ShardedEngine::load_slices(const std::function<at::Tensor(const std::string
 }
 
 int64_t ShardedEngine::optimizer_steps() const { return state_->optimizer_steps; }
+
+std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
+  if (!state_->pure()) return std::nullopt;
+  return state_->options.param_dtype;
+}
 void ShardedEngine::set_optimizer_steps(int64_t steps) { state_->optimizer_steps = steps; }
 
 std::vector<double> ShardedEngine::loss_scaler_state() const {

@@ -160,33 +160,14 @@ class ShardedEngine : public Engine {
   std::vector<OwnedRange> owned_ranges() const;
   const ShardingOptions& options() const;
 
-  // ---- checkpoints
-  /// One contiguous run of a parameter this rank holds the state of.
-  struct CheckpointSlice {
-    std::string name;             ///< fully-qualified parameter name
-    std::vector<int64_t> shape;   ///< the whole parameter's shape
-    bool trainable = true;
-    int64_t begin = 0;            ///< element offset in the flattened parameter
-    int64_t length = 0;
-    /// State by kind, views into the engine's buffers: "master" (fp32; in
-    /// pure mode and for frozen parameters the low-precision value),
-    /// "exp_avg", "exp_avg_sq", "momentum" — only the kinds this run has.
-    std::vector<std::pair<std::string, at::Tensor>> state;
-  };
-  /// This rank's slices to save. Replicas (NO_SHARD / zero 0 ranks other than
-  /// 0, HYBRID_SHARD machines other than the first) return none: the first
-  /// copy is the checkpoint.
-  std::vector<CheckpointSlice> checkpoint_slices() const;
-  /// Overwrites every owned slice with `source(name, kind, begin, length)`
-  /// (which throws when it cannot provide it), then refreshes the
-  /// low-precision shards and the gathered parameters.
-  void load_slices(const std::function<at::Tensor(const std::string& name, const std::string& kind, int64_t begin,
-                                                  int64_t length)>& source);
-  int64_t optimizer_steps() const;
-  void set_optimizer_steps(int64_t steps);
-  /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.
-  std::vector<double> loss_scaler_state() const;
-  void load_loss_scaler_state(const std::vector<double>& state);
+  // ---- checkpoints (the Engine interface)
+  std::vector<CheckpointSlice> checkpoint_slices() const override;
+  void load_slices(const SliceSource& source) override;
+  int64_t optimizer_steps() const override;
+  void set_optimizer_steps(int64_t steps) override;
+  std::vector<double> loss_scaler_state() const override;
+  void load_loss_scaler_state(const std::vector<double>& state) override;
+  std::optional<at::ScalarType> pure_low_precision_dtype() const override;
 
  private:
   struct State;

@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include "compat/torch_compat.h"
+#include "compat/storage.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain {

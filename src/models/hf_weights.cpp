@@ -99,17 +99,17 @@ WeightSource hf_weight_source(std::shared_ptr<const HfCheckpoint> checkpoint) {
 
 namespace {
 
-/// Casts a module just built to `dtype` and frees its parameters' storage.
+/// Moves a module just built to `device` and `dtype` and frees its parameters' storage.
 template <typename Holder>
-Holder without_weights(Holder module, at::ScalarType dtype) {
-  if (dtype != at::kFloat) module->to(dtype);
+Holder without_weights(Holder module, at::ScalarType dtype, const at::Device& device) {
+  if (dtype != at::kFloat || !device.is_cpu()) module->to(device, dtype);
   release_parameter_storage(*module);
   return module;
 }
 
 }  // namespace
 
-LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::ScalarType dtype) {
+LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::ScalarType dtype, at::Device device) {
   config.validate();
   ST_CHECK_T(ConfigError, at::isFloatingType(dtype), "make_llama_without_weights: dtype ", c10::toString(dtype),
              " is not a floating-point type");
@@ -120,19 +120,19 @@ LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::Scala
   LlamaConfig skeleton = config;
   skeleton.num_hidden_layers = 0;
   skeleton.vocab_size = 1;
-  LlamaForCausalLM model = without_weights(LlamaForCausalLM(skeleton), dtype);
+  LlamaForCausalLM model = without_weights(LlamaForCausalLM(skeleton), dtype, device);
   model->config = config;
   model->model->config = config;
   const int64_t V = config.vocab_size, H = config.hidden_size;
   // replace_module keeps the child's place, so parameters come in the same order as a normally built model's.
   model->model->embed_tokens = torch::nn::Embedding(
-      model->model->replace_module("embed_tokens", without_weights(torch::nn::Embedding(V, H), dtype)));
+      model->model->replace_module("embed_tokens", without_weights(torch::nn::Embedding(V, H), dtype, device)));
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    model->model->layers->push_back(without_weights(LlamaDecoderLayer(config), dtype));
+    model->model->layers->push_back(without_weights(LlamaDecoderLayer(config), dtype, device));
   }
   if (!config.tie_word_embeddings) {
     model->lm_head = shardtrain::nn::Linear(model->replace_module(
-        "lm_head", without_weights(shardtrain::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype)));
+        "lm_head", without_weights(shardtrain::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype, device)));
   }
   return model;
 }

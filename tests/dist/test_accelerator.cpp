@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ringbuffer_sink.h>
 
+#include "accelerator_internals.h"
 #include "engine/engine.h"
 #include "shardtrain/accelerator.h"
 #include "shardtrain/error.h"
@@ -87,7 +88,7 @@ TEST(DistFp16, OverflowingStepIsSkippedAndTheScaleFollowsDeepSpeedsRule) {
     Pair model;
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     EXPECT_NE(accelerator.precision_plan().notes.find("fp16 on CPU"), std::string::npos);
-    EXPECT_EQ(accelerator.engine().loss_scale(), 16.0);
+    EXPECT_EQ(shardtrain::AcceleratorInternals::engine(accelerator).loss_scale(), 16.0);
     at::Tensor x = at::ones({2, 4});
     // Normal step.
     accelerator.backward(prepared(x).pow(2).mean());
@@ -101,7 +102,7 @@ TEST(DistFp16, OverflowingStepIsSkippedAndTheScaleFollowsDeepSpeedsRule) {
     EXPECT_TRUE(accelerator.last_step().skipped);
     EXPECT_EQ(accelerator.last_step().skipped_total, 1);
     EXPECT_EQ(accelerator.last_step().step, 1);
-    EXPECT_EQ(accelerator.engine().loss_scale(), 8.0) << "hysteresis 1: the first overflow halves the scale";
+    EXPECT_EQ(shardtrain::AcceleratorInternals::engine(accelerator).loss_scale(), 8.0) << "hysteresis 1: the first overflow halves the scale";
     auto after = accelerator.full_state_dict();
     for (std::size_t i = 0; i < before.size(); ++i) {
       EXPECT_TRUE(at::equal(before[i].second, after[i].second)) << before[i].first << " changed on a skipped step";
@@ -243,6 +244,49 @@ TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
   });
 }
 
+/// A communicator that claims to move tensors on a GPU (and moves nothing):
+/// what an NCCL group looks like to an engine whose model stayed on the CPU.
+class GpuClaimingCommunicator final : public shardtrain::comm::Communicator {
+ public:
+  GpuClaimingCommunicator() : Communicator(0, 1, {0}, shardtrain::comm::CommOptions{}) {}
+  std::string backend() const override { return "nccl"; }
+  at::Device device() const override { return at::Device(at::kCUDA, 0); }
+
+ protected:
+  using WorkPtr = shardtrain::comm::WorkPtr;
+  using Event = shardtrain::comm::CollectiveEvent;
+  using Op = shardtrain::comm::ReduceOp;
+  [[noreturn]] static void unreachable() { throw std::logic_error("no collective may run on this communicator"); }
+  WorkPtr do_all_gather(const at::Tensor&, const at::Tensor&, const Event&) override { unreachable(); }
+  WorkPtr do_reduce_scatter(const at::Tensor&, const at::Tensor&, Op, const Event&) override { unreachable(); }
+  WorkPtr do_reduce_scatter_v(const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&, Op,
+                              const Event&) override {
+    unreachable();
+  }
+  WorkPtr do_all_reduce(const at::Tensor&, Op, const Event&) override { unreachable(); }
+  WorkPtr do_broadcast(const at::Tensor&, int, const Event&) override { unreachable(); }
+  void do_barrier() override { unreachable(); }
+  std::shared_ptr<Communicator> do_new_group(const std::vector<int>&, int64_t) override { unreachable(); }
+};
+
+TEST(DistDevice, AModelOnAnotherDeviceThanTheCommunicatorsIsAConfigErrorAtPrepare) {
+  shardtrain::AcceleratorOptions options;
+  options.communicator = std::make_shared<GpuClaimingCommunicator>();
+  options.print_plan = false;
+  shardtrain::Accelerator accelerator(options);
+  EXPECT_EQ(accelerator.device(), at::Device(at::kCUDA, 0)) << "the accelerator computes where its communicator moves";
+  tiny::TinyModel model(tiny::TinyConfig{});
+  try {
+    accelerator.prepare(model, {}, micro_batch(2));
+    FAIL() << "a CPU model under a GPU communicator must not prepare";
+  } catch (const shardtrain::ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("the model is on cpu but the nccl communicator moves tensors on cuda:0"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("model->to(accelerator.device())"), std::string::npos) << message;
+  }
+}
+
 TEST(DistMetrics, GatherForMetricsAndReduce) {
   run_on_ranks(3, [](RankContext& ctx) {
     shardtrain::AcceleratorOptions options;
@@ -259,6 +303,8 @@ TEST(DistMetrics, GatherForMetricsAndReduce) {
     EXPECT_FLOAT_EQ(accelerator.reduce(value, "max").item<float>(), 3.0f);
     EXPECT_FLOAT_EQ(value.item<float>(), static_cast<float>(ctx.rank() + 1)) << "reduce must not modify its input";
     EXPECT_THROW(accelerator.reduce(value, "median"), shardtrain::ConfigError);
+    EXPECT_TRUE(accelerator.device().is_cpu()) << "gloo computes on the CPU";
+    EXPECT_TRUE(accelerator.reduce(value, "sum").device().is_cpu()) << "the result comes back where the input was";
     accelerator.wait_for_everyone();
   });
 }

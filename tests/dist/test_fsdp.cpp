@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "accelerator_internals.h"
 #include "engine/sharded_engine.h"
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
@@ -155,7 +156,7 @@ TEST(DistFsdpPure, OptimizerStateIsBf16AtFourBytesPerParameter) {
     tiny::TinyModel model(model_config);
     model->to(at::kBFloat16);  // a bf16 load with mixed_precision: no is Accelerate's pure mode
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
-    auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(accelerator.engine());
+    auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
     EXPECT_TRUE(engine.options().pure_low_precision);
     EXPECT_EQ(engine.exp_avg_partition().scalar_type(), at::kBFloat16);
     EXPECT_EQ(engine.exp_avg_sq_partition().scalar_type(), at::kBFloat16);
@@ -593,7 +594,7 @@ TEST(DistFsdpKeepLowPrecisionGrads, GradientShardStaysBf16AndTrainingFollowsTheF
       torch::manual_seed(0);
       tiny::TinyModel model(tiny::TinyConfig{});
       accelerator->prepare(model, {}, micro_batch(2));
-      auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(accelerator->engine());
+      auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(*accelerator));
       EXPECT_EQ(engine.gradient_partition().scalar_type(), keep ? at::kBFloat16 : at::kFloat);
       // Measured by the run: the gradient partition (1/W of every unit plus at
       // most W - 1 padding elements per unit) at 2 or 4 bytes an element.

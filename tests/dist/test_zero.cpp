@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "accelerator_internals.h"
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
@@ -73,7 +74,7 @@ TEST(DistZeroBf16, Stage3MastersAreFp32AndTheLowPrecisionCopyIsTheirRounding) {
     run.micro_batch_size = 4;
     run.hidden_size = model_config.hidden;
     auto prepared = accelerator.prepare(model, {}, run);
-    auto& engine = dynamic_cast<shardtrain::zero::ZeroEngine&>(accelerator.engine());
+    auto& engine = dynamic_cast<shardtrain::zero::ZeroEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
     for (int step = 0; step < 3; ++step) {
       at::Tensor tokens = at::stack({tiny::synthetic_sample(1, step * 8 + ctx.rank() * 4, model_config),
                                      tiny::synthetic_sample(1, step * 8 + ctx.rank() * 4 + 1, model_config)});

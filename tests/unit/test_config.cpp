@@ -118,9 +118,11 @@ std::vector<fs::path> config_files(const fs::path& directory) {
 
 TEST(UnitConfigFiles, EveryShippedConfigLoadsAndResolves) {
   std::vector<fs::path> files = config_files(kConfigsDir);
-  const std::vector<fs::path> articles = config_files(kConfigsDir / "articles");
-  files.insert(files.end(), articles.begin(), articles.end());
-  ASSERT_GE(files.size(), 20u);
+  for (const char* sub : {"articles", "gpu"}) {
+    const std::vector<fs::path> more = config_files(kConfigsDir / sub);
+    files.insert(files.end(), more.begin(), more.end());
+  }
+  ASSERT_GE(files.size(), 21u);
   for (const auto& file : files) {
     SCOPED_TRACE(file.string());
     TrainingConfig config;

@@ -30,6 +30,18 @@
 namespace {
 
 namespace kcpu = shardtrain::kernels::cpu;
+
+shardtrain::kernels::SgdParams sgd(double lr, double momentum, double weight_decay, bool nesterov, double grad_scale,
+                                   bool first_step) {
+  shardtrain::kernels::SgdParams p;
+  p.lr = lr;
+  p.momentum = momentum;
+  p.weight_decay = weight_decay;
+  p.nesterov = nesterov;
+  p.grad_scale = grad_scale;
+  p.first_step = first_step;
+  return p;
+}
 using shardtrain::ConfigError;
 using shardtrain::DistributedSampler;
 using shardtrain::LossScaleConfig;
@@ -193,7 +205,7 @@ TEST(UnitCpuKernels, FusedSgdMatchesTorchSgdWithMomentumAndNesterov) {
       const at::Tensor grad = at::randn({kNumel}) * 0.1;
       reference.mutable_grad() = grad.clone();
       optimizer.step();
-      kcpu::fused_sgd(master, &buffer, grad, &compute, lr, momentum, wd, nesterov, 1.0, step == 1);
+      kcpu::fused_sgd(master, &buffer, grad, &compute, sgd(lr, momentum, wd, nesterov, 1.0, step == 1));
       ASSERT_LE(max_rel_diff(master, reference), reordering_bound(step)) << "nesterov " << nesterov << " step " << step;
       ASSERT_TRUE(at::equal(compute, master.to(at::kBFloat16)));
     }
@@ -209,7 +221,7 @@ TEST(UnitCpuKernels, DefaultDispatchPathAlsoMatchesTorch) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string command =
       "ATEN_CPU_CAPABILITY=default '" + self +
-      "' --gtest_filter='UnitCpuKernels.FusedAdamW*:UnitCpuKernels.FusedAdamL2*:UnitCpuKernels.FusedSgd*' 2>&1";
+      "' --gtest_filter='UnitCpuKernels.FusedAdamW*:UnitCpuKernels.FusedAdamL2*:UnitCpuKernels.FusedSgd*:UnitKernelMath.Shared*' 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr) << command;
   std::string output;
@@ -217,18 +229,19 @@ TEST(UnitCpuKernels, DefaultDispatchPathAlsoMatchesTorch) {
   while (size_t got = std::fread(chunk, 1, sizeof(chunk), pipe)) output.append(chunk, got);
   const int status = pclose(pipe);
   EXPECT_EQ(status, 0) << output;
-  EXPECT_NE(output.find("[  PASSED  ] 3 tests"), std::string::npos) << output;
+  // Three torch comparisons and the three shared-math comparisons (unfused lanes).
+  EXPECT_NE(output.find("[  PASSED  ] 6 tests"), std::string::npos) << output;
 }
 
 TEST(UnitCpuKernels, PlainSgdNeedsNoMomentumBuffer) {
   at::Tensor master = at::ones({10});
   const at::Tensor grad = at::full({10}, 2.0f);
-  kcpu::fused_sgd(master, nullptr, grad, nullptr, 0.25, 0.0, 0.0, false, 1.0, true);
+  kcpu::fused_sgd(master, nullptr, grad, nullptr, sgd(0.25, 0.0, 0.0, false, 1.0, true));
   EXPECT_TRUE(at::equal(master, at::full({10}, 0.5f)));
-  EXPECT_THROW(kcpu::fused_sgd(master, nullptr, grad, nullptr, 0.1, 0.9, 0.0, false, 1.0, true),
+  EXPECT_THROW(kcpu::fused_sgd(master, nullptr, grad, nullptr, sgd(0.1, 0.9, 0.0, false, 1.0, true)),
                shardtrain::Error);
   at::Tensor buffer = at::zeros({10});
-  EXPECT_THROW(kcpu::fused_sgd(master, &buffer, grad, nullptr, 0.1, 0.0, 0.0, true, 1.0, true),
+  EXPECT_THROW(kcpu::fused_sgd(master, &buffer, grad, nullptr, sgd(0.1, 0.0, 0.0, true, 1.0, true)),
                shardtrain::Error);
 }
 

@@ -25,7 +25,7 @@ class GlooCommunicator final : public Communicator {
                    CommOptions options, std::string hostname, std::string store_prefix);
 
   std::string backend() const override { return "gloo"; }
-  at::DeviceType device_type() const override { return at::kCPU; }
+  at::Device device() const override { return at::Device(at::kCPU); }
 
  protected:
   WorkPtr do_all_gather(const at::Tensor& output, const at::Tensor& input,

@@ -13,6 +13,7 @@
 #include <nccl.h>
 
 #include "comm/nccl/nccl_utils.h"
+#include "comm/nccl/nccl_watchdog.h"
 #include "comm/nccl_factory.h"
 #include "comm/work_util.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -33,12 +34,10 @@
 namespace shardtrain::comm {
 namespace nccl_detail {
 
-using Clock = std::chrono::steady_clock;
 namespace kcuda = ::shardtrain::kernels::cuda;
 
-/// Host-side poll interval: short at first so that small collectives return
-/// within microseconds of finishing, growing to 1 ms so that a long wait (a
-/// straggling rank) does not spin a core the data loader may need.
+/// Poll interval for the waits that must block the host (communicator set-up
+/// and teardown): short at first, growing to 1 ms.
 class Backoff {
  public:
   void sleep() {
@@ -55,7 +54,7 @@ class Backoff {
 /// handle) means "the current device's".
 cudaStream_t caller_stream(int device) {
 #if defined(SHARDTRAIN_TORCH_CUDA)
-  return compat::current_cuda_stream(device);
+  return static_cast<cudaStream_t>(compat::current_cuda_stream(device));
 #else
   // Without a CUDA LibTorch no ATen stream exists; any CUDA work of the
   // caller runs on the legacy default stream.
@@ -120,6 +119,8 @@ struct NcclState {
   ncclComm_t comm = nullptr;
   bool aborted = false;
   std::string abort_reason;
+  /// Follows the collectives in flight; stopped first at teardown.
+  std::unique_ptr<Watchdog> watchdog;
 
   NcclState() = default;
   NcclState(const NcclState&) = delete;
@@ -177,25 +178,43 @@ struct NcclState {
     return result;
   }
 
-  /// NCCL's asynchronous state (a peer's network error, a failed proxy). On a
-  /// real error the communicator is aborted; `detail` receives NCCL's last
-  /// error text, read before the abort frees it.
-  ncclResult_t poll_async_error(std::string* detail) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (comm == nullptr) return ncclSuccess;  // aborted: reported through `aborted`
+  /// NCCL's asynchronous state (a peer's network error, a failed proxy), for
+  /// the watchdog: empty while healthy; on a real error the communicator is
+  /// aborted and the text names NCCL's error. Never blocks: while another
+  /// thread is inside an NCCL call this round is skipped.
+  std::string poll_async_error() {
+    std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
+    if (!lock.owns_lock()) return {};
+    if (aborted) return abort_reason;  // aborted while issuing (a fatal NCCL result)
+    if (comm == nullptr) return {};
     ncclResult_t state = ncclSuccess;
     const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
     const ncclResult_t result = query != ncclSuccess ? query : state;
-    if (result != ncclSuccess && result != ncclInProgress) {
-      const char* text = ncclGetLastError(comm);
-      *detail = text != nullptr ? text : "";
-      abort_locked(std::string("NCCL reported ") + ncclGetErrorString(result));
-    }
-    return result;
+    if (result == ncclSuccess || result == ncclInProgress) return {};
+    const char* text = ncclGetLastError(comm);
+    const std::string reason = std::string("NCCL reported ") + ncclGetErrorString(result) +
+                               (text != nullptr && *text != 0 ? std::string(" (") + text + ")" : std::string()) +
+                               "; a peer rank probably died or lost its network";
+    abort_locked(reason);
+    return reason;
+  }
+
+  /// Creates the stream, events, barrier buffer and the watchdog.
+  void create_resources() {
+    // Non-blocking: it must not synchronise with the legacy default stream,
+    // which a caller without a CUDA LibTorch computes on; ordering is by events.
+    ST_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    ST_CHECK_CUDA(cudaEventCreateWithFlags(&ready_event, cudaEventDisableTiming));
+    ST_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_buffer), sizeof(float)));
+    ST_CHECK_CUDA(cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream));
+    watchdog = std::make_unique<Watchdog>(
+        device, timeout, [this] { return poll_async_error(); }, [this](const std::string& reason) { abort(reason); });
   }
 };
 
 NcclState::~NcclState() {
+  // The watchdog calls back into this state: it goes first.
+  watchdog.reset();
   int previous = -1;
   // At process exit the CUDA runtime may already be unloading; then touching
   // NCCL or CUDA can crash, and the OS reclaims everything anyway.
@@ -279,121 +298,112 @@ struct IssueContext {
   }
 };
 
-/// Handle of one issued collective. Owns its completion event and every tensor
-/// the GPU still reads or writes (inputs, outputs, fp32 temporaries), so their
-/// memory cannot return to the caching allocator while NCCL uses it.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+/// ncclCommSplit of `parent` (collective over all its ranks): `color` picks
+/// the sub-group (NCCL_SPLIT_NOCOLOR: none, the result is null), `key` the
+/// rank order in it. Non-blocking, like every communicator here, and bounded
+/// by the parent's timeout.
+ncclComm_t split_communicator(NcclState& parent, int color, int key, const std::string& what) {
+  std::lock_guard<std::mutex> lock(parent.mutex);
+  parent.ensure_usable_locked(what);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t child = nullptr;
+  ncclResult_t result = ncclCommSplit(parent.comm, color, key, &child, &config);
+  const Clock::time_point deadline = Clock::now() + parent.timeout;
+  Backoff backoff;
+  // Both communicators report the split's progress: the parent (which all
+  // ranks share) and the child (members only).
+  auto state_of = [](ncclComm_t c) {
+    if (c == nullptr) return ncclSuccess;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(c, &state);
+    return query != ncclSuccess ? query : state;
+  };
+  while (result == ncclInProgress) {
+    if (Clock::now() >= deadline) {
+      if (child != nullptr) (void)ncclCommAbort(child);
+      parent.abort_locked("timeout of " + what);
+      rethrow_collective_failure(what, parent.timeout,
+                                 std::runtime_error("ncclCommSplit timed out: not every rank of the parent group "
+                                                    "called new_group/split; the parent communicator was aborted"));
+    }
+    backoff.sleep();
+    const ncclResult_t from_parent = state_of(parent.comm);
+    const ncclResult_t from_child = state_of(child);
+    result = from_parent != ncclSuccess ? from_parent : from_child;
+  }
+  if (result != ncclSuccess) {
+    const char* text = ncclGetLastError(parent.comm);
+    const std::string detail = text != nullptr ? text : "";
+    if (child != nullptr) (void)ncclCommAbort(child);
+    parent.abort_locked(std::string("ncclCommSplit returned ") + ncclGetErrorString(result));
+    ST_THROW(Error, what, " failed: ncclCommSplit returned ", ncclGetErrorString(result), detail.empty() ? "" : " (",
+             detail, detail.empty() ? "" : ")", "; the parent communicator was aborted");
+  }
+  return child;
+}
+#endif
+
+/// Handle of one issued collective. Holds every tensor the GPU still reads or
+/// writes (inputs, outputs, fp32 temporaries) until wait() has ordered the
+/// caller's stream after the collective, so their memory cannot return to the
+/// caching allocator for other work while NCCL uses it. Completion, errors
+/// and the deadline are the watchdog's: wait() never blocks the host.
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclState> state, cudaEvent_t done, cudaStream_t issue_stream,
-           std::vector<at::Tensor> keep_alive, std::string description, Clock::time_point deadline)
-      : state_(std::move(state)), done_(done), issue_stream_(issue_stream),
-        keep_alive_(std::move(keep_alive)), description_(std::move(description)), deadline_(deadline) {}
+  NcclWork(std::shared_ptr<NcclState> state, std::shared_ptr<PendingCollective> pending, cudaStream_t issue_stream,
+           std::vector<at::Tensor> keep_alive)
+      : state_(std::move(state)), pending_(std::move(pending)), issue_stream_(issue_stream),
+        keep_alive_(std::move(keep_alive)) {}
 
   ~NcclWork() override {
+    if (ordered_) return;
     int previous = -1;
     if (cudaGetDevice(&previous) != cudaSuccess) {
       (void)cudaGetLastError();
       return;  // runtime unloading at exit
     }
     (void)cudaSetDevice(state_->device);
-    if (!finished_) {
-      // Dropped without wait(): the kept tensors go back to the caching
-      // allocator now, which may hand their blocks to the next allocation on the
-      // issuing stream while the collective still writes them. Making that
-      // stream wait for the collective closes the window without blocking here.
-      (void)cudaStreamWaitEvent(issue_stream_, done_, 0);
-    }
-    (void)cudaEventDestroy(done_);
+    // Dropped without wait(): the kept tensors go back to the caching
+    // allocator now, which may hand their blocks to the next allocation on the
+    // issuing stream while the collective still writes them. Making that
+    // stream wait for the collective closes the window without blocking here.
+    (void)cudaStreamWaitEvent(issue_stream_, pending_->done_event(), 0);
     (void)cudaGetLastError();
     (void)cudaSetDevice(previous);
   }
 
+  /// Orders the caller's current stream (and the issuing one) after the
+  /// collective and returns; throws when the watchdog has failed it already.
   void wait() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_) std::rethrow_exception(failure_);
-    if (finished_) return;
-    try {
-      wait_locked();
-    } catch (...) {
-      failure_ = std::current_exception();
-      throw;
-    }
+    std::lock_guard<std::mutex> lock(mutex_);  // guards ordered_ and keep_alive_ only
+    if (pending_->status() == PendingCollective::Status::kFailed) std::rethrow_exception(pending_->failure());
+    if (ordered_) return;
+    CudaDeviceGuard guard(state_->device);
+    const cudaStream_t caller = caller_stream(state_->device);
+    ST_CHECK_CUDA(cudaStreamWaitEvent(caller, pending_->done_event(), 0));
+    if (issue_stream_ != caller) ST_CHECK_CUDA(cudaStreamWaitEvent(issue_stream_, pending_->done_event(), 0));
+    keep_alive_.clear();
+    ordered_ = true;
   }
 
-  bool is_completed() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_ || failure_) return true;
-    const cudaError_t query = cudaEventQuery(done_);
-    if (query != cudaSuccess && query != cudaErrorNotReady) (void)cudaGetLastError();
-    return query != cudaErrorNotReady;  // an error is "completed": wait() reports it
+  bool is_completed() override { return pending_->status() != PendingCollective::Status::kRunning; }
+
+  /// wait(), then blocks the host until the collective finished (barrier).
+  void wait_on_host() {
+    wait();
+    pending_->wait_settled();
+    if (pending_->status() == PendingCollective::Status::kFailed) std::rethrow_exception(pending_->failure());
   }
 
  private:
-  void wait_locked() {
-    CudaDeviceGuard guard(state_->device);
-    // GPU-side ordering first: work the caller enqueues after wait() must see
-    // the output, on the stream current now and on the stream that issued.
-    const cudaStream_t caller = caller_stream(state_->device);
-    ST_CHECK_CUDA(cudaStreamWaitEvent(caller, done_, 0));
-    if (issue_stream_ != caller) ST_CHECK_CUDA(cudaStreamWaitEvent(issue_stream_, done_, 0));
-
-    // Then the host waits, with a deadline: a GPU kernel waiting for a rank
-    // that never joins would otherwise never finish, and nothing would report it.
-    Backoff backoff;
-    while (true) {
-      const cudaError_t query = cudaEventQuery(done_);
-      if (query == cudaSuccess) break;
-      if (query != cudaErrorNotReady) {
-        (void)cudaGetLastError();
-        state_->abort(std::string("CUDA error ") + cudaGetErrorName(query));
-        ST_THROW(Error, description_, " failed: CUDA reported ", cudaGetErrorName(query), " (",
-                 cudaGetErrorString(query), ") while it ran; the communicator was aborted");
-      }
-      std::string detail;
-      const ncclResult_t async = state_->poll_async_error(&detail);
-      if (async != ncclSuccess && async != ncclInProgress) {
-        ST_THROW(Error, description_, " failed: NCCL reported ", ncclGetErrorString(async),
-                 detail.empty() ? "" : " (", detail, detail.empty() ? "" : ")",
-                 "; a peer rank probably died or lost its network. The communicator was aborted");
-      }
-      if (state_->is_aborted()) {
-        // Another collective's failure aborted the communicator: this one can
-        // no longer complete correctly, so there is nothing to wait for.
-        std::lock_guard<std::mutex> state_lock(state_->mutex);
-        ST_THROW(Error, description_, " failed: the communicator was aborted while this collective was in "
-                 "flight (", state_->abort_reason, ")");
-      }
-      if (Clock::now() >= deadline_) {
-        state_->abort("timeout of " + description_);
-        rethrow_collective_failure(
-            description_, state_->timeout,
-            std::runtime_error("the NCCL collective timed out: still running on the GPU at the deadline; "
-                               "the communicator was aborted (ncclCommAbort)"));
-      }
-      backoff.sleep();
-    }
-    {
-      // After ncclCommAbort the NCCL kernels are cut short and the event fires
-      // anyway: completion then does not mean the output is valid.
-      std::lock_guard<std::mutex> state_lock(state_->mutex);
-      if (state_->aborted) {
-        ST_THROW(Error, description_, " failed: the communicator was aborted while this collective was in "
-                 "flight (", state_->abort_reason, "); its output is not valid");
-      }
-    }
-    keep_alive_.clear();
-    finished_ = true;
-  }
-
   std::mutex mutex_;
   std::shared_ptr<NcclState> state_;
-  cudaEvent_t done_;
+  std::shared_ptr<PendingCollective> pending_;
   cudaStream_t issue_stream_;
   std::vector<at::Tensor> keep_alive_;
-  std::string description_;
-  Clock::time_point deadline_;
-  bool finished_ = false;
-  std::exception_ptr failure_;
+  bool ordered_ = false;
 };
 
 }  // namespace nccl_detail
@@ -422,12 +432,7 @@ NcclCommunicator::NcclCommunicator(compat::StorePtr store, int rank, int world_s
 
   // If anything below throws, state_'s destructor releases what exists so far.
   CudaDeviceGuard guard(device_);
-  // Non-blocking: it must not synchronise with the legacy default stream,
-  // which a caller without a CUDA LibTorch computes on; ordering is by events.
-  ST_CHECK_CUDA(cudaStreamCreateWithFlags(&state_->stream, cudaStreamNonBlocking));
-  ST_CHECK_CUDA(cudaEventCreateWithFlags(&state_->ready_event, cudaEventDisableTiming));
-  ST_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&state_->barrier_buffer), sizeof(float)));
-  ST_CHECK_CUDA(cudaMemsetAsync(state_->barrier_buffer, 0, sizeof(float), state_->stream));
+  state_->create_resources();
 
   // Rank 0 creates the id (it embeds rank 0's bootstrap address); everyone else
   // reads it from the store, bounded by the timeout.
@@ -525,8 +530,9 @@ WorkPtr NcclCommunicator::issue(const CollectiveEvent& event, std::vector<at::Te
       throw;
     }
   }
-  return std::make_shared<nccl_detail::NcclWork>(state_, done, caller, std::move(keep_alive), description,
-                                                 deadline);
+  auto pending = std::make_shared<nccl_detail::PendingCollective>(device_, done, description, deadline);
+  state_->watchdog->watch(pending);
+  return std::make_shared<nccl_detail::NcclWork>(state_, std::move(pending), caller, std::move(keep_alive));
 }
 
 WorkPtr NcclCommunicator::do_all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -650,10 +656,11 @@ void NcclCommunicator::do_barrier() {
   float* buffer = state_->barrier_buffer;
   // A one-element all-reduce that every rank must join; waiting for it on the
   // host also drains whatever the caller's stream had queued before.
-  issue(event, {}, [&](IssueContext& ctx) {
+  WorkPtr work = issue(event, {}, [&](IssueContext& ctx) {
     ctx.nccl(ncclAllReduce(buffer, buffer, 1, ncclFloat32, ncclSum, ctx.comm(), ctx.stream),
              "ncclAllReduce (barrier)");
-  })->wait();
+  });
+  static_cast<nccl_detail::NcclWork&>(*work).wait_on_host();
 }
 
 std::shared_ptr<Communicator> NcclCommunicator::do_new_group(const std::vector<int>& ranks, int64_t group_index) {
@@ -661,12 +668,53 @@ std::shared_ptr<Communicator> NcclCommunicator::do_new_group(const std::vector<i
   global.reserve(ranks.size());
   for (int r : ranks) global.push_back(global_ranks()[r]);
   const int my_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  // ncclCommSplit reuses the parent's bootstrap and connections: no store
+  // round trip and no new unique id. Non-members take part through
+  // do_new_group_not_member.
+  return std::make_shared<NcclCommunicator>(*this, my_index, static_cast<int>(ranks.size()), std::move(global),
+                                            group_index);
+#else
   // Same store, a prefix derived as GlooCommunicator derives it: the sub-group's
   // rank 0 publishes a fresh unique id there.
   return std::make_shared<NcclCommunicator>(root_store_, my_index, static_cast<int>(ranks.size()),
                                             std::move(global), options(), device_,
                                             store_prefix_ + "g" + std::to_string(group_index) + "/");
+#endif
 }
+
+void NcclCommunicator::do_new_group_not_member(int64_t group_index) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  CudaDeviceGuard guard(device_);
+  (void)nccl_detail::split_communicator(*state_, NCCL_SPLIT_NOCOLOR, rank(),
+                                        "new_group " + std::to_string(group_index) + " (not a member) on nccl rank " +
+                                            std::to_string(rank()) + " of " + std::to_string(world_size()));
+#else
+  (void)group_index;  // the unique-id path involves members only
+#endif
+}
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+NcclCommunicator::NcclCommunicator(NcclCommunicator& parent, int rank, int world_size, std::vector<int> global_ranks,
+                                   int64_t group_index)
+    : Communicator(rank, world_size, std::move(global_ranks), parent.options()), root_store_(parent.root_store_),
+      store_prefix_(parent.store_prefix_ + "g" + std::to_string(group_index) + "/"), device_(parent.device_),
+      state_(std::make_shared<NcclState>()) {
+  state_->device = device_;
+  state_->timeout = options().timeout;
+  state_->name = "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " on cuda:" +
+                 std::to_string(device_) + " (split " + std::to_string(group_index) + " of " + parent.state_->name +
+                 ")";
+  CudaDeviceGuard guard(device_);
+  state_->create_resources();
+  // The key orders the sub-group: this rank sits where the caller listed it.
+  ncclComm_t child = nccl_detail::split_communicator(*parent.state_, /*color=*/0, /*key=*/rank,
+                                                     "new_group " + std::to_string(group_index) + " of " +
+                                                         parent.state_->name);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->comm = child;
+}
+#endif
 
 // ---- factory (comm/nccl_factory.h) -------------------------------------------------
 
@@ -703,6 +751,21 @@ CommunicatorPtr make_nccl_communicator(compat::StorePtr store, int rank, int wor
                                        std::vector<int> global_ranks, CommOptions options, int device_index) {
   const std::string reason = nccl_unavailable_reason();
   if (!reason.empty()) ST_THROW(ConfigError, "cannot create an NCCL communicator: ", reason);
+  // The library in the process is the one LibTorch loaded first (one soname,
+  // libnccl.so.2); it must not be older than the headers shardtrain was built
+  // with, whose calls and config struct it must understand.
+  int loaded = 0;
+  ST_CHECK_NCCL(ncclGetVersion(&loaded));
+  if (loaded < NCCL_VERSION_CODE) {
+    ST_THROW(ConfigError, "the NCCL library in this process is version code ", loaded, ", older than the NCCL ",
+             nccl_version_string(), " headers shardtrain was built with (code ", NCCL_VERSION_CODE,
+             "); rebuild against the NCCL LibTorch uses (a pip wheel's site-packages/nvidia/nccl, found "
+             "automatically with SHARDTRAIN_TORCH_FROM_PYTHON, or NCCL_HOME)");
+  }
+  if (loaded / 100 != NCCL_VERSION_CODE / 100) {
+    ST_LOG_WARN("NCCL: built with {} headers, running with library version code {} (LibTorch's)",
+                nccl_version_string(), loaded);
+  }
   int count = 0;
   ST_CHECK_CUDA(cudaGetDeviceCount(&count));
   int device = device_index;

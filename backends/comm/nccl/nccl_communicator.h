@@ -47,10 +47,17 @@ class NcclCommunicator : public Communicator {
   /// Throws TimeoutError when not every rank arrives within options.timeout.
   NcclCommunicator(compat::StorePtr store, int rank, int world_size, std::vector<int> global_ranks,
                    CommOptions options, int device_index, std::string store_prefix);
+  /// A sub-group split from `parent` (ncclCommSplit, NCCL >= 2.18): called by
+  /// the members, while the other ranks of `parent` take part through
+  /// do_new_group_not_member. `rank` is this process's rank in the sub-group.
+  NcclCommunicator(NcclCommunicator& parent, int rank, int world_size, std::vector<int> global_ranks,
+                   int64_t group_index);
   ~NcclCommunicator() override;
 
   std::string backend() const override { return "nccl"; }
-  at::DeviceType device_type() const override { return at::kCUDA; }
+  at::Device device() const override {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  }
   /// The CUDA device this communicator drives; tensors must live there.
   int device_index() const { return device_; }
 
@@ -65,6 +72,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
   void do_barrier() override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;
+  void do_new_group_not_member(int64_t group_index) override;
 
  private:
   /// Orders the communication stream after the caller's stream, runs `enqueue`

@@ -1,8 +1,9 @@
 // CPU versions of the shared kernels (see cpu_kernels.h for the contract).
 //
 // Each optimizer kernel walks its buffers once, one vector of floats at a
-// time, inside at::parallel_for chunks. The per-element arithmetic is written
-// once (adam_update, sgd_update) against a small vector-ops policy:
+// time, inside at::parallel_for chunks. The per-element arithmetic is
+// element_math.h's (adam_update, sgd_update, shared with the CUDA kernels),
+// instantiated with a vector-ops policy:
 //  * GenericOps: at::vec::Vectorized<float>, compiled for the baseline ISA,
 //    with every multiply-add rounded twice, as LibTorch's DEFAULT kernels do;
 //  * Avx2Ops (x86): raw AVX2 registers with the multiply-adds LibTorch's
@@ -10,6 +11,15 @@
 //    dispatches those kernels.
 // Either way an element's result depends only on its inputs, never on where
 // chunk or vector boundaries fell.
+
+#if defined(__GNUC__)
+// The element loops are templates compiled for the baseline target but
+// instantiated with Avx2Ops, whose functions pass __m256 by value; GCC warns
+// about that ABI on the template body. The body is always_inline and only
+// ever lands inside an ST_AVX2_TARGET function, so no call with the baseline
+// ABI is emitted.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -26,6 +36,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "kernels/element_math.h"
 #include "shardtrain/error.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -41,14 +52,6 @@
 #define ST_ALWAYS_INLINE inline
 #endif
 
-#if defined(__GNUC__)
-// The element loops are templates compiled for the baseline target but
-// instantiated with Avx2Ops, whose functions pass __m256 by value; GCC warns
-// about that ABI on the template body. The body is always_inline and only
-// ever lands inside an ST_AVX2_TARGET function, so no call with the baseline
-// ABI is emitted.
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
 
 namespace shardtrain::kernels::cpu {
 namespace {
@@ -273,83 +276,18 @@ void check_low_precision_out(const at::Tensor* out, int64_t numel) {
 
 // ---- Adam ---------------------------------------------------------------------
 
-/// Per-step constants, each rounded to float from a double expression exactly
-/// where torch::optim rounds its Scalar arguments.
-struct AdamScalars {
-  float grad_scale;
-  float l2;             ///< wd, Adam mode only
-  float decay;          ///< 1 - lr*wd, AdamW mode only
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float sqrt_bc2;       ///< sqrt(1 - beta2^step)
-  float eps;
-  float neg_step_size;  ///< -lr / (1 - beta1^step)
-  // torch skips these terms when wd == 0; skipping too keeps 0*inf from
-  // turning an inf parameter into NaN where torch would not.
-  bool use_l2;
-  bool use_decay;
-};
-
-AdamScalars adam_scalars(const AdamParams& p) {
-  ST_CHECK(p.step >= 1, "Adam step must be >= 1 (1-based, after the increment), got ", p.step);
-  ST_CHECK(std::isfinite(p.lr) && std::isfinite(p.eps) && std::isfinite(p.weight_decay) &&
-               std::isfinite(p.grad_scale),
-           "Adam hyper-parameters must be finite (lr=", p.lr, ", eps=", p.eps,
-           ", weight_decay=", p.weight_decay, ", grad_scale=", p.grad_scale, ")");
-  ST_CHECK(p.beta1 >= 0.0 && p.beta1 < 1.0 && p.beta2 >= 0.0 && p.beta2 < 1.0,
-           "Adam betas must lie in [0, 1), got (", p.beta1, ", ", p.beta2, ")");
-  const double step = static_cast<double>(p.step);
-  // std::pow in double, as torch computes bias_correction = 1 - std::pow(beta, step).
-  const double bc1 = p.bias_correction ? 1.0 - std::pow(p.beta1, step) : 1.0;
-  const double bc2 = p.bias_correction ? 1.0 - std::pow(p.beta2, step) : 1.0;
-  AdamScalars c{};
-  c.grad_scale = static_cast<float>(p.grad_scale);
-  c.use_l2 = !p.adam_w_mode && p.weight_decay != 0.0;
-  c.use_decay = p.adam_w_mode && p.weight_decay != 0.0;
-  c.l2 = static_cast<float>(p.weight_decay);
-  c.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
-  c.beta1 = static_cast<float>(p.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - p.beta1);
-  c.beta2 = static_cast<float>(p.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  c.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
-  c.eps = static_cast<float>(p.eps);
-  c.neg_step_size = static_cast<float>(-(p.lr / bc1));
-  return c;
-}
-
-/// One Adam(W) update of a vector of elements, in torch::optim's order:
-///   AdamW: p.mul_(1 - lr*wd)          Adam: grad = grad.add(p, wd)  -> madd(p, wd, g)
-///   m.mul_(b1).add_(g, 1 - b1)        -> madd(g, 1-b1, m*b1)
-///   v.mul_(b2).addcmul_(g, g, 1 - b2) -> madd((1-b2)*g, g, v*b2)
-///   denom = (v.sqrt() / sqrt(bc2)).add_(eps)
-///   p.addcdiv_(m, denom, -step_size)  -> p + ((-step_size)*m) / denom
-/// (the constant broadcasts are loop-invariant and hoisted by the compiler).
-template <class Ops>
-ST_ALWAYS_INLINE void adam_update(typename Ops::V& p, typename Ops::V& m, typename Ops::V& v,
-                                  const typename Ops::V& grad, const AdamScalars& c) {
-  using V = typename Ops::V;
-  V g = Ops::mul(grad, Ops::set1(c.grad_scale));
-  if (c.use_l2) g = Ops::madd(p, Ops::set1(c.l2), g);
-  if (c.use_decay) p = Ops::mul(p, Ops::set1(c.decay));
-  m = Ops::madd(g, Ops::set1(c.one_minus_beta1), Ops::mul(m, Ops::set1(c.beta1)));
-  v = Ops::madd(Ops::mul(Ops::set1(c.one_minus_beta2), g), g, Ops::mul(v, Ops::set1(c.beta2)));
-  const V denom = Ops::add(Ops::div(Ops::sqrt(v), Ops::set1(c.sqrt_bc2)), Ops::set1(c.eps));
-  p = Ops::add(p, Ops::div(Ops::mul(Ops::set1(c.neg_step_size), m), denom));
-}
-
 /// StateT: what param/m/v are stored in (float, or bf16/fp16 in pure low
 /// precision mode). OutT: the optional compute copy's type (unused unless kWriteOut).
 template <class Ops, typename StateT, typename GradT, typename OutT, bool kWriteOut>
 ST_ALWAYS_INLINE void adam_range(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
-                                 OutT* out, int64_t begin, int64_t end, const AdamScalars& c) {
+                                 OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c) {
   using V = typename Ops::V;
   for (int64_t i = begin; i < end; i += Ops::kWidth) {
     const int64_t count = std::min(Ops::kWidth, end - i);
     V p = Ops::load(param + i, count);
     V m = Ops::load(exp_avg + i, count);
     V v = Ops::load(exp_avg_sq + i, count);
-    adam_update<Ops>(p, m, v, Ops::load(grad + i, count), c);
+    math::adam_update<Ops>(p, m, v, Ops::load(grad + i, count), c);
     Ops::store(param + i, p, count);
     Ops::store(exp_avg + i, m, count);
     Ops::store(exp_avg_sq + i, v, count);
@@ -359,7 +297,7 @@ ST_ALWAYS_INLINE void adam_range(StateT* param, StateT* exp_avg, StateT* exp_avg
 
 template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
 void adam_range_generic(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
-                        int64_t begin, int64_t end, const AdamScalars& c) {
+                        int64_t begin, int64_t end, const math::AdamScalars& c) {
   adam_range<GenericOps, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end,
                                                          c);
 }
@@ -367,7 +305,7 @@ void adam_range_generic(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, cons
 #if ST_HAVE_AVX2_PATH
 template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
 ST_AVX2_TARGET void adam_range_avx2(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
-                                    OutT* out, int64_t begin, int64_t end, const AdamScalars& c) {
+                                    OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c) {
   adam_range<Avx2Ops, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
 }
 #endif
@@ -376,7 +314,7 @@ ST_AVX2_TARGET void adam_range_avx2(StateT* param, StateT* exp_avg, StateT* exp_
 /// multiply-add flavour LibTorch uses on this machine.
 template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
 void adam_parallel(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
-                   int64_t n, const AdamScalars& c) {
+                   int64_t n, const math::AdamScalars& c) {
 #if ST_HAVE_AVX2_PATH
   if (fuses_multiply_add()) {
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
@@ -392,47 +330,16 @@ void adam_parallel(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const Gra
 
 // ---- SGD ----------------------------------------------------------------------
 
-struct SgdScalars {
-  float grad_scale;
-  float weight_decay;
-  float momentum;
-  float neg_lr;  ///< -1 * lr, torch's add_(d_p, -1 * lr)
-  bool use_wd;
-  bool use_momentum;
-  bool nesterov;
-  bool first_step;
-};
-
-/// torch::optim::SGD's order (dampening 0):
-///   d = grad.add(p, wd)                     -> madd(p, wd, g)
-///   buf = clone(d) on the first step, else buf.mul_(mom).add_(d, 1)
-///                                           -> round(buf*mom) + d (d*1 is exact,
-///                                              so fused or not it rounds twice)
-///   nesterov: d = d.add(buf, mom)           -> madd(buf, mom, d); else d = buf
-///   p.add_(d, -lr)                          -> madd(d, -lr, p)
-template <class Ops>
-ST_ALWAYS_INLINE void sgd_update(typename Ops::V& p, typename Ops::V& buf, const typename Ops::V& grad,
-                                 const SgdScalars& c) {
-  using V = typename Ops::V;
-  V d = Ops::mul(grad, Ops::set1(c.grad_scale));
-  if (c.use_wd) d = Ops::madd(p, Ops::set1(c.weight_decay), d);
-  if (c.use_momentum) {
-    buf = c.first_step ? d : Ops::mul_then_add(buf, Ops::set1(c.momentum), d);
-    d = c.nesterov ? Ops::madd(buf, Ops::set1(c.momentum), d) : buf;
-  }
-  p = Ops::madd(d, Ops::set1(c.neg_lr), p);
-}
-
 template <class Ops, typename GradT, typename OutT, bool kWriteOut>
 ST_ALWAYS_INLINE void sgd_range(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                                int64_t end, const SgdScalars& c) {
+                                int64_t end, const math::SgdScalars& c) {
   using V = typename Ops::V;
   const bool read_buffer = c.use_momentum && !c.first_step;
   for (int64_t i = begin; i < end; i += Ops::kWidth) {
     const int64_t count = std::min(Ops::kWidth, end - i);
     V p = Ops::load(param + i, count);
     V buf = read_buffer ? Ops::load(buffer + i, count) : Ops::set1(0.0f);
-    sgd_update<Ops>(p, buf, Ops::load(grad + i, count), c);
+    math::sgd_update<Ops>(p, buf, Ops::load(grad + i, count), c);
     Ops::store(param + i, p, count);
     if (c.use_momentum) Ops::store(buffer + i, buf, count);
     if constexpr (kWriteOut) Ops::store(out + i, p, count);
@@ -441,21 +348,21 @@ ST_ALWAYS_INLINE void sgd_range(float* param, float* buffer, const GradT* grad, 
 
 template <typename GradT, typename OutT, bool kWriteOut>
 void sgd_range_generic(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                       int64_t end, const SgdScalars& c) {
+                       int64_t end, const math::SgdScalars& c) {
   sgd_range<GenericOps, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
 }
 
 #if ST_HAVE_AVX2_PATH
 template <typename GradT, typename OutT, bool kWriteOut>
 ST_AVX2_TARGET void sgd_range_avx2(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                                   int64_t end, const SgdScalars& c) {
+                                   int64_t end, const math::SgdScalars& c) {
   sgd_range<Avx2Ops, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
 }
 #endif
 
 template <typename GradT, typename OutT, bool kWriteOut>
 void sgd_parallel(float* param, float* buffer, const GradT* grad, OutT* out, int64_t n,
-                  const SgdScalars& c) {
+                  const math::SgdScalars& c) {
 #if ST_HAVE_AVX2_PATH
   if (fuses_multiply_add()) {
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
@@ -471,27 +378,35 @@ void sgd_parallel(float* param, float* buffer, const GradT* grad, OutT* out, int
 
 // ---- reductions -----------------------------------------------------------------
 
-// The unit of deterministic summation: blocks are fixed by the element index
-// alone, never by the thread count.
-constexpr int64_t kSumBlock = 16384;
+using math::kSumBlock;
+using math::kSumLanes;
 
+/// One block of element_math.h's gradient-norm order: lane l adds elements
+/// l, l + kSumLanes, ... and the lanes fold pairwise, as the CUDA kernel's
+/// threads do. The lane loop is independent across lanes, so the compiler
+/// vectorises it.
 template <typename T>
 double block_sum_of_squares(const T* x, int64_t n) {
-  // Eight independent accumulators (a fixed pattern, so still deterministic)
-  // let the compiler keep several fp64 adds in flight instead of one chain.
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  alignas(64) double lanes[kSumLanes] = {};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const double d = static_cast<float>(x[i + k]);
-      acc[k] += d * d;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+#if defined(__FP_FAST_FMA)
+      // The ISA has fma, so GCC's default contraction could fuse the square
+      // into the add; add_square keeps them two roundings.
+      lanes[l] = math::add_square(lanes[l], static_cast<float>(x[i + l]));
+#else
+      // No fma in this ISA: nothing can fuse, and the plain form vectorises.
+      const double d = static_cast<float>(x[i + l]);
+      lanes[l] += d * d;
+#endif
     }
   }
-  for (; i < n; ++i) {
-    const double d = static_cast<float>(x[i]);
-    acc[i & 7] += d * d;
+  for (int l = 0; i + l < n; ++l) lanes[l] = math::add_square(lanes[l], static_cast<float>(x[i + l]));
+  for (int s = kSumLanes / 2; s > 0; s /= 2) {
+    for (int l = 0; l < s; ++l) lanes[l] += lanes[l + s];
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  return lanes[0];
 }
 
 // Inf and NaN are the values whose exponent bits are all ones, in every IEEE
@@ -552,7 +467,7 @@ void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
   check_same_numel(exp_avg_sq, "exp_avg_sq", n);
   check_same_numel(grad, "grad", n);
   check_low_precision_out(low_precision_out, n);
-  const AdamScalars c = adam_scalars(p);
+  const math::AdamScalars c = adam_scalars(p);
   if (n == 0) return;
 
   float* param_ptr = master.data_ptr<float>();
@@ -592,7 +507,7 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
   check_same_numel(exp_avg, "exp_avg", n);
   check_same_numel(exp_avg_sq, "exp_avg_sq", n);
   check_same_numel(grad, "grad", n);
-  const AdamScalars c = adam_scalars(p);
+  const math::AdamScalars c = adam_scalars(p);
   if (n == 0) return;
 
   dispatch_float_types(type, "param", [&](auto state_tag) {
@@ -611,8 +526,7 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
 }
 
 void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-               at::Tensor* low_precision_out, double lr, double momentum, double weight_decay,
-               bool nesterov, double grad_scale, bool first_step) {
+               at::Tensor* low_precision_out, const SgdParams& params) {
   check_cpu_contiguous(master, "master");
   check_cpu_contiguous(grad, "grad");
   ST_CHECK(master.scalar_type() == at::kFloat, "fused_sgd keeps the master in float32, got ",
@@ -620,23 +534,10 @@ void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor
   const int64_t n = master.numel();
   check_same_numel(grad, "grad", n);
   check_low_precision_out(low_precision_out, n);
-  ST_CHECK(std::isfinite(lr) && std::isfinite(momentum) && std::isfinite(weight_decay) &&
-               std::isfinite(grad_scale),
-           "SGD hyper-parameters must be finite (lr=", lr, ", momentum=", momentum,
-           ", weight_decay=", weight_decay, ", grad_scale=", grad_scale, ")");
-  ST_CHECK(!nesterov || momentum > 0.0, "Nesterov momentum requires momentum > 0, got ", momentum);
-  SgdScalars c{};
-  c.use_momentum = momentum != 0.0;
-  c.use_wd = weight_decay != 0.0;
-  c.nesterov = nesterov;
-  c.first_step = first_step;
-  c.grad_scale = static_cast<float>(grad_scale);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.momentum = static_cast<float>(momentum);
-  c.neg_lr = static_cast<float>(-1 * lr);
+  const math::SgdScalars c = sgd_scalars(params);
   float* buffer_ptr = nullptr;
   if (c.use_momentum) {
-    ST_CHECK(momentum_buffer != nullptr, "fused_sgd with momentum ", momentum,
+    ST_CHECK(momentum_buffer != nullptr, "fused_sgd with momentum ", params.momentum,
              " needs a momentum buffer");
     check_cpu_contiguous(*momentum_buffer, "momentum_buffer");
     ST_CHECK(momentum_buffer->scalar_type() == at::kFloat, "momentum_buffer must be float32, got ",
@@ -666,7 +567,7 @@ double sum_of_squares(const at::Tensor& t) {
   check_cpu_contiguous(t, "sum_of_squares input");
   const int64_t n = t.numel();
   if (n == 0) return 0.0;
-  const int64_t blocks = (n + kSumBlock - 1) / kSumBlock;
+  const int64_t blocks = math::sum_blocks(n);
   std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
   dispatch_float_types(t.scalar_type(), "sum_of_squares input", [&](auto tag) {
     using T = decltype(tag);

@@ -1,8 +1,9 @@
 #pragma once
 // CPU kernels of the shared engine parts: the fused optimizer steps and the
-// gradient-norm and overflow reductions. They mirror the CUDA launchers in
-// kernels/cuda/cuda_kernels.h, but take ATen tensors (the CPU build has
-// LibTorch everywhere, and the checks below are cheaper to express on tensors).
+// gradient-norm and overflow reductions. The engines reach them through
+// kernels/kernels.h, which dispatches on the tensors' device; the CUDA
+// launchers (kernels/cuda/cuda_kernels.h) evaluate the same per-element
+// arithmetic (kernels/element_math.h).
 //
 // Every tensor must be a defined, contiguous CPU tensor; violations throw
 // shardtrain::Error naming the argument. Work is split with at::parallel_for,
@@ -20,27 +21,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "kernels/optimizer_params.h"
+
 namespace shardtrain::kernels::cpu {
 
-/// Hyper-parameters of one Adam/AdamW step.
-struct AdamParams {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  /// 1-based number of this step, counted after the increment (the first step is 1).
-  int64_t step = 1;
-  /// true: AdamW, decoupled weight decay (master *= 1 - lr*wd), as torch::optim::AdamW.
-  /// false: Adam with L2 regularisation (g += wd*master), as torch::optim::Adam.
-  bool adam_w_mode = true;
-  /// Divide the moments by 1 - beta^step, as torch and DeepSpeed's FusedAdam do.
-  bool bias_correction = true;
-  /// Multiplies the gradient before anything else. The engines fold loss-scale
-  /// unscaling (1/scale) and the clip coefficient into this one factor, so the
-  /// gradient is read once per step.
-  double grad_scale = 1.0;
-};
+using kernels::AdamParams;
+using kernels::SgdParams;
 
 /// One Adam(W) step in place on the fp32 `master`, `exp_avg`, `exp_avg_sq`:
 ///   g = grad * grad_scale                 (+ wd*master in Adam mode)
@@ -71,8 +57,7 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
 /// ignored otherwise; `first_step` initialises it from d as torch does.
 /// `grad` and `low_precision_out` as in fused_adam.
 void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-               at::Tensor* low_precision_out, double lr, double momentum, double weight_decay,
-               bool nesterov, double grad_scale, bool first_step);
+               at::Tensor* low_precision_out, const SgdParams& params);
 
 /// Whether the optimizer kernels fuse the multiply-adds that LibTorch's own
 /// CPU kernels fuse here: true where ATen dispatches its AVX2/AVX-512 kernels
@@ -81,10 +66,10 @@ void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor
 bool fuses_multiply_add();
 
 /// Sum of x^2 over an fp32, bf16 or fp16 tensor, accumulated in fp64. The
-/// result is bitwise reproducible: fixed-size blocks are summed independently
-/// and their sums added in block order, so neither the thread count nor the
-/// scheduling changes a bit of it (a resumed run must clip exactly as the
-/// uninterrupted one did).
+/// result is bitwise reproducible: it follows element_math.h's fixed order of
+/// additions, so neither the thread count nor the scheduling changes a bit of
+/// it (a resumed run must clip exactly as the uninterrupted one did), and the
+/// CUDA kernel, which follows the same order, gives the same bits.
 double sum_of_squares(const at::Tensor& t);
 
 /// Whether an fp32, bf16 or fp16 tensor holds any +-inf or NaN: the fp16 loss

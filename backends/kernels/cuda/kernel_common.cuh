@@ -1,109 +1,110 @@
 #pragma once
-// Pieces shared by the .cu files of the CUDA kernel library (not installed).
+// Pieces shared by the .cu files of the CUDA kernel library (not installed):
+// element types, packs and the grid for a launch plan.
 
 #include <atomic>
 #include <cstdint>
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch_plan.h"
+#include "kernels/element_math.h"
 
 namespace shardtrain::kernels::cuda::detail {
 
-/// Elements per thread per iteration in the vectorised paths: 16-byte loads of
-/// fp32 and 8-byte loads of 16-bit types. Elementwise kernels here are bound by
-/// memory bandwidth; wide loads cut the number of memory transactions.
-constexpr int kVec = 4;
-constexpr int kThreads = 256;
+// ---- element types -------------------------------------------------------------
+// 16-bit values travel as their bits (uint16_t) and are widened (exactly) to
+// float on load and narrowed once, on store, with round-to-nearest-even. bf16
+// uses element_math.h's conversion, so it matches the CPU kernels bit for bit
+// (NaN included); fp16 uses the hardware conversion, which differs from
+// c10::Half only in the NaN payload it writes.
 
-/// A group of kVec elements that is loaded and stored as one aligned access.
+struct F32 {
+  using Storage = float;
+  __device__ __forceinline__ static float load(float x) { return x; }
+  __device__ __forceinline__ static float store(float x) { return x; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  __device__ __forceinline__ static float load(uint16_t b) { return math::float_from_bf16_bits(b); }
+  __device__ __forceinline__ static uint16_t store(float x) { return math::bf16_bits_from_float(x); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  __device__ __forceinline__ static float load(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+  __device__ __forceinline__ static uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+inline std::size_t element_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+inline bool valid(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16; }
+
+/// Calls f(Type{}) with the element type behind `dtype`.
+template <class F>
+cudaError_t with_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: return f(F32{});
+    case DType::kBF16: return f(BF16{});
+    case DType::kF16: return f(F16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+/// kVec elements loaded and stored as one aligned access.
 template <typename T>
 struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-/// True when `p` may be accessed as Pack<T> (the vectorised path's precondition).
-template <typename T>
-inline bool pack_aligned(const void* p) {
-  return reinterpret_cast<std::uintptr_t>(p) % sizeof(Pack<T>) == 0;
+template <class E>
+__device__ __forceinline__ void load_pack(const typename E::Storage* base, int64_t first, float (&out)[kVec]) {
+  const Pack<typename E::Storage> p = *reinterpret_cast<const Pack<typename E::Storage>*>(base + first);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) out[k] = E::load(p.v[k]);
 }
 
-// ---- conversions ---------------------------------------------------------------
-// All arithmetic happens in fp32; 16-bit values are widened on load (exact) and
-// narrowed once, on store, with round-to-nearest-even.
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+template <class E>
+__device__ __forceinline__ void store_pack(typename E::Storage* base, int64_t first, const float (&in)[kVec]) {
+  Pack<typename E::Storage> p;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) p.v[k] = E::store(in[k]);
+  *reinterpret_cast<Pack<typename E::Storage>*>(base + first) = p;
 }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
 // ---- launch geometry -----------------------------------------------------------
 
-/// Grid for a grid-stride kernel over `work_items` items of one thread each.
-/// Capped at what the device can keep resident (8 blocks of 256 threads per SM
-/// = 2048 threads, full occupancy on Volta..Hopper): beyond that extra blocks
-/// only add scheduling overhead, the grid-stride loop covers the rest.
-/// The SM count is cached per device because cudaDeviceGetAttribute costs
-/// microseconds and the optimizer launches these kernels thousands of times per step.
-inline cudaError_t grid_size(int64_t work_items, unsigned* blocks) {
+/// Multiprocessors of the current device, cached per device: cudaDeviceGetAttribute
+/// costs microseconds and the optimizer launches per parameter group.
+inline cudaError_t current_sm_count(int* sms) {
   constexpr int kMaxDevices = 64;
-  constexpr int kBlocksPerSm = 8;
-  static std::atomic<int> sm_count_cache[kMaxDevices] = {};
+  static std::atomic<int> cache[kMaxDevices] = {};
   int device = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
-  int sms = device < kMaxDevices ? sm_count_cache[device].load(std::memory_order_relaxed) : 0;
-  if (sms == 0) {
-    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int count = device < kMaxDevices ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (count == 0) {
+    status = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
     if (status != cudaSuccess) return status;
-    if (device < kMaxDevices) sm_count_cache[device].store(sms, std::memory_order_relaxed);
+    if (device < kMaxDevices) cache[device].store(count, std::memory_order_relaxed);
   }
-  const int64_t wanted = (work_items + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sms) * kBlocksPerSm;
-  *blocks = static_cast<unsigned>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+  *sms = count;
   return cudaSuccess;
 }
 
-/// Number of items a kernel with kVec-wide packs has to cover: one per pack,
-/// at least one per tail element (the tail is spread over the first threads).
-inline int64_t vector_work_items(int64_t n, bool vectorised) {
-  return vectorised ? (n + kVec - 1) / kVec : n;
+/// The plan for n elements over streams whose packs start after `head` elements.
+inline cudaError_t plan_for(int64_t n, int64_t head, ElementwisePlan* plan) {
+  int sms = 0;
+  const cudaError_t status = current_sm_count(&sms);
+  if (status != cudaSuccess) return status;
+  *plan = make_elementwise_plan(n, head, sms);
+  return cudaSuccess;
 }
 
 /// Thread index and stride of a grid-stride loop, in 64 bits so that n > 2^31 works.
 __device__ __forceinline__ int64_t global_thread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
-__device__ __forceinline__ int64_t grid_stride() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-/// Sum of `value` over the block, valid in thread 0. Warp shuffles first, then
-/// one shared slot per warp: one __syncthreads instead of log2(256).
-__device__ __forceinline__ double block_sum(double value) {
-  __shared__ double warp_sums[kThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  if (lane == 0) warp_sums[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    value = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0.0;
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  }
-  return value;
-}
+__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 }  // namespace shardtrain::kernels::cuda::detail

@@ -7,123 +7,91 @@
 namespace shardtrain::kernels::cuda {
 namespace {
 
-using detail::kVec;
-using detail::Pack;
-
-template <typename T, bool kVectorised>
-__global__ void __launch_bounds__(detail::kThreads)
-    sum_of_squares_kernel(const T* __restrict__ data, int64_t n, double* __restrict__ out) {
-  // fp64 per thread: squares of fp32 values are exact in fp64 (48 significant
-  // bits), and an fp32 running sum over 10^9 elements would lose the small
-  // gradients entirely; the norm then decides the clip coefficient.
+/// One CUDA block per math::kSumBlock elements, one thread per lane, in
+/// element_math.h's order; the block's sum goes to block_sums[blockIdx.x].
+/// No atomics: an fp64 atomicAdd would make the last bits depend on which
+/// block finished first.
+template <class E>
+__global__ void __launch_bounds__(math::kSumLanes)
+    block_sum_of_squares_kernel(const typename E::Storage* __restrict__ data, int64_t n,
+                                double* __restrict__ block_sums) {
+  __shared__ double lanes[math::kSumLanes];
+  const int lane = static_cast<int>(threadIdx.x);
   double acc = 0.0;
-  const int64_t stride = detail::grid_stride();
-  const int64_t n_packs = kVectorised ? n / kVec : 0;
-  for (int64_t i = detail::global_thread(); i < n_packs; i += stride) {
-    const Pack<T> p = reinterpret_cast<const Pack<T>*>(data)[i];
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const double x = detail::to_float(p.v[k]);
-      acc += x * x;
-    }
+  // Consecutive lanes read consecutive elements: coalesced without packs.
+  for_each_lane_element(n, blockIdx.x, lane, [&](int64_t i) { acc = math::add_square(acc, E::load(data[i])); });
+  lanes[lane] = acc;
+  __syncthreads();
+  for (int s = math::kSumLanes / 2; s > 0; s /= 2) {
+    if (lane < s) lanes[lane] = math::add_rn(lanes[lane], lanes[lane + s]);
+    __syncthreads();
   }
-  for (int64_t i = n_packs * kVec + detail::global_thread(); i < n; i += stride) {
-    const double x = detail::to_float(data[i]);
-    acc += x * x;
-  }
-  acc = detail::block_sum(acc);
-  // One atomic per block (a few hundred per launch) instead of a second
-  // kernel and a scratch buffer the caller would have to provide.
-  if (threadIdx.x == 0) atomicAdd(out, acc);
+  if (lane == 0) block_sums[blockIdx.x] = lanes[0];
 }
 
-template <typename T, bool kVectorised>
-__global__ void __launch_bounds__(detail::kThreads)
-    has_inf_or_nan_kernel(const T* __restrict__ data, int64_t n, int* __restrict__ flag) {
+/// The block sums in block order. One thread: the order is the contract, and
+/// even a 7B-element shard has only ~430K blocks.
+__global__ void sum_blocks_in_order_kernel(const double* __restrict__ block_sums, int64_t blocks,
+                                           double* __restrict__ out) {
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) total = math::add_rn(total, block_sums[b]);
+  *out = total;
+}
+
+template <class E>
+__global__ void __launch_bounds__(kThreads)
+    non_finite_kernel(const typename E::Storage* __restrict__ data, ElementwisePlan plan, float* __restrict__ flag) {
+  using S = typename E::Storage;
+  // Widening a 16-bit inf/NaN keeps it inf/NaN, so one test covers all dtypes.
   bool bad = false;
-  const int64_t stride = detail::grid_stride();
-  const int64_t n_packs = kVectorised ? n / kVec : 0;
-  for (int64_t i = detail::global_thread(); i < n_packs; i += stride) {
-    const Pack<T> p = reinterpret_cast<const Pack<T>*>(data)[i];
+  auto element = [&](int64_t i) { bad |= !isfinite(E::load(data[i])); };
+  auto pack = [&](int64_t first) {
+    const detail::Pack<S> p = *reinterpret_cast<const detail::Pack<S>*>(data + first);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) bad |= !isfinite(detail::to_float(p.v[k]));
-  }
-  for (int64_t i = n_packs * kVec + detail::global_thread(); i < n; i += stride) {
-    bad |= !isfinite(detail::to_float(data[i]));
-  }
-  // Widening a 16-bit inf/NaN to fp32 keeps it inf/NaN, so one test covers all dtypes.
+    for (int k = 0; k < kVec; ++k) bad |= !isfinite(E::load(p.v[k]));
+  };
+  for_each_plan_item(plan, detail::global_thread(), detail::grid_stride(), element, pack);
   // Every writer stores the same value, so plain stores need no atomics.
-  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
-}
-
-template <typename T>
-cudaError_t launch_sum_of_squares_typed(const T* data, int64_t n, double* out, cudaStream_t stream) {
-  const bool vectorised = detail::pack_aligned<T>(data);
-  unsigned blocks = 0;
-  cudaError_t status = detail::grid_size(detail::vector_work_items(n, vectorised), &blocks);
-  if (status != cudaSuccess) return status;
-  if (vectorised) {
-    sum_of_squares_kernel<T, true><<<blocks, detail::kThreads, 0, stream>>>(data, n, out);
-  } else {
-    sum_of_squares_kernel<T, false><<<blocks, detail::kThreads, 0, stream>>>(data, n, out);
-  }
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t launch_has_inf_or_nan_typed(const T* data, int64_t n, int* flag, cudaStream_t stream) {
-  const bool vectorised = detail::pack_aligned<T>(data);
-  unsigned blocks = 0;
-  cudaError_t status = detail::grid_size(detail::vector_work_items(n, vectorised), &blocks);
-  if (status != cudaSuccess) return status;
-  if (vectorised) {
-    has_inf_or_nan_kernel<T, true><<<blocks, detail::kThreads, 0, stream>>>(data, n, flag);
-  } else {
-    has_inf_or_nan_kernel<T, false><<<blocks, detail::kThreads, 0, stream>>>(data, n, flag);
-  }
-  return cudaGetLastError();
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1.0f;
 }
 
 }  // namespace
 
-cudaError_t launch_sum_of_squares(const void* data, DType dtype, int64_t n, double* out_device_scalar,
-                                  cudaStream_t stream, bool accumulate) {
-  if (n < 0 || out_device_scalar == nullptr || (n > 0 && data == nullptr)) return cudaErrorInvalidValue;
-  if (!accumulate) {
-    // Zeroed on the stream, not the host, so it stays ordered with the kernel.
-    cudaError_t status = cudaMemsetAsync(out_device_scalar, 0, sizeof(double), stream);
-    if (status != cudaSuccess) return status;
-  }
-  if (n == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kF32:
-      return launch_sum_of_squares_typed(static_cast<const float*>(data), n, out_device_scalar, stream);
-    case DType::kBF16:
-      return launch_sum_of_squares_typed(static_cast<const __nv_bfloat16*>(data), n, out_device_scalar,
-                                         stream);
-    case DType::kF16:
-      return launch_sum_of_squares_typed(static_cast<const __half*>(data), n, out_device_scalar, stream);
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch_sum_of_squares(const void* data, DType dtype, int64_t n, double* block_sums, double* out,
+                                  cudaStream_t stream) {
+  if (n < 0 || out == nullptr || !detail::valid(dtype)) return cudaErrorInvalidValue;
+  if (n == 0) return cudaMemsetAsync(out, 0, sizeof(double), stream);
+  if (data == nullptr || block_sums == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = math::sum_blocks(n);
+  // gridDim.x is at most 2^31 - 1 blocks of 16K elements: 3.5e13 elements.
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const cudaError_t status = detail::with_type(dtype, [&](auto tag) -> cudaError_t {
+    using E = decltype(tag);
+    block_sum_of_squares_kernel<E><<<static_cast<unsigned>(blocks), math::kSumLanes, 0, stream>>>(
+        static_cast<const typename E::Storage*>(data), n, block_sums);
+    return cudaGetLastError();
+  });
+  if (status != cudaSuccess) return status;
+  sum_blocks_in_order_kernel<<<1, 1, 0, stream>>>(block_sums, blocks, out);
+  return cudaGetLastError();
 }
 
-cudaError_t launch_has_inf_or_nan(const void* data, DType dtype, int64_t n, int* out_flag,
-                                  cudaStream_t stream, bool accumulate) {
-  if (n < 0 || out_flag == nullptr || (n > 0 && data == nullptr)) return cudaErrorInvalidValue;
-  if (!accumulate) {
-    cudaError_t status = cudaMemsetAsync(out_flag, 0, sizeof(int), stream);
-    if (status != cudaSuccess) return status;
-  }
-  if (n == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kF32:
-      return launch_has_inf_or_nan_typed(static_cast<const float*>(data), n, out_flag, stream);
-    case DType::kBF16:
-      return launch_has_inf_or_nan_typed(static_cast<const __nv_bfloat16*>(data), n, out_flag, stream);
-    case DType::kF16:
-      return launch_has_inf_or_nan_typed(static_cast<const __half*>(data), n, out_flag, stream);
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch_non_finite_flag(const void* data, DType dtype, int64_t n, float* out_flag,
+                                   cudaStream_t stream) {
+  if (n < 0 || out_flag == nullptr || !detail::valid(dtype)) return cudaErrorInvalidValue;
+  // Zeroed on the stream, not the host, so it stays ordered with the kernel.
+  cudaError_t status = cudaMemsetAsync(out_flag, 0, sizeof(float), stream);
+  if (status != cudaSuccess || n == 0) return status;
+  if (data == nullptr) return cudaErrorInvalidValue;
+  ElementwisePlan plan;
+  status = detail::plan_for(n, elements_to_pack_alignment(data, detail::element_size(dtype)), &plan);
+  if (status != cudaSuccess) return status;
+  return detail::with_type(dtype, [&](auto tag) -> cudaError_t {
+    using E = decltype(tag);
+    non_finite_kernel<E><<<plan.blocks, plan.threads, 0, stream>>>(static_cast<const typename E::Storage*>(data),
+                                                                    plan, out_flag);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace shardtrain::kernels::cuda

@@ -82,8 +82,10 @@ class Communicator {
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   /// "gloo" or "nccl".
   virtual std::string backend() const = 0;
-  /// at::kCPU for gloo, at::kCUDA for nccl.
-  virtual at::DeviceType device_type() const = 0;
+  /// Where the group's tensors must live: cpu for gloo, cuda:<index> for
+  /// nccl (the GPU this process drives).
+  virtual at::Device device() const = 0;
+  at::DeviceType device_type() const { return device().type(); }
   const CommOptions& options() const { return options_; }
 
   WorkPtr all_gather_async(const at::Tensor& output, const at::Tensor& input);
@@ -170,6 +172,10 @@ class Communicator {
   /// communicator; called only on members.
   virtual std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks,
                                                      int64_t group_index) = 0;
+  /// new_group on a rank that is not a member: backends whose sub-groups are
+  /// built collectively over the parent (NCCL's ncclCommSplit) take part
+  /// here. Default: nothing.
+  virtual void do_new_group_not_member(int64_t /*group_index*/) {}
 
   /// "all_reduce(sum) on rank 1 of 4 (global 1), bfloat16, 1000 -> 1000 elements".
   std::string describe(const CollectiveEvent& event) const;

@@ -74,12 +74,13 @@ class HfCheckpoint {
 WeightSource hf_weight_source(std::shared_ptr<const HfCheckpoint> checkpoint);
 
 /// A LlamaForCausalLM (or Mistral) whose parameters have their shapes and
-/// `dtype` but no storage (shardtrain::is_storage_released), built one module
+/// `dtype` on `device` but no storage (shardtrain::is_storage_released), built one module
 /// at a time — the embedding, each decoder layer, the LM head — each released
 /// right after it is built, so the process never holds more than one of them.
 /// Its values come from prepare() (a weight source, or rank 0 under
 /// fsdp_cpu_ram_efficient_loading / zero3_init_flag). Do not run it before
 /// prepare(): until then its parameters have no data.
-LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::ScalarType dtype = at::kFloat);
+LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::ScalarType dtype = at::kFloat,
+                                            at::Device device = at::Device(at::kCPU));
 
 }  // namespace shardtrain::models

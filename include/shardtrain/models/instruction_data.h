@@ -199,6 +199,11 @@ struct InstructionBatch {
   at::Tensor input_ids;
   at::Tensor labels;
   at::Tensor document_ids;
+
+  /// The same batch on `device` (the model's).
+  InstructionBatch to(const at::Device& device) const {
+    return {input_ids.to(device), labels.to(device), document_ids.defined() ? document_ids.to(device) : at::Tensor()};
+  }
 };
 
 /// Stacks rows[row_indices[0]], rows[row_indices[1]], ... (e.g. a

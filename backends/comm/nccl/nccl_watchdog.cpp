@@ -1,0 +1,160 @@
+// The NCCL watchdog (see nccl_watchdog.h).
+
+#include "comm/nccl/nccl_watchdog.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "comm/work_util.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+
+namespace shardtrain::comm::nccl_detail {
+namespace {
+
+/// Poll interval: short at first so that small collectives are seen within
+/// microseconds of finishing, growing to 1 ms so that a long wait (a
+/// straggling rank) does not spin a core the data loader may need.
+class Backoff {
+ public:
+  void sleep() {
+    std::this_thread::sleep_for(delay_);
+    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
+  }
+  void reset() { delay_ = std::chrono::microseconds(5); }
+
+ private:
+  std::chrono::microseconds delay_{5};
+};
+
+}  // namespace
+
+PendingCollective::~PendingCollective() {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;  // runtime unloading at exit
+  }
+  (void)cudaSetDevice(device_);
+  (void)cudaEventDestroy(done_);
+  (void)cudaGetLastError();
+  (void)cudaSetDevice(previous);
+}
+
+std::exception_ptr PendingCollective::failure() const {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  return failure_;
+}
+
+void PendingCollective::mark_failed(std::exception_ptr failure) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    failure_ = std::move(failure);
+  }
+  status_.store(Status::kFailed, std::memory_order_release);
+}
+
+void PendingCollective::wait_settled() const {
+  Backoff backoff;
+  while (status() == Status::kRunning) backoff.sleep();
+}
+
+Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort)
+    : device_(device), timeout_(timeout), poll_(std::move(poll)), abort_(std::move(abort)),
+      thread_([this] { run(); }) {}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Watchdog::watch(std::shared_ptr<PendingCollective> pending) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back(std::move(pending));
+  }
+  wake_.notify_one();
+}
+
+void Watchdog::fail(PendingCollective& pending, const std::function<void()>& make_error) {
+  try {
+    make_error();
+  } catch (...) {
+    pending.mark_failed(std::current_exception());
+  }
+}
+
+void Watchdog::run() {
+  (void)cudaSetDevice(device_);
+  Backoff backoff;
+  std::vector<std::shared_ptr<PendingCollective>> mine;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (mine.empty()) wake_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+      if (stop_) return;
+      // Oldest first: collectives on one stream complete in issue order.
+      mine.insert(mine.end(), pending_.begin(), pending_.end());
+      pending_.clear();
+    }
+    bool progressed = false;
+    if (abort_reason_.empty()) {
+      const std::string async_error = poll_();
+      if (!async_error.empty()) abort_reason_ = async_error;
+    }
+    for (auto& p : mine) {
+      if (!abort_reason_.empty()) {
+        // After an abort the kernels are cut short and events fire anyway:
+        // completion no longer means the output is valid.
+        fail(*p, [&] {
+          ST_THROW(Error, p->description(), " failed: the communicator was aborted while it was in flight (",
+                   abort_reason_, "); its output is not valid. Restart the job (resume from the last checkpoint)");
+        });
+        p.reset();
+        progressed = true;
+        continue;
+      }
+      const cudaError_t query = cudaEventQuery(p->done_event());
+      if (query == cudaSuccess) {
+        p->mark_done();
+        p.reset();
+        progressed = true;
+      } else if (query != cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        abort_reason_ = std::string("CUDA error ") + cudaGetErrorName(query) + " during " + p->description();
+        abort_(abort_reason_);
+        fail(*p, [&] {
+          ST_THROW(Error, p->description(), " failed: CUDA reported ", cudaGetErrorName(query), " (",
+                   cudaGetErrorString(query), ") while it ran; the communicator was aborted");
+        });
+        p.reset();
+        progressed = true;
+      } else if (Clock::now() >= p->deadline()) {
+        abort_reason_ = "timeout of " + p->description();
+        ST_LOG_ERROR("nccl watchdog: {} did not finish within {} ms; aborting the communicator", p->description(),
+                     timeout_.count());
+        abort_(abort_reason_);
+        fail(*p, [&] {
+          rethrow_collective_failure(p->description(), timeout_,
+                                     std::runtime_error("the NCCL collective timed out: still running on the GPU "
+                                                        "at the deadline; the communicator was aborted "
+                                                        "(ncclCommAbort)"));
+        });
+        p.reset();
+        progressed = true;
+      }
+    }
+    mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());
+    if (progressed) {
+      backoff.reset();
+    } else if (!mine.empty()) {
+      backoff.sleep();
+    }
+  }
+}
+
+}  // namespace shardtrain::comm::nccl_detail

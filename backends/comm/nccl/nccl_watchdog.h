@@ -1,0 +1,101 @@
+#pragma once
+// The NCCL backend's watchdog: one thread per communicator that follows every
+// collective in flight, so that no caller ever blocks on the GPU to learn
+// whether a collective finished. Work::wait() only orders the caller's stream
+// after the collective (the CPU runs ahead, as in c10d); the watchdog notices
+// completion, NCCL's asynchronous errors and missed deadlines, aborts the
+// communicator on a failure (ncclCommAbort makes the stuck kernels exit, so
+// the GPU queue drains) and fails the pending work with an error naming the
+// operation, the rank and the sizes.
+//
+// No lock is held while it polls: the pending list is swapped out under a
+// short lock, and events and NCCL's error state are queried outside it.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace shardtrain::comm::nccl_detail {
+
+using Clock = std::chrono::steady_clock;
+
+/// One collective in flight: its completion event and what became of it.
+/// Shared by the Work the caller holds and the watchdog, so the event lives
+/// until both are done with it.
+class PendingCollective {
+ public:
+  enum class Status { kRunning, kDone, kFailed };
+
+  PendingCollective(int device, cudaEvent_t done, std::string description, Clock::time_point deadline)
+      : device_(device), done_(done), description_(std::move(description)), deadline_(deadline) {}
+  ~PendingCollective();
+  PendingCollective(const PendingCollective&) = delete;
+  PendingCollective& operator=(const PendingCollective&) = delete;
+
+  cudaEvent_t done_event() const { return done_; }
+  const std::string& description() const { return description_; }
+  Clock::time_point deadline() const { return deadline_; }
+  Status status() const { return status_.load(std::memory_order_acquire); }
+  /// Why it failed (set before status() reads kFailed).
+  std::exception_ptr failure() const;
+
+  void mark_done() { status_.store(Status::kDone, std::memory_order_release); }
+  void mark_failed(std::exception_ptr failure);
+
+  /// Blocks the host until the watchdog has settled this collective (done or
+  /// failed); the watchdog settles every one by its deadline.
+  void wait_settled() const;
+
+ private:
+  int device_;
+  cudaEvent_t done_;
+  std::string description_;
+  Clock::time_point deadline_;
+  std::atomic<Status> status_{Status::kRunning};
+  mutable std::mutex failure_mutex_;
+  std::exception_ptr failure_;
+};
+
+class Watchdog {
+ public:
+  /// NCCL's asynchronous error for the communicator: empty while healthy,
+  /// else a description (the callback has aborted the communicator then).
+  using AsyncErrorPoll = std::function<std::string()>;
+  /// Aborts the communicator (ncclCommAbort) with a reason later calls report.
+  using Abort = std::function<void(const std::string& reason)>;
+
+  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort);
+  /// Stops and joins the thread; collectives still pending stay unsettled.
+  ~Watchdog();
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  void watch(std::shared_ptr<PendingCollective> pending);
+
+ private:
+  void run();
+  /// Fails `pending` with a copy of the exception `make_error` throws.
+  static void fail(PendingCollective& pending, const std::function<void()>& make_error);
+
+  int device_;
+  std::chrono::milliseconds timeout_;
+  AsyncErrorPoll poll_;
+  Abort abort_;
+  std::mutex mutex_;  ///< guards pending_ and stop_ only; never held while polling
+  std::condition_variable wake_;
+  std::vector<std::shared_ptr<PendingCollective>> pending_;
+  bool stop_ = false;
+  std::string abort_reason_;  ///< watchdog thread only: set once it aborted the communicator
+  std::thread thread_;
+};
+
+}  // namespace shardtrain::comm::nccl_detail

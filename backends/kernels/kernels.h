@@ -1,0 +1,58 @@
+#pragma once
+// The kernel layer the engines call: one function per feature, dispatched on
+// the device of the tensors it is given, to the CPU kernels
+// (kernels/cpu/cpu_kernels.h) or the CUDA launchers (kernels/cuda/cuda_kernels.h),
+// which share their per-element arithmetic (kernels/element_math.h).
+//
+// Every tensor must be defined, contiguous and on one device. CUDA kernels
+// are enqueued on ATen's current stream of that device and never synchronise
+// the host. Results (norms, flags) stay on the tensors' device as 0-dim
+// tensors, so the engines can reduce them over ranks before anything waits
+// for the GPU. Errors throw shardtrain::Error naming the argument and device.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include "kernels/optimizer_params.h"
+
+namespace shardtrain::kernels {
+
+/// One Adam(W) step in place on the fp32 `master`, `exp_avg`, `exp_avg_sq`:
+///   g = grad * grad_scale                 (+ wd*master in Adam mode)
+///   master *= 1 - lr*wd                   (AdamW mode)
+///   m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
+///   master += (-lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps)
+/// `grad` may be fp32, bf16 or fp16. When `low_precision_out` is not null (bf16
+/// or fp16, same numel) the new master is also written there, rounded to
+/// nearest even, in the same pass.
+void adam_step(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
+               at::Tensor* low_precision_out, const AdamParams& p);
+
+/// FSDP's pure low-precision Adam(W): `param` and the moments are all bf16 or
+/// all fp16 (`grad` that dtype or fp32); each element is updated in float and
+/// stored back rounded.
+void adam_step_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                             const at::Tensor& grad, const AdamParams& p);
+
+/// One SGD step in place on the fp32 `master` (see cpu::fused_sgd).
+/// `momentum_buffer` is required when p.momentum != 0.
+void sgd_step(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
+              at::Tensor* low_precision_out, const SgdParams& p);
+
+/// Sum of x^2 over an fp32, bf16 or fp16 tensor, in fp64, in element_math.h's
+/// fixed order: a 0-dim float64 tensor on t's device, bitwise the same on
+/// every run, thread count and device.
+at::Tensor sum_of_squares(const at::Tensor& t);
+
+/// A 0-dim float32 tensor on t's device: 1 if t holds any +-inf or NaN, else 0.
+at::Tensor non_finite_flag(const at::Tensor& t);
+
+/// dst = src converted to dst's dtype (fp32, bf16, fp16; round to nearest
+/// even when narrowing). Same device and numel.
+void cast_into(at::Tensor& dst, const at::Tensor& src);
+
+/// Whether this build has kernels for `device` (CPU always; CUDA where nvcc
+/// compiled the CUDA kernels).
+bool has_kernels_for(c10::DeviceType device);
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,31 @@
+#pragma once
+// In-place release and refill of a tensor's storage on any device, without
+// c10d or CUDA headers (engines include this, not torch_compat.h).
+
+#include <cstddef>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Resize.h>
+
+#include "compat/torch_cuda.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain::compat {
+
+/// Frees (bytes = 0) or re-allocates a tensor's storage in place, keeping the
+/// StorageImpl — so every view and every tensor autograd saved keeps pointing
+/// at it (FSDP1's trick for freeing gathered parameters between forward and
+/// backward). Each device's own allocator does the work.
+inline void resize_storage_bytes(const at::Tensor& tensor, std::size_t bytes) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (tensor.is_cpu()) {
+    at::native::resize_bytes_cpu(storage, bytes);
+  } else if (tensor.is_cuda()) {
+    resize_cuda_storage_bytes(storage, bytes);
+  } else {
+    ST_THROW(Error, "resize_storage_bytes: tensors on ", tensor.device(),
+             " are not supported (CPU and CUDA are)");
+  }
+}
+
+}  // namespace shardtrain::compat

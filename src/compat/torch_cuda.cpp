@@ -1,0 +1,78 @@
+// The one translation unit that includes LibTorch's CUDA headers (see
+// torch_cuda.h). Compiled in every build; its CUDA half only where LibTorch
+// has CUDA (SHARDTRAIN_TORCH_CUDA).
+
+#include "compat/torch_cuda.h"
+
+#include "shardtrain/error.h"
+
+#if defined(SHARDTRAIN_TORCH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/native/cuda/Resize.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace shardtrain::compat {
+
+#if defined(SHARDTRAIN_TORCH_CUDA)
+
+bool torch_has_cuda() { return true; }
+
+int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
+
+void* current_cuda_stream(int device_index) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
+}
+
+std::string cuda_device_name(int device_index) {
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device_index))->name;
+}
+
+void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes) {
+  at::native::resize_bytes_cuda(storage, bytes);
+}
+
+CudaMemoryStats cuda_memory_stats(int device_index) {
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+  // Index 0 is StatType::AGGREGATE (all pools) in every LibTorch since 1.6;
+  // the enum itself moved namespaces in 2.x.
+  CudaMemoryStats out;
+  out.allocated = stats.allocated_bytes[0].current;
+  out.peak_allocated = stats.allocated_bytes[0].peak;
+  out.reserved = stats.reserved_bytes[0].current;
+  out.peak_reserved = stats.reserved_bytes[0].peak;
+  return out;
+}
+
+void reset_cuda_peak_memory(int device_index) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
+}
+
+#else
+
+bool torch_has_cuda() { return false; }
+int cuda_device_count() { return 0; }
+void* current_cuda_stream(int /*device_index*/) { return nullptr; }
+
+std::string cuda_device_name(int /*device_index*/) {
+  ST_THROW(Error, "GPU names need a CUDA build of LibTorch; this one is CPU-only");
+}
+
+void resize_cuda_storage_bytes(c10::StorageImpl* /*storage*/, std::size_t /*bytes*/) {
+  ST_THROW(Error, "resizing a CUDA tensor's storage needs a CUDA build of LibTorch; this one is CPU-only");
+}
+
+CudaMemoryStats cuda_memory_stats(int /*device_index*/) {
+  ST_THROW(Error, "CUDA memory statistics need a CUDA build of LibTorch; this one is CPU-only");
+}
+
+void reset_cuda_peak_memory(int /*device_index*/) {
+  ST_THROW(Error, "CUDA memory statistics need a CUDA build of LibTorch; this one is CPU-only");
+}
+
+#endif
+
+}  // namespace shardtrain::compat

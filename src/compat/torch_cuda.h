@@ -1,0 +1,50 @@
+#pragma once
+// The calls that need a CUDA build of LibTorch, behind plain declarations:
+// ATen's current CUDA stream, the caching allocator's statistics and in-place
+// storage resizing of CUDA tensors. torch_cuda.cpp is the only file that
+// includes LibTorch's CUDA headers; everything else (the kernel dispatch, the
+// NCCL backend, the engines, the examples) compiles against any LibTorch.
+//
+// Without a CUDA LibTorch no CUDA tensor can exist, so the functions that take
+// one are unreachable there; they throw rather than guess.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace c10 {
+struct StorageImpl;
+}
+
+namespace shardtrain::compat {
+
+/// Whether this LibTorch was built with CUDA.
+bool torch_has_cuda();
+
+/// CUDA devices ATen can use (0 without a CUDA LibTorch, a driver or a visible device).
+int cuda_device_count();
+
+/// The stream ATen enqueues work on for `device_index` in this thread (what a
+/// stream guard set, else the default stream), as a cudaStream_t. Kernels and
+/// collectives order themselves after it. nullptr (the legacy default
+/// stream) without a CUDA LibTorch.
+void* current_cuda_stream(int device_index);
+
+/// The GPU's product name as the driver reports it ("NVIDIA H200").
+std::string cuda_device_name(int device_index);
+
+/// Frees (bytes = 0) or re-allocates a CUDA tensor's storage in place through
+/// the caching allocator, keeping the StorageImpl.
+void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes);
+
+/// The caching allocator's byte counts for one device.
+struct CudaMemoryStats {
+  int64_t allocated = 0;       ///< bytes in live tensors now
+  int64_t peak_allocated = 0;  ///< the most bytes in live tensors since the last reset
+  int64_t reserved = 0;        ///< bytes the allocator holds from the driver now
+  int64_t peak_reserved = 0;
+};
+CudaMemoryStats cuda_memory_stats(int device_index);
+void reset_cuda_peak_memory(int device_index);
+
+}  // namespace shardtrain::compat

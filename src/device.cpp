@@ -1,0 +1,77 @@
+// Device selection and device facts for training programs (see device.h).
+
+#include "shardtrain/device.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include "compat/torch_cuda.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain {
+namespace {
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+c10::Device cuda_device(int index) {
+  const int count = compat::cuda_device_count();
+  ST_CHECK_T(ConfigError, count > 0, "--device cuda: this process sees no GPU (",
+             compat::torch_has_cuda() ? "no device, no driver, or CUDA_VISIBLE_DEVICES hides them"
+                                      : "this LibTorch was built without CUDA; build against a CUDA LibTorch",
+             "); use --device cpu");
+  ST_CHECK_T(ConfigError, index >= 0 && index < count, "--device: GPU ", index, " does not exist; this process sees ",
+             count, " (one process per GPU: launch at most ", count, " processes per machine)");
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+}  // namespace
+
+c10::Device resolve_device(const std::string& name, int local_rank) {
+  if (name == "cpu") return c10::Device(c10::DeviceType::CPU);
+  if (name == "cuda") return cuda_device(local_rank);
+  if (name.rfind("cuda:", 0) == 0) {
+    const std::string digits = name.substr(5);
+    ST_CHECK_T(ConfigError, !digits.empty() && std::all_of(digits.begin(), digits.end(), ::isdigit),
+               "--device '", name, "': expected cuda:N with N a GPU index");
+    return cuda_device(std::stoi(digits));
+  }
+  if (name == "auto") return compat::cuda_device_count() > 0 ? cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
+  ST_THROW(ConfigError, "--device '", name, "' is not one of cpu, cuda, cuda:N, auto");
+}
+
+std::string backend_for(const c10::Device& device) { return device.is_cuda() ? "nccl" : "gloo"; }
+
+std::string device_name(const c10::Device& device) {
+  if (!device.is_cuda()) return "cpu";
+  return compat::cuda_device_name(device.index());
+}
+
+std::optional<double> known_peak_tflops(const std::string& gpu_name, const std::string& dtype) {
+  if (dtype != "bf16" && dtype != "fp16") return std::nullopt;
+  const std::string name = lower(gpu_name);
+  // Dense tensor-core rates from NVIDIA's H100/H200 and A100 datasheets.
+  if (name.find("h200") != std::string::npos) return 989.0;
+  if (name.find("h100") != std::string::npos) return name.find("pcie") != std::string::npos ? 756.0 : 989.0;
+  if (name.find("a100") != std::string::npos) return 312.0;
+  return std::nullopt;
+}
+
+DeviceMemory device_memory(const c10::Device& device) {
+  DeviceMemory out;
+  if (!device.is_cuda()) return out;
+  const compat::CudaMemoryStats stats = compat::cuda_memory_stats(device.index());
+  out.allocated = stats.allocated;
+  out.peak_allocated = stats.peak_allocated;
+  out.reserved = stats.reserved;
+  out.peak_reserved = stats.peak_reserved;
+  return out;
+}
+
+void reset_device_peak_memory(const c10::Device& device) {
+  if (device.is_cuda()) compat::reset_cuda_peak_memory(device.index());
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,69 @@
+// Device selection and device facts (shardtrain/device.h) on a machine that
+// may or may not have a GPU: the CPU answers exactly, the GPU answers as
+// errors that say what to do.
+
+#include <gtest/gtest.h>
+
+#include <torch/cuda.h>
+
+#include "shardtrain/device.h"
+#include "shardtrain/error.h"
+
+namespace {
+
+TEST(UnitDevice, CpuAndAutoResolveAndTheBackendFollowsTheDevice) {
+  const c10::Device cpu = shardtrain::resolve_device("cpu", 3);
+  EXPECT_TRUE(cpu.is_cpu());
+  EXPECT_EQ(shardtrain::backend_for(cpu), "gloo");
+  EXPECT_EQ(shardtrain::device_name(cpu), "cpu");
+  const c10::Device automatic = shardtrain::resolve_device("auto", 0);
+  if (torch::cuda::is_available()) {
+    EXPECT_EQ(automatic, c10::Device(c10::DeviceType::CUDA, 0));
+    EXPECT_EQ(shardtrain::backend_for(automatic), "nccl");
+  } else {
+    EXPECT_TRUE(automatic.is_cpu()) << "no GPU visible: auto must mean cpu";
+  }
+}
+
+TEST(UnitDevice, UnknownOrUnusableDevicesAreConfigErrorsThatNameTheFix) {
+  try {
+    shardtrain::resolve_device("tpu", 0);
+    FAIL() << "tpu is not a device shardtrain trains on";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu, cuda, cuda:N, auto"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(shardtrain::resolve_device("cuda:x", 0), shardtrain::ConfigError);
+  if (!torch::cuda::is_available()) {
+    try {
+      shardtrain::resolve_device("cuda", 0);
+      FAIL() << "cuda without a GPU must fail";
+    } catch (const shardtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("use --device cpu"), std::string::npos) << e.what();
+    }
+  } else {
+    // One process per GPU: a local rank past the last GPU is a launch error.
+    EXPECT_THROW(shardtrain::resolve_device("cuda", static_cast<int>(torch::cuda::device_count())),
+                 shardtrain::ConfigError);
+  }
+}
+
+TEST(UnitDevice, KnownPeaksAreTheDatasheetDenseRates) {
+  // The names as NVIDIA's drivers report them.
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H100 80GB HBM3", "bf16"), 989.0);
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H200", "bf16"), 989.0);
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H100 PCIe", "fp16"), 756.0);
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA A100-SXM4-80GB", "bf16"), 312.0);
+  // fp32 runs on other units (and TF32 is not what fp32 training asks for): no table entry.
+  EXPECT_FALSE(shardtrain::known_peak_tflops("NVIDIA H100 80GB HBM3", "fp32").has_value());
+  EXPECT_FALSE(shardtrain::known_peak_tflops("NVIDIA GeForce RTX 4090", "bf16").has_value());
+}
+
+TEST(UnitDevice, CpuHasNoAllocatorCounters) {
+  const shardtrain::DeviceMemory memory = shardtrain::device_memory(c10::Device(c10::DeviceType::CPU));
+  EXPECT_EQ(memory.allocated, 0);
+  EXPECT_EQ(memory.peak_allocated, 0);
+  EXPECT_EQ(memory.reserved, 0);
+  EXPECT_NO_THROW(shardtrain::reset_device_peak_memory(c10::Device(c10::DeviceType::CPU)));
+}
+
+}  // namespace
