@@ -13,15 +13,19 @@ else()
 endif()
 
 # c10d's Gloo headers include <gloo/...>. Debian installs them from libgloo-dev
-# under /usr/include; LibTorch zips ship their own copy under include/.
+# under /usr/include; LibTorch zips ship their own copy under include/. They
+# must be the Gloo LibTorch was built with; a pip wheel may ship none, and
+# then (SHARDTRAIN_GLOO AUTO, with NCCL found) the Gloo backend is left out
+# and CPU runs are single-process. The decision is taken in CMakeLists.txt,
+# once NCCL is known.
+set(SHARDTRAIN_GLOO "AUTO" CACHE STRING "Build the Gloo (CPU) backend: AUTO (when its headers are found)|ON|OFF")
+set_property(CACHE SHARDTRAIN_GLOO PROPERTY STRINGS AUTO ON OFF)
 find_path(SHARDTRAIN_GLOO_INCLUDE_DIR gloo/config.h
   HINTS ${TORCH_INCLUDE_DIRS}
   DOC "Directory that contains gloo/config.h")
-if(NOT SHARDTRAIN_GLOO_INCLUDE_DIR)
-  message(FATAL_ERROR
-    "gloo headers not found (gloo/config.h). c10d's ProcessGroupGloo needs them.\n"
-    "On Debian: apt-get install libgloo-dev (scripts/setup does this).")
+set(SHARDTRAIN_GLOO_INCLUDE_DIRS "")
+if(SHARDTRAIN_GLOO_INCLUDE_DIR)
+  set(SHARDTRAIN_GLOO_INCLUDE_DIRS ${SHARDTRAIN_GLOO_INCLUDE_DIR})
 endif()
-set(SHARDTRAIN_GLOO_INCLUDE_DIRS ${SHARDTRAIN_GLOO_INCLUDE_DIR})
 
 message(STATUS "shardtrain: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA in LibTorch: ${SHARDTRAIN_TORCH_HAS_CUDA}")

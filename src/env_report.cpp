@@ -90,7 +90,11 @@ EnvReport collect_env_report(bool measure_gemm) {
 #else
   add("CUDA kernels", "not compiled (no nvcc at configure time)");
 #endif
+#if defined(SHARDTRAIN_WITH_GLOO)
   add("Gloo backend", "yes (c10d::ProcessGroupGloo)");
+#else
+  add("Gloo backend", "no (built without gloo headers: CPU runs are single-process)");
+#endif
   add("intra-op threads", std::to_string(at::get_num_threads()));
   add("hardware threads", std::to_string(std::thread::hardware_concurrency()));
   std::string cpu = read_first_match("/proc/cpuinfo", "model name");

@@ -6,7 +6,11 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "build_config.h"  // SHARDTRAIN_WITH_GLOO
+#if defined(SHARDTRAIN_WITH_GLOO)
 #include "comm/gloo/gloo_communicator.h"
+#endif
+#include "comm/single_process_communicator.h"
 #include "comm/nccl_factory.h"
 #include "comm/work_util.h"
 #include "compat/torch_compat.h"
@@ -220,6 +224,13 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
              "; use backend 'gloo' for CPU training");
   }
 
+#if !defined(SHARDTRAIN_WITH_GLOO)
+  // Before any rendezvous: the other ranks would wait for a store in vain.
+  ST_CHECK_T(ConfigError, backend != "gloo" || env.world_size == 1, "backend 'gloo': this shardtrain was built "
+             "without the Gloo backend (no gloo headers at configure time), so CPU training runs in one process "
+             "only, and this job has ", env.world_size, " ranks. Train on GPUs (backend nccl), or rebuild with "
+             "the gloo headers of this LibTorch (libgloo-dev for Debian's)");
+#endif
   compat::StorePtr store;
   if (env.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
@@ -252,10 +263,14 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
     return comm::make_nccl_communicator(store, env.rank, env.world_size, global_ranks, comm_options,
                                         env.local_rank);
   }
+#if defined(SHARDTRAIN_WITH_GLOO)
   std::string device_host = is_loopback(env.master_addr) ? "127.0.0.1" : "";
   if (env.world_size == 1) device_host = "127.0.0.1";
   auto communicator = std::make_shared<comm::GlooCommunicator>(
       store, env.rank, env.world_size, std::move(global_ranks), comm_options, device_host, "shardtrain/");
+#else
+  auto communicator = std::make_shared<comm::SingleProcessCommunicator>(at::Device(at::kCPU), comm_options);
+#endif
   ST_LOG_INFO("initialised {} communicator: {} ranks ({} machines x {}), rendezvous {}:{} via {}",
               backend, env.world_size, env.num_machines(), env.local_world_size, env.master_addr,
               env.master_port, env.source);

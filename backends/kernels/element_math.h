@@ -75,24 +75,15 @@ struct SgdScalars {
 #if !defined(__CUDA_ARCH__)
 /// The host's rounding barrier: the value must be materialised here, so a
 /// product that went through it cannot be contracted with a later add.
-inline float rounded(float x) {
+/// T is float or double.
+template <typename T>
+inline T rounded(T x) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   asm volatile("" : "+x"(x));
 #elif defined(__GNUC__)
   asm volatile("" : "+w"(x));
 #else
-  volatile float v = x;
-  x = v;
-#endif
-  return x;
-}
-inline double rounded(double x) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("" : "+x"(x));
-#elif defined(__GNUC__)
-  asm volatile("" : "+w"(x));
-#else
-  volatile double v = x;
+  volatile T v = x;
   x = v;
 #endif
   return x;

@@ -15,7 +15,6 @@
 
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -28,7 +27,6 @@
 namespace shardtrain::compat {
 
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
-using GlooGroupPtr = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 using WorkHandle = c10::intrusive_ptr<c10d::Work>;
 
 /// rank 0 hosts the store (is_server), the others connect; waits for all
@@ -46,22 +44,6 @@ inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server
 
 inline StorePtr make_prefix_store(const std::string& prefix, StorePtr store) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
-}
-
-/// A Gloo process group whose sockets bind to `hostname`'s interface (or the
-/// default interface when empty). Constructing it is itself a rendezvous
-/// (full-mesh connect through the store), bounded by `timeout`.
-inline GlooGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
-                                    std::chrono::milliseconds timeout, const std::string& hostname,
-                                    int threads) {
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  if (hostname.empty()) {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  } else {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-  }
-  options->threads = threads;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
 inline std::string torch_version_string() { return TORCH_VERSION; }

@@ -280,7 +280,7 @@ TEST(FaultLauncher, TwoLaunchersFormOneFourRankJob) {
   EXPECT_TRUE(contains(result.output, "machine 1 exit status: 0")) << result.output;
   for (int rank = 0; rank < 4; ++rank) {
     const std::string expected = "[rank " + std::to_string(rank) + "] smoke job: rank " + std::to_string(rank) +
-                                 " of 4 (torchrun), all checks passed";
+                                 " of 4 (torchrun, gloo on cpu), all checks passed";
     EXPECT_TRUE(contains(result.output, expected)) << "missing: " << expected << "\n" << result.output;
   }
 }

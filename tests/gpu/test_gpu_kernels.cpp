@@ -21,6 +21,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/element_math.h"
 #include "kernels/kernels.h"
+#include "support/awkward_values.h"
 #include "shardtrain/error.h"
 
 namespace {
@@ -58,20 +59,7 @@ bool same_bits_up_to_nan_payload(const at::Tensor& a, const at::Tensor& b) {
   return at::equal(nan_a, nan_b) && same_bits(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0));
 }
 
-/// Normal values over ten decades, zeros of both signs, subnormals, the
-/// extremes, and (optionally) inf and NaN.
-at::Tensor awkward_values(int64_t n, uint64_t seed, bool with_non_finite) {
-  at::manual_seed(seed);
-  at::Tensor t = at::randn({n}) * at::pow(10.0, at::randint(-6, 4, {n}).to(at::kFloat));
-  float* data = t.data_ptr<float>();
-  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::denorm_min(), -1e-40f,
-                            std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
-                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN()};
-  const int count = with_non_finite ? 9 : 6;
-  for (int64_t i = 0; i < n; i += 97) data[i] = specials[(i / 97) % count];
-  return t;
-}
+using shardtrain::testing::awkward_values;
 
 /// element_math.h's Adam lanes on the host, fused: what every CUDA thread computes.
 void host_adam(at::Tensor& p, at::Tensor& m, at::Tensor& v, const at::Tensor& g, const k::AdamParams& params) {

@@ -19,6 +19,7 @@
 #include "kernels/cuda/launch_plan.h"
 #include "kernels/element_math.h"
 #include "kernels/kernels.h"
+#include "support/awkward_values.h"
 #include "shardtrain/error.h"
 
 namespace {
@@ -35,20 +36,7 @@ uint32_t bits_of(float x) {
   return b;
 }
 
-/// Values that exercise every branch of the updates: normal numbers of many
-/// magnitudes, zeros of both signs, subnormals, the extremes, inf and NaN.
-at::Tensor awkward_values(int64_t n, uint64_t seed, bool with_non_finite) {
-  at::manual_seed(seed);
-  at::Tensor t = at::randn({n}) * at::pow(10.0, at::randint(-6, 4, {n}).to(at::kFloat));
-  float* data = t.data_ptr<float>();
-  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::denorm_min(), -1e-40f,
-                            std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
-                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN()};
-  const int count = with_non_finite ? 9 : 6;
-  for (int64_t i = 0; i < n; i += 97) data[i] = specials[(i / 97) % count];
-  return t;
-}
+using shardtrain::testing::awkward_values;
 
 /// Bitwise equality of two float tensors, NaN payloads included.
 void expect_same_bits(const at::Tensor& a, const at::Tensor& b, const std::string& what) {

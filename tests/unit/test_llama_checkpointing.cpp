@@ -351,7 +351,7 @@ struct BodyHolder : torch::CustomClassHolder {
 };
 
 /// Whole-unit recomputation the way the sharding engine does it
-/// (src/engine/sharded_engine.cpp, RecomputeFunction, which is private to the
+/// (src/engine/gather_scheduler.cpp, RecomputeFunction, which is private to the
 /// engine): forward runs the body without a graph, backward runs it again
 /// with grad on and differentiates w.r.t. the input and the unit's parameters.
 struct UnitRecompute : torch::autograd::Function<UnitRecompute> {

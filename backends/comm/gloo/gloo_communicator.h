@@ -13,7 +13,7 @@
 
 #include <string>
 
-#include "compat/torch_compat.h"
+#include "compat/gloo_compat.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::comm {

@@ -1,0 +1,152 @@
+// The optimizer over the shards: the global gradient norm and clipping, the
+// fp16 overflow check, the fused step through the kernel layer (or a custom
+// torch optimizer), and zeroing the gradients.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+
+#include "compat/storage.h"
+#include "engine/engine_state.h"
+#include "shardtrain/error.h"
+#include "shardtrain/logging.h"
+#include "kernels/kernels.h"
+
+namespace shardtrain::engine {
+
+void ShardedEngine::State::create_custom_optimizer() {
+  if (options.optimizer.custom_factory) {
+    // The escape hatch steps the master shard directly; its .grad() is the
+    // reduced gradient partition, unscaled and clipped by step().
+    at::Tensor leaf = master_flat;
+    leaf.set_requires_grad(true);
+    custom_leaves = {leaf};
+    custom_optimizer = options.optimizer.custom_factory(custom_leaves);
+    ST_CHECK(custom_optimizer != nullptr, "the custom optimizer factory returned null");
+  }
+}
+
+double ShardedEngine::clip_grad_norm(double max_norm) {
+  State& s = *state_;
+  // The local sum stays on the gradients' device through the all-reduce;
+  // item() is the step's one wait for it.
+  at::Tensor total = kernels::sum_of_squares(s.grad_flat).reshape({1});
+  s.comm->all_reduce(total, ReduceOp::kSum);
+  if (!s.options.shard_params) {
+    // Every rank holds all gradients: the sum over ranks counted each W times.
+    total.div_(s.comm->world_size());
+  }
+  const double norm = std::sqrt(total.item<double>()) / s.scaler.scale();
+  s.last_grad_norm = std::isfinite(norm) ? norm : -1.0;
+  s.clip_coefficient = 1.0;
+  if (max_norm > 0 && std::isfinite(norm)) s.clip_coefficient = std::min(1.0, max_norm / (norm + 1e-6));
+  return norm;
+}
+
+StepResult ShardedEngine::step(double lr) {
+  State& s = *state_;
+  StepResult result;
+  result.loss_scale = s.scaler.scale();
+  result.grad_norm = s.last_grad_norm;
+  if (s.options.fp16) {
+    at::Tensor overflow = kernels::non_finite_flag(s.grad_flat).reshape({1});
+    s.comm->all_reduce(overflow, ReduceOp::kMax);
+    if (overflow.item<float>() > 0) {
+      s.scaler.update(true);
+      s.grad_flat.zero_();
+      s.grads_zero = true;
+      s.clip_coefficient = 1.0;
+      s.last_grad_norm = -1.0;
+      result.skipped = true;
+      return result;
+    }
+  }
+  const double grad_scale = s.clip_coefficient / s.scaler.scale();
+  at::Tensor grad = s.grad_flat;
+  if (s.host_grad_flat.defined()) {
+    s.host_grad_flat.copy_(s.grad_flat);
+    grad = s.host_grad_flat;
+  }
+  const bool separate_lp = !s.pure() && !s.lp_flat.is_same(s.master_flat);
+  at::Tensor lp_out;
+  if (separate_lp) lp_out = s.host_lp_flat.defined() ? s.host_lp_flat : s.lp_flat;
+  ++s.optimizer_steps;
+
+  const auto& o = s.options.optimizer;
+  if (s.custom_optimizer) {
+    at::Tensor& leaf = s.custom_leaves[0];
+    // torch optimizers need the leaf's dtype (keep_low_precision_grads keeps a 16-bit partition).
+    leaf.mutable_grad() = grad.to(leaf.scalar_type()) * grad_scale;
+    {
+      at::NoGradGuard no_grad;
+      s.custom_optimizer->step();
+    }
+    leaf.mutable_grad() = at::Tensor();
+    if (separate_lp) lp_out.copy_(s.master_flat);
+  } else {
+    at::Tensor& stepped = s.pure() ? s.lp_flat : s.master_flat;
+    const int64_t total = stepped.numel();
+    const int64_t group = std::max<int64_t>(1, s.options.sub_group_size);
+    for (int64_t begin = 0; begin < total; begin += group) {
+      const int64_t len = std::min(group, total - begin);
+      at::Tensor param = stepped.narrow(0, begin, len);
+      at::Tensor g = grad.narrow(0, begin, len);
+      at::Tensor lp = separate_lp ? lp_out.narrow(0, begin, len) : at::Tensor();
+      if (o.type == "SGD") {
+        at::Tensor momentum = s.momentum_flat.defined() ? s.momentum_flat.narrow(0, begin, len) : at::Tensor();
+        kernels::SgdParams p;
+        p.lr = lr;
+        p.momentum = o.momentum;
+        p.weight_decay = o.weight_decay;
+        p.nesterov = o.nesterov;
+        p.grad_scale = grad_scale;
+        p.first_step = s.optimizer_steps == 1;
+        kernels::sgd_step(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr, p);
+        continue;
+      }
+      at::Tensor m = s.exp_avg_flat.narrow(0, begin, len);
+      at::Tensor v = s.exp_avg_sq_flat.narrow(0, begin, len);
+      kernels::AdamParams p;
+      p.lr = lr;
+      p.beta1 = o.beta1;
+      p.beta2 = o.beta2;
+      p.eps = o.eps;
+      p.weight_decay = o.weight_decay;
+      p.step = s.optimizer_steps;
+      p.adam_w_mode = o.type == "AdamW";
+      p.grad_scale = grad_scale;
+      if (s.pure()) {
+        kernels::adam_step_low_precision(param, m, v, g, p);
+      } else {
+        kernels::adam_step(param, m, v, g, separate_lp ? &lp : nullptr, p);
+      }
+    }
+  }
+  if (separate_lp && s.host_lp_flat.defined()) s.lp_flat.copy_(s.host_lp_flat);
+  s.scaler.update(false);
+  s.grad_flat.zero_();
+  s.grads_zero = true;
+  s.clip_coefficient = 1.0;
+  s.last_grad_norm = -1.0;
+  s.regather_after_step();
+  return result;
+}
+
+void ShardedEngine::zero_grad() {
+  State& s = *state_;
+  // step() leaves the gradients zeroed; a second pass over them would be the
+  // only work of this call.
+  if (!s.grads_zero) s.grad_flat.zero_();
+  s.grads_zero = true;
+  for (auto& u : s.units) {
+    if (u.boundary_grad_accumulator.defined()) u.boundary_grad_accumulator.zero_();
+  }
+}
+
+double ShardedEngine::loss_scale() const { return state_->scaler.scale(); }
+
+}  // namespace shardtrain::engine
