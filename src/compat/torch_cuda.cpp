@@ -4,6 +4,8 @@
 
 #include "compat/torch_cuda.h"
 
+#include <ATen/core/Tensor.h>
+
 #include "shardtrain/error.h"
 
 #if defined(SHARDTRAIN_TORCH_CUDA)
@@ -24,6 +26,13 @@ int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
 
 void* current_cuda_stream(int device_index) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
+}
+
+void record_cuda_stream(const at::Tensor& tensor, void* stream) {
+  if (!tensor.defined() || !tensor.is_cuda() || !tensor.has_storage()) return;
+  const c10::cuda::CUDAStream wrapped =
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), tensor.device().index());
+  c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), wrapped);
 }
 
 std::string cuda_device_name(int device_index) {
@@ -56,6 +65,8 @@ void reset_cuda_peak_memory(int device_index) {
 bool torch_has_cuda() { return false; }
 int cuda_device_count() { return 0; }
 void* current_cuda_stream(int /*device_index*/) { return nullptr; }
+
+void record_cuda_stream(const at::Tensor& /*tensor*/, void* /*stream*/) {}
 
 std::string cuda_device_name(int /*device_index*/) {
   ST_THROW(Error, "GPU names need a CUDA build of LibTorch; this one is CPU-only");

@@ -15,6 +15,9 @@
 namespace c10 {
 struct StorageImpl;
 }
+namespace at {
+class Tensor;
+}
 
 namespace shardtrain::compat {
 
@@ -32,6 +35,11 @@ void* current_cuda_stream(int device_index);
 
 /// The GPU's product name as the driver reports it ("NVIDIA H200").
 std::string cuda_device_name(int device_index);
+
+/// Tells the caching allocator that `stream` (a cudaStream_t) uses `tensor`:
+/// its block is not reused until that stream is past the work queued now.
+/// Nothing for a CPU tensor or without a CUDA LibTorch.
+void record_cuda_stream(const at::Tensor& tensor, void* stream);
 
 /// Frees (bytes = 0) or re-allocates a CUDA tensor's storage in place through
 /// the caching allocator, keeping the StorageImpl.

@@ -49,6 +49,9 @@ double ShardedEngine::clip_grad_norm(double max_norm) {
 
 StepResult ShardedEngine::step(double lr) {
   State& s = *state_;
+  // A collective that failed after its wait() returned (NCCL's watchdog)
+  // left garbage in the gradients: never apply it.
+  s.comm->check_health();
   StepResult result;
   result.loss_scale = s.scaler.scale();
   result.grad_norm = s.last_grad_norm;

@@ -265,6 +265,12 @@ TEST(NcclBackend, CollectiveThatOneRankNeverJoinsTimesOut) {
   if (comm::nccl_version_string().empty()) GTEST_SKIP() << "NCCL backend not compiled";
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs";
   run_on_two_gpus([](comm::Communicator& nccl, int rank) {
+    // Both ranks connect first: NCCL >= 2.22 sets up connections at the first
+    // collective (NCCL_RUNTIME_CONNECT), which on a non-blocking communicator
+    // would make issuing itself time out instead of the collective.
+    at::Tensor warm = at::ones({8}, on_gpu(rank, at::kFloat));
+    nccl.all_reduce(warm);
+    EXPECT_EQ(warm.sum().item<float>(), 16.0f);
     if (rank == 1) {
       // Alive but absent until rank 0 has given up.
       std::this_thread::sleep_for(std::chrono::seconds(8));
@@ -292,7 +298,9 @@ TEST(NcclBackend, CollectiveThatOneRankNeverJoinsTimesOut) {
       EXPECT_NE(what.find("1000 -> 1000 elements"), std::string::npos) << what;
       EXPECT_NE(what.find("2000 ms"), std::string::npos) << what;
     }
-    // The aborted communicator says so instead of hanging.
+    // The aborted communicator says so instead of hanging, to the health
+    // check the engines make before a step, and to the next collective.
+    EXPECT_THROW(nccl.check_health(), shardtrain::TimeoutError);
     EXPECT_THROW(nccl.all_reduce(t), shardtrain::Error);
   }, std::chrono::milliseconds(2000));
 }

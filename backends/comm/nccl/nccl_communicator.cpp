@@ -2,6 +2,7 @@
 #include "build_config.h"  // SHARDTRAIN_WITH_NCCL, SHARDTRAIN_WITH_CUDA_KERNELS
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -119,6 +120,9 @@ struct NcclState {
   ncclComm_t comm = nullptr;
   bool aborted = false;
   std::string abort_reason;
+  /// Set before ncclCommAbort, read without the lock: the watchdog must not
+  /// take an event that an abort made fire for a completion.
+  std::atomic<bool> abort_started{false};
   /// Follows the collectives in flight; stopped first at teardown.
   std::unique_ptr<Watchdog> watchdog;
 
@@ -130,6 +134,7 @@ struct NcclState {
   /// ncclCommAbort: kills the NCCL kernels still waiting for peers, so the
   /// GPU stream drains and the process can exit or report. Requires `mutex`.
   void abort_locked(const std::string& reason) {
+    abort_started.store(true, std::memory_order_release);
     if (comm != nullptr) {
       (void)ncclCommAbort(comm);
       comm = nullptr;
@@ -208,7 +213,8 @@ struct NcclState {
     ST_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_buffer), sizeof(float)));
     ST_CHECK_CUDA(cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream));
     watchdog = std::make_unique<Watchdog>(
-        device, timeout, [this] { return poll_async_error(); }, [this](const std::string& reason) { abort(reason); });
+        device, timeout, [this] { return poll_async_error(); }, [this](const std::string& reason) { abort(reason); },
+        [this] { return abort_started.load(std::memory_order_acquire); });
   }
 };
 
@@ -314,6 +320,8 @@ ncclComm_t split_communicator(NcclState& parent, int color, int key, const std::
   Backoff backoff;
   // Both communicators report the split's progress: the parent (which all
   // ranks share) and the child (members only).
+  // NCCL's own thread writes `child` while the split runs.
+  auto current_child = [&child] { return __atomic_load_n(&child, __ATOMIC_ACQUIRE); };
   auto state_of = [](ncclComm_t c) {
     if (c == nullptr) return ncclSuccess;
     ncclResult_t state = ncclSuccess;
@@ -322,26 +330,28 @@ ncclComm_t split_communicator(NcclState& parent, int color, int key, const std::
   };
   while (result == ncclInProgress) {
     if (Clock::now() >= deadline) {
-      if (child != nullptr) (void)ncclCommAbort(child);
+      // The parent first: aborting it ends the split, after which the child
+      // handle is final and can be aborted too.
       parent.abort_locked("timeout of " + what);
+      if (current_child() != nullptr) (void)ncclCommAbort(current_child());
       rethrow_collective_failure(what, parent.timeout,
                                  std::runtime_error("ncclCommSplit timed out: not every rank of the parent group "
                                                     "called new_group/split; the parent communicator was aborted"));
     }
     backoff.sleep();
     const ncclResult_t from_parent = state_of(parent.comm);
-    const ncclResult_t from_child = state_of(child);
+    const ncclResult_t from_child = state_of(current_child());
     result = from_parent != ncclSuccess ? from_parent : from_child;
   }
   if (result != ncclSuccess) {
     const char* text = ncclGetLastError(parent.comm);
     const std::string detail = text != nullptr ? text : "";
-    if (child != nullptr) (void)ncclCommAbort(child);
     parent.abort_locked(std::string("ncclCommSplit returned ") + ncclGetErrorString(result));
+    if (current_child() != nullptr) (void)ncclCommAbort(current_child());
     ST_THROW(Error, what, " failed: ncclCommSplit returned ", ncclGetErrorString(result), detail.empty() ? "" : " (",
              detail, detail.empty() ? "" : ")", "; the parent communicator was aborted");
   }
-  return child;
+  return current_child();
 }
 #endif
 
@@ -498,6 +508,23 @@ NcclCommunicator::NcclCommunicator(compat::StorePtr store, int rank, int world_s
 
 NcclCommunicator::~NcclCommunicator() = default;
 
+void NcclCommunicator::check_health() const {
+  if (!state_->abort_started.load(std::memory_order_acquire)) return;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    reason = state_->abort_reason;
+  }
+  const std::string where = "nccl communicator " + state_->name;
+  if (reason.rfind("timeout", 0) == 0) {
+    ST_THROW(TimeoutError, where, " was aborted (", reason, "): results since then are not valid; restart the job "
+             "(resume from the last checkpoint), or raise the timeout (SHARDTRAIN_COMM_TIMEOUT_S) if the job is "
+             "only slow");
+  }
+  ST_THROW(Error, where, " was aborted (", reason, "): results since then are not valid; restart the job (resume "
+           "from the last checkpoint)");
+}
+
 void NcclCommunicator::check_device(const CollectiveEvent& event, const at::Tensor& tensor) const {
   ST_CHECK(tensor.device().index() == device_, describe(event), ": tensor on ", tensor.device().str(),
            ", but this NCCL communicator drives cuda:", device_, "; move the tensor to cuda:", device_);
@@ -506,8 +533,14 @@ void NcclCommunicator::check_device(const CollectiveEvent& event, const at::Tens
 WorkPtr NcclCommunicator::issue(const CollectiveEvent& event, std::vector<at::Tensor> keep_alive,
                                 const std::function<void(IssueContext&)>& enqueue) {
   const std::string description = describe(event);
+  // Back-pressure before any lock: see kMaxInFlight.
+  state_->watchdog->wait_for_room(kMaxInFlight);
   const Clock::time_point deadline = Clock::now() + options().timeout;
   CudaDeviceGuard guard(device_);
+  // The NCCL stream uses these tensors too: their blocks must not return to
+  // the caching allocator for other work until that stream is past them,
+  // whichever stream they were allocated on.
+  for (const at::Tensor& t : keep_alive) compat::record_cuda_stream(t, state_->stream);
   const cudaStream_t caller = nccl_detail::caller_stream(device_);
   cudaEvent_t done = nullptr;
   {
@@ -601,6 +634,15 @@ WorkPtr NcclCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
                                             ncclDataType_t type) {
                            const std::size_t element = in.element_size();
                            ctx.nccl(ncclGroupStart(), "ncclGroupStart");
+                           // A throw between start and end must still close the group: an open
+                           // group defers every later NCCL call of this thread, on any communicator.
+                           bool group_open = true;
+                           struct GroupCloser {
+                             bool& open;
+                             ~GroupCloser() {
+                               if (open) (void)ncclGroupEnd();
+                             }
+                           } closer{group_open};
                            int64_t offset = 0;
                            for (int root = 0; root < static_cast<int>(splits.size()); ++root) {
                              if (splits[root] > 0) {
@@ -612,6 +654,7 @@ WorkPtr NcclCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
                              }
                              offset += splits[root];
                            }
+                           group_open = false;
                            ctx.nccl(ncclGroupEnd(), "ncclGroupEnd");
                          });
 }

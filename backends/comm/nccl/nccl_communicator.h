@@ -7,16 +7,20 @@
 //    (ATen's current stream with a CUDA LibTorch, else the legacy default
 //    stream), and Work::wait() makes the caller's stream wait for it. Compute
 //    enqueued between issue and wait overlaps the transfer.
-//  * Work::wait() also blocks the host until the collective has completed,
-//    polling with the communicator's timeout, so that a rank that never joins
-//    ends in a TimeoutError (after ncclCommAbort) instead of a hung GPU.
+//  * Work::wait() never blocks the host (the CPU runs ahead, as in c10d). A
+//    watchdog thread (nccl_watchdog.h) follows every collective in flight and,
+//    at the timeout, aborts the communicator (ncclCommAbort) and fails the
+//    pending work with a TimeoutError; check_health() and the next collective
+//    report it. At most kMaxInFlight collectives are in flight: issuing waits
+//    (without a lock) for the oldest, so no thread ever blocks inside NCCL on
+//    a full queue while the watchdog needs to abort.
 //  * bf16/fp16 SUM/AVG reductions are widened to an fp32 temporary on the
 //    communication stream, reduced in fp32 and narrowed back there (the
 //    Communicator contract; NCCL itself would accumulate in 16 bits). MAX only
 //    selects, so it runs natively.
 //  * The ncclUniqueId travels through the job's c10d store under a key unique
-//    to this communicator; sub-groups get their own NCCL communicator with a
-//    new id under a derived prefix (as GlooCommunicator derives its prefixes).
+//    to this communicator; sub-groups are split from it (ncclCommSplit, NCCL
+//    >= 2.18), or on older NCCL get a new id under a derived prefix.
 //  * Communicators are non-blocking (NCCL >= 2.14): creation and the
 //    connection set-up inside a first collective are bounded by the timeout too.
 
@@ -60,6 +64,9 @@ class NcclCommunicator : public Communicator {
   }
   /// The CUDA device this communicator drives; tensors must live there.
   int device_index() const { return device_; }
+  /// Throws the failure that aborted this communicator (a timeout, a dead
+  /// peer), if any: results produced since may be garbage.
+  void check_health() const override;
 
  protected:
   WorkPtr do_all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -75,6 +82,11 @@ class NcclCommunicator : public Communicator {
   void do_new_group_not_member(int64_t group_index) override;
 
  private:
+  /// Collectives in flight at most. Far below what fills NCCL's and CUDA's
+  /// queues (a full queue would block an issuing thread inside NCCL with the
+  /// communicator's lock held, and then no abort could get it), and far above
+  /// what the engines keep in flight (a few per unit of prefetch).
+  static constexpr int kMaxInFlight = 64;
   /// Orders the communication stream after the caller's stream, runs `enqueue`
   /// (casts and NCCL calls on the communication stream), records completion and
   /// returns the Work that owns `keep_alive` until it is waited for.

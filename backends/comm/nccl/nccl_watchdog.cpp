@@ -59,9 +59,10 @@ void PendingCollective::wait_settled() const {
   while (status() == Status::kRunning) backoff.sleep();
 }
 
-Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort)
+Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort,
+                   IsAborted is_aborted)
     : device_(device), timeout_(timeout), poll_(std::move(poll)), abort_(std::move(abort)),
-      thread_([this] { run(); }) {}
+      is_aborted_(std::move(is_aborted)), thread_([this] { run(); }) {}
 
 Watchdog::~Watchdog() {
   {
@@ -72,7 +73,13 @@ Watchdog::~Watchdog() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Watchdog::wait_for_room(int limit) const {
+  Backoff backoff;
+  while (in_flight() >= limit && !is_aborted_()) backoff.sleep();
+}
+
 void Watchdog::watch(std::shared_ptr<PendingCollective> pending) {
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_.push_back(std::move(pending));
@@ -106,6 +113,7 @@ void Watchdog::run() {
       const std::string async_error = poll_();
       if (!async_error.empty()) abort_reason_ = async_error;
     }
+    const std::size_t before = mine.size();
     for (auto& p : mine) {
       if (!abort_reason_.empty()) {
         // After an abort the kernels are cut short and events fire anyway:
@@ -119,7 +127,15 @@ void Watchdog::run() {
         continue;
       }
       const cudaError_t query = cudaEventQuery(p->done_event());
-      if (query == cudaSuccess) {
+      if (query == cudaSuccess && is_aborted_()) {
+        // Fired because an abort cut the kernels short, not because they finished.
+        fail(*p, [&] {
+          ST_THROW(Error, p->description(), " failed: the communicator was aborted while it was in flight; its "
+                   "output is not valid. Restart the job (resume from the last checkpoint)");
+        });
+        p.reset();
+        progressed = true;
+      } else if (query == cudaSuccess) {
         p->mark_done();
         p.reset();
         progressed = true;
@@ -149,6 +165,7 @@ void Watchdog::run() {
       }
     }
     mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());
+    in_flight_.fetch_sub(static_cast<int>(before - mine.size()), std::memory_order_acq_rel);
     if (progressed) {
       backoff.reset();
     } else if (!mine.empty()) {

@@ -72,14 +72,24 @@ class Watchdog {
   using AsyncErrorPoll = std::function<std::string()>;
   /// Aborts the communicator (ncclCommAbort) with a reason later calls report.
   using Abort = std::function<void(const std::string& reason)>;
+  /// Whether an abort has begun (from any thread), read without a lock.
+  using IsAborted = std::function<bool()>;
 
-  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort);
+  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort, IsAborted is_aborted);
   /// Stops and joins the thread; collectives still pending stay unsettled.
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
   void watch(std::shared_ptr<PendingCollective> pending);
+
+  /// Collectives watched and not yet settled.
+  int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+
+  /// Blocks (sleeping, no lock held) until fewer than `limit` collectives are
+  /// in flight or the communicator is aborted. Issuing calls it first, so no
+  /// thread sits inside an NCCL call on a full queue when an abort is due.
+  void wait_for_room(int limit) const;
 
  private:
   void run();
@@ -90,6 +100,8 @@ class Watchdog {
   std::chrono::milliseconds timeout_;
   AsyncErrorPoll poll_;
   Abort abort_;
+  IsAborted is_aborted_;
+  std::atomic<int> in_flight_{0};
   std::mutex mutex_;  ///< guards pending_ and stop_ only; never held while polling
   std::condition_variable wake_;
   std::vector<std::shared_ptr<PendingCollective>> pending_;

@@ -146,7 +146,15 @@ struct Avx2Ops {
 
   ST_AVX2_TARGET static V set1(float x) { return _mm256_set1_ps(x); }
   ST_AVX2_TARGET static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  ST_AVX2_TARGET static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  // GCC treats these intrinsics as plain vector arithmetic, which its default
+  // -ffp-contract=fast may fuse with a following add; the barrier keeps every
+  // product rounded on its own, as element_math.h's lanes and the CUDA
+  // kernels round it. Only madd() fuses.
+  ST_AVX2_TARGET static V mul(V a, V b) {
+    V product = _mm256_mul_ps(a, b);
+    asm volatile("" : "+x"(product));
+    return product;
+  }
   ST_AVX2_TARGET static V div(V a, V b) { return _mm256_div_ps(a, b); }
   ST_AVX2_TARGET static V sqrt(V a) { return _mm256_sqrt_ps(a); }
   ST_AVX2_TARGET static V madd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }

@@ -86,6 +86,11 @@ class Communicator {
   /// nccl (the GPU this process drives).
   virtual at::Device device() const = 0;
   at::DeviceType device_type() const { return device().type(); }
+  /// Throws when an earlier collective failed in the background (backends
+  /// whose wait() does not block the host: NCCL's watchdog aborts on a
+  /// timeout after wait() has returned). Engines call it before applying an
+  /// update that depends on collective results. Default: nothing to report.
+  virtual void check_health() const {}
   const CommOptions& options() const { return options_; }
 
   WorkPtr all_gather_async(const at::Tensor& output, const at::Tensor& input);
