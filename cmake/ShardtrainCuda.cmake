@@ -52,7 +52,7 @@ if(NOT _st_cuda_mode STREQUAL "OFF")
     # symbols but not ncclGroupStart's thread-local state. NCCL_HOME overrides.
     find_path(SHARDTRAIN_NCCL_INCLUDE_DIR nccl.h
       HINTS $ENV{NCCL_HOME}/include ${SHARDTRAIN_WHEEL_NCCL_DIR}/include ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(SHARDTRAIN_NCCL_LIBRARY NAMES nccl libnccl.so.2
+    find_library(SHARDTRAIN_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
       HINTS $ENV{NCCL_HOME}/lib ${SHARDTRAIN_WHEEL_NCCL_DIR}/lib ${TORCH_INSTALL_PREFIX}/lib ${CUDAToolkit_LIBRARY_DIR})
     if(SHARDTRAIN_WHEEL_NCCL_DIR AND SHARDTRAIN_NCCL_INCLUDE_DIR
        AND NOT SHARDTRAIN_NCCL_INCLUDE_DIR STREQUAL "${SHARDTRAIN_WHEEL_NCCL_DIR}/include")

@@ -37,8 +37,10 @@ if(_st_from_python STREQUAL "ON" OR (_st_from_python STREQUAL "AUTO" AND NOT Tor
         set(SHARDTRAIN_WHEEL_NCCL_DIR "${_st_nccl_dir}")
       endif()
     elseif(_st_from_python STREQUAL "ON")
-      message(FATAL_ERROR "SHARDTRAIN_TORCH_FROM_PYTHON=ON, but ${Python3_EXECUTABLE} has no usable torch "
-        "(${_st_torch_error}); install PyTorch for it or pass -DPython3_EXECUTABLE=/path/to/python")
+      message(FATAL_ERROR "SHARDTRAIN_TORCH_FROM_PYTHON=ON, but ${Python3_EXECUTABLE}'s torch gives no LibTorch "
+        "CMake package (torch.utils.cmake_prefix_path = '${_st_torch_prefix}' holds no Torch/TorchConfig.cmake; "
+        "${_st_torch_error}). A pip wheel of PyTorch has one (Debian's python3-torch does not: use libtorch-dev); "
+        "or pass -DPython3_EXECUTABLE=/path/to/python")
     endif()
   elseif(_st_from_python STREQUAL "ON")
     message(FATAL_ERROR "SHARDTRAIN_TORCH_FROM_PYTHON=ON, but no python3 interpreter was found")
