@@ -27,6 +27,7 @@
 
 #include "build_config.h"
 #include "finetune/finetune.h"
+#include "shardtrain/metrics_plot.h"
 
 int main(int argc, char** argv) {
   finetune::FinetuneOptions options;
@@ -98,6 +99,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bool no_eval = false;
   app.add_flag("--no-eval", no_eval, "No evaluation before and after training (benchmarks)");
+  std::string plot;
+  app.add_option("--plot", plot, "At the end, draw this run's curves from --metrics-out into this .png or .svg (rank 0)");
   std::string summary_json;
   app.add_option("--summary-json", summary_json,
                  "Write the run's summary (throughput, MFU and its peak, memory, per-step losses) here as JSON (rank 0)");
@@ -110,8 +113,16 @@ int main(int argc, char** argv) {
     if (options.eval_data.empty() && !no_eval) options.eval_data = bundled + "/data/eval.jsonl";
   }
   if (no_eval) options.eval_data.clear();
+  if (!plot.empty() && options.metrics_out.empty()) {
+    std::cerr << program << ": --plot draws the metrics file: give --metrics-out FILE too" << std::endl;
+    return 2;
+  }
   try {
     finetune::FinetuneSummary summary = finetune::run_finetune(options);
+    if (!plot.empty() && summary.main_process) {
+      shardtrain::plot_metrics({{options.metrics_out, program}}, plot);
+      std::cout << "curves: " << plot << std::endl;
+    }
     if (!summary_json.empty() && summary.main_process) {
       std::ofstream out(summary_json);
       out << finetune::summary_to_json(summary).dump(2) << "\n";

@@ -14,5 +14,7 @@ void register_env_command(CLI::App& app, int& exit_code);
 void register_config_command(CLI::App& app, int& exit_code);
 /// `shardtrain checkpoint inspect|verify PATH` and `shardtrain checkpoint export PATH --out DIR [...]`.
 void register_checkpoint_command(CLI::App& app, int& exit_code);
+/// `shardtrain plot RUN.jsonl... -o curves.png|svg [--label L ...]`.
+void register_plot_command(CLI::App& app, int& exit_code);
 
 }  // namespace shardtrain::cli

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   shardtrain::cli::register_env_command(app, exit_code);
   shardtrain::cli::register_config_command(app, exit_code);
   shardtrain::cli::register_checkpoint_command(app, exit_code);
+  shardtrain::cli::register_plot_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,88 @@
+// `shardtrain plot` / plot_metrics: pictures of metrics files, and clear
+// errors for what cannot be drawn.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include <unistd.h>
+
+#include "shardtrain/error.h"
+#include "shardtrain/metrics_plot.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("shardtrain-plot-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  return dir / name;
+}
+
+void write(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+std::string read(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST(UnitPlot, DrawsEveryRunIntoPngAndSvg) {
+  // The fine-tune's key names in one file, train_tiny's in the other.
+  const fs::path a = scratch("zero3.jsonl"), b = scratch("fsdp_pure.jsonl");
+  write(a, R"({"step":1,"loss":6.1,"lr":0.001,"grad_norm":2.5,"tokens_per_s_rank0":4000}
+{"step":2,"loss":5.2,"lr":0.001,"grad_norm":2.1,"tokens_per_s_rank0":4100}
+{"step":3,"loss":4.0,"lr":0.0009,"grad_norm":1.7,"tokens_per_s_rank0":4050}
+)");
+  write(b, R"({"step":1,"loss":6.1,"lr":0.001,"grad_norm":-1,"tokens_per_s":3900,"lost_update_frac":0.91}
+
+{"step":2,"loss":6.1,"lr":0.001,"grad_norm":-1,"tokens_per_s":3950,"lost_update_frac":0.93}
+)");
+  const fs::path svg = scratch("curves.svg");
+  shardtrain::plot_metrics({{a.string(), ""}, {b.string(), "pure 1e-5"}}, svg.string());
+  const std::string text = read(svg);
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  // Labels: the file name when none is given, else the label; every panel that some run has.
+  EXPECT_NE(text.find("zero3"), std::string::npos);
+  EXPECT_NE(text.find("pure 1e-5"), std::string::npos);
+  for (const char* title : {"loss", "gradient norm", "learning rate", "tokens/s", "lost-update fraction"}) {
+    EXPECT_NE(text.find(title), std::string::npos) << title;
+  }
+  const fs::path png = scratch("curves.png");
+  shardtrain::plot_metrics({{a.string(), ""}}, png.string());
+  EXPECT_EQ(read(png).substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  fs::remove_all(a.parent_path());
+}
+
+TEST(UnitPlot, WhatCannotBeDrawnIsAClearError) {
+  const fs::path bad = scratch("bad.jsonl"), empty = scratch("nothing.jsonl"), ok = scratch("ok.jsonl");
+  write(bad, "{\"step\":1,\"loss\":2}\nnot json\n");
+  write(empty, "{\"step\":1,\"skipped\":false}\n");
+  write(ok, "{\"step\":1,\"loss\":2}\n");
+  auto message_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const shardtrain::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{bad.string(), ""}}, scratch("x.png").string()); })
+                .find("line 2 is not JSON"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{empty.string(), ""}}, scratch("x.png").string()); })
+                .find("none of the files has"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{ok.string(), ""}}, scratch("x.pdf").string()); })
+                .find("must end in .png or .svg"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{"/nonexistent.jsonl", ""}}, scratch("x.png").string()); })
+                .find("cannot read the metrics file '/nonexistent.jsonl'"),
+            std::string::npos);
+  fs::remove_all(bad.parent_path());
+}
+
+}  // namespace
