@@ -205,9 +205,9 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
   if (backend == "auto") {
     if (comm::nccl_usable()) {
       backend = "nccl";
-    } else if (compat::visible_cuda_devices() > 0) {
+    } else if (compat::cuda_device_count() > 0) {
       // Silently training a GPU node's job over Gloo on the CPU is never what was meant.
-      ST_THROW(ConfigError, "backend 'auto': this process sees ", compat::visible_cuda_devices(),
+      ST_THROW(ConfigError, "backend 'auto': this process sees ", compat::cuda_device_count(),
                " GPU(s) but cannot use NCCL (", comm::nccl_unavailable_reason(),
                "). Build shardtrain with NCCL (cmake -DSHARDTRAIN_CUDA=ON, with NCCL's headers and library "
                "installed, e.g. Debian's libnccl-dev or the nvidia-nccl wheel), or choose backend 'gloo' "

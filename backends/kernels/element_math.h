@@ -240,12 +240,4 @@ ST_HOST_DEVICE double add_rn(double a, double b) {
 /// Number of kSumBlock blocks covering n elements.
 ST_HOST_DEVICE int64_t sum_blocks(int64_t n) { return (n + kSumBlock - 1) / kSumBlock; }
 
-// ---- the non-finite check -------------------------------------------------------------
-
-/// Inf and NaN are the values whose exponent bits are all ones in every IEEE
-/// format, so the check reads raw bits and never converts.
-constexpr uint32_t kF32ExponentMask = 0x7f800000u;
-constexpr uint16_t kBF16ExponentMask = 0x7f80u;
-constexpr uint16_t kF16ExponentMask = 0x7c00u;
-
 }  // namespace shardtrain::kernels::math

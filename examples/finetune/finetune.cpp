@@ -522,13 +522,23 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   summary.flops_per_token = token_flops;
   summary.mfu = summary.tokens_per_s_per_rank * token_flops / peak_flops;
   const shardtrain::MemoryReport mem = accelerator.memory();
-  at::Tensor rss = accelerator.gather_for_metrics(at::full({1}, static_cast<double>(mem.peak_rss), at::kDouble));
+  // One gather for both peaks: [world, 2], RSS then the GPU's caching
+  // allocator (which RSS does not see; 0 on a CPU).
+  const at::Tensor peaks = accelerator.gather_for_metrics(
+      at::tensor({static_cast<double>(mem.peak_rss),
+                  static_cast<double>(shardtrain::device_memory(device).peak_allocated)},
+                 at::kDouble)
+          .view({1, 2}));
+  const at::Tensor rss = peaks.select(1, 0), device_peak = peaks.select(1, 1);
   summary.peak_rss_max = static_cast<int64_t>(rss.max().item<double>());
-  // On a GPU the model state lives in the caching allocator, which RSS does not see.
-  const shardtrain::DeviceMemory device_mem = shardtrain::device_memory(device);
-  at::Tensor device_peak =
-      accelerator.gather_for_metrics(at::full({1}, static_cast<double>(device_mem.peak_allocated), at::kDouble));
   summary.peak_device_memory_max = static_cast<int64_t>(device_peak.max().item<double>());
+  auto per_rank = [](const at::Tensor& bytes) {
+    std::ostringstream text;
+    for (int64_t r = 0; r < bytes.numel(); ++r) {
+      text << (r ? ", " : "") << "rank " << r << " " << format_bytes(bytes[r].item<double>());
+    }
+    return text.str();
+  };
   if (verbose) {
     SummaryTable table;
     const std::string first = summary.losses.empty() ? "n/a" : number(summary.losses.front());
@@ -545,18 +555,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
                                       std::to_string(summary.eval_after.prompts) + " prompts");
     table.add("tokens/s per rank", number(summary.tokens_per_s_per_rank, "%.0f"));
     table.add("MFU", percent(summary.mfu) + " of " + peak_source);
-    std::ostringstream rss_text;
-    for (int64_t r = 0; r < rss.numel(); ++r) {
-      rss_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(rss[r].item<double>());
-    }
-    table.add("peak memory (RSS)", rss_text.str());
-    if (device.is_cuda()) {
-      std::ostringstream gpu_text;
-      for (int64_t r = 0; r < device_peak.numel(); ++r) {
-        gpu_text << (r ? ", " : "") << "rank " << r << " " << format_bytes(device_peak[r].item<double>());
-      }
-      table.add("peak GPU memory (allocated)", gpu_text.str());
-    }
+    table.add("peak memory (RSS)", per_rank(rss));
+    if (device.is_cuda()) table.add("peak GPU memory (allocated)", per_rank(device_peak));
     if (!summary.checkpoint_dir.empty()) table.add("checkpoint", summary.checkpoint_dir);
     if (!summary.export_dir.empty()) table.add("exported model", summary.export_dir);
     std::cout << table.render("fine-tune summary");

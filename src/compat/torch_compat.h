@@ -48,7 +48,4 @@ inline StorePtr make_prefix_store(const std::string& prefix, StorePtr store) {
 
 inline std::string torch_version_string() { return TORCH_VERSION; }
 
-/// GPUs this process can use: 0 without a CUDA build of LibTorch, or without a driver or a visible device.
-inline int visible_cuda_devices() { return cuda_device_count(); }
-
 }  // namespace shardtrain::compat

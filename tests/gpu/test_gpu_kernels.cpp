@@ -44,11 +44,7 @@ at::Tensor gpu_copy(const at::Tensor& cpu, int64_t offset) {
   return view;
 }
 
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::ScalarType bits = a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt : at::kShort;
-  return at::equal(a.contiguous().view(bits), b.contiguous().view(bits));
-}
+using shardtrain::testing::same_bits;
 
 /// Bitwise equality where both are numbers; NaN where either is NaN. NaN
 /// payloads differ by design between x86 (the first operand's, quieted) and

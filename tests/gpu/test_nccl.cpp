@@ -21,6 +21,7 @@
 #include "comm/nccl_factory.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/error.h"
+#include "support/awkward_values.h"
 
 #if defined(SHARDTRAIN_WITH_NCCL)
 #include "comm/nccl/nccl_communicator.h"
@@ -31,12 +32,7 @@ namespace {
 namespace comm = shardtrain::comm;
 using Clock = std::chrono::steady_clock;
 
-/// Bitwise equality (at::equal would call -0 == +0 equal and NaN unequal).
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::ScalarType bits = a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt : at::kShort;
-  return at::equal(a.contiguous().view(bits), b.contiguous().view(bits));
-}
+using shardtrain::testing::same_bits;
 
 // ---- NCCL backend ----------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 #pragma once
-// Inputs for bitwise kernel comparisons: values that exercise every branch
-// of an elementwise update, shared by the CPU and the GPU kernel tests.
+// Bitwise comparisons for the kernel and collective tests: inputs that
+// exercise every branch of an elementwise update, and tensor bit equality.
 
 #include <cstdint>
 #include <limits>
@@ -23,6 +23,14 @@ inline at::Tensor awkward_values(int64_t n, uint64_t seed, bool with_non_finite)
   const int count = with_non_finite ? 9 : 6;
   for (int64_t i = 0; i < n; i += 97) data[i] = specials[(i / 97) % count];
   return t;
+}
+
+/// Bitwise equality of two tensors of one dtype and shape (at::equal would
+/// call -0 == +0 equal and NaN unequal). Element sizes 2, 4 and 8.
+inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::ScalarType bits = a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt : at::kShort;
+  return at::equal(a.contiguous().view(bits), b.contiguous().view(bits));
 }
 
 }  // namespace shardtrain::testing

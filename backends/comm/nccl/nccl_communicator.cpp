@@ -37,19 +37,6 @@ namespace nccl_detail {
 
 namespace kcuda = ::shardtrain::kernels::cuda;
 
-/// Poll interval for the waits that must block the host (communicator set-up
-/// and teardown): short at first, growing to 1 ms.
-class Backoff {
- public:
-  void sleep() {
-    std::this_thread::sleep_for(delay_);
-    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
-  }
-
- private:
-  std::chrono::microseconds delay_{5};
-};
-
 /// The stream the caller's CUDA work runs on. `device` must be current: the
 /// legacy default stream (and ATen's default stream, which is the same
 /// handle) means "the current device's".

@@ -1,6 +1,10 @@
 #pragma once
 // Error checking and device scoping for the NCCL backend (private header).
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -29,6 +33,23 @@ namespace shardtrain::comm::nccl_detail {
                                    detail != nullptr && *detail != '\0' ? "; " : "",
                                    detail != nullptr ? detail : ""));
 }
+
+/// Poll interval of every host-side wait of the backend (set-up, teardown,
+/// the watchdog): short at first so that short waits end within microseconds,
+/// growing to 1 ms so that a long one (a straggling rank) does not spin a core
+/// the data loader may need.
+class Backoff {
+ public:
+  void sleep() {
+    std::this_thread::sleep_for(delay_);
+    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
+  }
+  /// Back to the shortest interval (after progress).
+  void reset() { delay_ = std::chrono::microseconds(5); }
+
+ private:
+  std::chrono::microseconds delay_{5};
+};
 
 /// Makes `device` current for a scope and restores the previous device. Every
 /// entry point of the backend uses it: the caller may have any device current

@@ -5,29 +5,12 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "comm/nccl/nccl_utils.h"
 #include "comm/work_util.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
 namespace shardtrain::comm::nccl_detail {
-namespace {
-
-/// Poll interval: short at first so that small collectives are seen within
-/// microseconds of finishing, growing to 1 ms so that a long wait (a
-/// straggling rank) does not spin a core the data loader may need.
-class Backoff {
- public:
-  void sleep() {
-    std::this_thread::sleep_for(delay_);
-    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
-  }
-  void reset() { delay_ = std::chrono::microseconds(5); }
-
- private:
-  std::chrono::microseconds delay_{5};
-};
-
-}  // namespace
 
 PendingCollective::~PendingCollective() {
   int previous = -1;
