@@ -4,6 +4,10 @@
 //
 //   OMP_NUM_THREADS=1 build/bin/bench_optimizer [--numel 50000000] [--rounds 5] [--threads 1]
 //
+// The lost-update audit's cost is measured the same way: the fused step with
+// the bf16 copy, with and without counting (every element), and pure bf16
+// AdamW with and without.
+//
 // Bytes moved per element: fused AdamW reads master, grad, m, v and writes
 // master, m, v (28 B; 30 B with the bf16 copy written in the same pass); a
 // copy reads and writes 4 B each (8 B). "of copy bandwidth" is the kernel's
@@ -51,6 +55,11 @@ int main(int argc, char** argv) {
     at::Tensor master = at::randn({numel}), grad = at::randn({numel}) * 1e-3;
     at::Tensor m = at::zeros({numel}), v = at::zeros({numel});
     at::Tensor low = at::empty({numel}, at::kBFloat16);
+    at::Tensor pure_p = master.to(at::kBFloat16), pure_m = at::zeros({numel}, at::kBFloat16),
+               pure_v = at::zeros({numel}, at::kBFloat16), pure_g = grad.to(at::kBFloat16);
+    unsigned long long counters[3] = {0, 0, 0};
+    shardtrain::kernels::math::AuditSpec audit;
+    audit.counts = counters;
     at::Tensor copy_src = at::randn({numel}), copy_dst = at::empty({numel});
     at::Tensor torch_param = master.clone().set_requires_grad(true);
     torch_param.mutable_grad() = grad.clone();
@@ -67,8 +76,20 @@ int main(int argc, char** argv) {
       const double fused = seconds_of([&] { shardtrain::kernels::cpu::fused_adam(master, m, v, grad, nullptr, p); });
       p.step = ++step;
       const double fused_bf16 = seconds_of([&] { shardtrain::kernels::cpu::fused_adam(master, m, v, grad, &low, p); });
+      p.step = ++step;
+      const double fused_bf16_audit =
+          seconds_of([&] { shardtrain::kernels::cpu::fused_adam(master, m, v, grad, &low, p, audit); });
+      p.step = ++step;
+      const double pure = seconds_of(
+          [&] { shardtrain::kernels::cpu::fused_adam_low_precision(pure_p, pure_m, pure_v, pure_g, p); });
+      p.step = ++step;
+      const double pure_audit = seconds_of(
+          [&] { shardtrain::kernels::cpu::fused_adam_low_precision(pure_p, pure_m, pure_v, pure_g, p, audit); });
       const double reference = seconds_of([&] { torch_adamw.step(); });
       if (round == 0) continue;
+      times["fused_bf16_audit"].push_back(fused_bf16_audit);
+      times["pure"].push_back(pure);
+      times["pure_audit"].push_back(pure_audit);
       times["copy"].push_back(copy);
       times["fused"].push_back(fused);
       times["fused_bf16"].push_back(fused_bf16);
@@ -90,7 +111,13 @@ int main(int argc, char** argv) {
                 copy_bw / 1e9);
     row("shardtrain fused AdamW", "fused", 28.0);
     row("shardtrain fused AdamW + bf16 copy", "fused_bf16", 30.0);
+    row("shardtrain fused AdamW + bf16 copy + lost-update audit", "fused_bf16_audit", 30.0);
+    row("shardtrain pure bf16 AdamW", "pure", 14.0);
+    row("shardtrain pure bf16 AdamW + lost-update audit", "pure_audit", 14.0);
     std::printf("| torch::optim::AdamW | %.1f | 1.00x | - | - |\n", 1e3 * torch_time);
+    std::printf("lost-update audit, time with / without: fused AdamW + bf16 copy %.3f; pure bf16 AdamW %.3f\n",
+                bench::median(times["fused_bf16_audit"]) / bench::median(times["fused_bf16"]),
+                bench::median(times["pure_audit"]) / bench::median(times["pure"]));
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "bench_optimizer: " << e.what() << std::endl;

@@ -14,7 +14,10 @@
 // machine's GEMM rate in the run's compute dtype, measured at start through
 // shardtrain::nn (the path the model's products take). With both dtypes the
 // runs interleave too, and a last line gives each configuration's bf16/fp32
-// step-time ratio. Model states are the
+// step-time ratio. With --audit-ablation every engine configuration also
+// runs without the lost-update audit (precision_audit.sample_fraction 0),
+// interleaved with the audited run, and a last line gives the audit's cost as
+// the ratio of the two step times. Model states are the
 // bytes the run holds per rank (parameters, gradients, master, optimizer
 // state; for engines Accelerator::memory()), next to the precision plan's
 // prediction. Peak RSS is the process's high-water mark during the run.
@@ -55,10 +58,13 @@ struct BenchOptions {
   /// ZeRO bucket sizes "auto" (from the hidden size, as in the shipped
   /// configs/zero*.json) rather than DeepSpeed's fixed defaults.
   bool auto_buckets = true;
+  /// The lost-update audit (precision_audit.sample_fraction 1, the default) or none (0).
+  bool audit = true;
 };
 
 struct RunResult {
   double step_seconds = 0;  ///< mean of the timed steps
+  double optimizer_seconds = 0;  ///< mean time of accelerator.step() in the timed steps (engines)
   double final_loss = 0;
   int64_t state_bytes = 0;
   int64_t planned_bytes = -1;  ///< -1: no plan (plain loops)
@@ -149,6 +155,7 @@ shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOpt
   c.optimizer.weight_decay = o.weight_decay;
   c.gradient_clipping = 0.0;
   c.steps_per_print = 1 << 30;
+  c.precision_audit.sample_fraction = o.audit ? 1.0 : 0.0;
   if (name == "ddp") {
     c.distributed_type = world > 1 ? shardtrain::DistributedType::kMultiCpu : shardtrain::DistributedType::kNo;
   } else if (name.rfind("zero", 0) == 0) {
@@ -183,19 +190,25 @@ RunResult run_engine(const std::string& name, const BenchOptions& o, const shard
   run.total_steps = o.skip + o.steps;
   auto prepared = accelerator.prepare(model, {}, run);
   RunResult result;
-  double timed = 0;
+  double timed = 0, optimizer = 0;
   for (int step = 0; step < o.skip + o.steps; ++step) {
     at::Tensor tokens = random_tokens(o, step, comm->rank());
     const auto start = Clock::now();
     at::Tensor loss = next_token_loss(prepared(tokens.narrow(1, 0, o.seq_len)), tokens.narrow(1, 1, o.seq_len));
     accelerator.backward(loss);
+    const auto step_start = Clock::now();
     accelerator.step();
+    const double step_seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     accelerator.zero_grad();
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    if (step >= o.skip) timed += seconds;
+    if (step >= o.skip) {
+      timed += seconds;
+      optimizer += step_seconds;
+    }
     result.final_loss = loss.item<double>();
   }
   result.step_seconds = timed / o.steps;
+  result.optimizer_seconds = optimizer / o.steps;
   const shardtrain::MemoryReport mem = accelerator.memory();
   result.state_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered;
   const shardtrain::PrecisionPlan plan = accelerator.precision_plan();
@@ -247,6 +260,9 @@ int main(int argc, char** argv) {
                  "ZeRO bucket and prefetch sizes: auto (from the hidden size, as configs/zero*.json) or "
                  "deepspeed (DeepSpeed's fixed defaults: 5e8 reduce bucket, 5e7 prefetch)")
       ->capture_default_str();
+  bool audit_ablation = false;
+  app.add_flag("--audit-ablation", audit_ablation,
+               "Also run every engine configuration without the lost-update audit, interleaved, and print its cost");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -275,32 +291,38 @@ int main(int argc, char** argv) {
     }
 
     // Keyed by "config dtype".
-    std::map<std::string, std::vector<double>> step_seconds;
+    std::map<std::string, std::vector<double>> step_seconds, optimizer_seconds;
     std::map<std::string, RunResult> last;
     for (int round = 0; round < rounds; ++round) {
       for (const auto& dtype : dtypes) {
         o.bf16 = dtype == "bf16";
         for (const auto& name : configs) {
-          comm->barrier();
-          bench::reset_peak_rss();
-          RunResult r = name == "plain"          ? run_plain(o, nullptr)
-                        : name == "allreduce_dp" ? run_plain(o, comm.get())
-                                                 : run_engine(name, o, comm);
-          r.peak_rss = bench::peak_rss_bytes();
-          // The slowest rank sets the step time of a synchronous job.
-          at::Tensor slowest = at::full({1}, r.step_seconds, at::kDouble);
-          comm->all_reduce(slowest, shardtrain::comm::ReduceOp::kMax);
-          at::Tensor rss = at::full({1}, static_cast<double>(r.peak_rss), at::kDouble);
-          comm->all_reduce(rss, shardtrain::comm::ReduceOp::kMax);
-          r.step_seconds = slowest.item<double>();
-          r.peak_rss = static_cast<int64_t>(rss.item<double>());
-          const std::string key = name + " " + dtype;
-          step_seconds[key].push_back(r.step_seconds);
-          last[key] = r;
-          if (main_process) {
-            std::printf("round %d  %-20s %s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), dtype.c_str(),
-                        r.step_seconds, r.final_loss);
-            std::fflush(stdout);
+          const bool engine = name != "plain" && name != "allreduce_dp";
+          for (const bool audit : {true, false}) {
+            if (!audit && !(engine && audit_ablation)) continue;
+            o.audit = audit;
+            comm->barrier();
+            bench::reset_peak_rss();
+            RunResult r = name == "plain"          ? run_plain(o, nullptr)
+                          : name == "allreduce_dp" ? run_plain(o, comm.get())
+                                                   : run_engine(name, o, comm);
+            r.peak_rss = bench::peak_rss_bytes();
+            // The slowest rank sets the step time of a synchronous job.
+            at::Tensor slowest = at::full({1}, r.step_seconds, at::kDouble);
+            comm->all_reduce(slowest, shardtrain::comm::ReduceOp::kMax);
+            at::Tensor rss = at::full({1}, static_cast<double>(r.peak_rss), at::kDouble);
+            comm->all_reduce(rss, shardtrain::comm::ReduceOp::kMax);
+            r.step_seconds = slowest.item<double>();
+            r.peak_rss = static_cast<int64_t>(rss.item<double>());
+            const std::string key = name + " " + dtype + (audit ? "" : " noaudit");
+            step_seconds[key].push_back(r.step_seconds);
+            optimizer_seconds[key].push_back(r.optimizer_seconds);
+            if (audit) last[key] = r;
+            if (main_process) {
+              std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), dtype.c_str(),
+                          audit ? "" : " (no audit)", r.step_seconds, r.final_loss);
+              std::fflush(stdout);
+            }
           }
         }
       }
@@ -332,6 +354,25 @@ int main(int argc, char** argv) {
                       known_configs().at(name).c_str(), dtype.c_str(), seconds, tokens_per_s, ratio,
                       100.0 * tokens_per_s * token_flops / peak[dtype], r.state_bytes / 1e6, plan,
                       r.peak_rss / 1048576.0);
+        }
+      }
+      if (audit_ablation) {
+        // The audit runs inside accelerator.step() only, whose time varies far
+        // less than a whole step's on a noisy machine; its share of the step
+        // is the difference of the optimizer times over the audited step time.
+        std::printf("\nlost-update audit (medians of %d interleaved rounds):\n", rounds);
+        for (const auto& dtype : dtypes) {
+          for (const auto& name : configs) {
+            const std::string key = name + " " + dtype;
+            if (!step_seconds.count(key + " noaudit")) continue;
+            const double with = bench::median(optimizer_seconds[key]);
+            const double without = bench::median(optimizer_seconds[key + " noaudit"]);
+            const double step = bench::median(step_seconds[key]);
+            std::printf("  %s %s: optimizer step %.1f ms with, %.1f ms without; cost %.2f%% of the %.3f s step "
+                        "(whole-step ratio with / without %.4f)\n",
+                        name.c_str(), dtype.c_str(), 1e3 * with, 1e3 * without, 100.0 * (with - without) / step, step,
+                        step / bench::median(step_seconds[key + " noaudit"]));
+          }
         }
       }
       if (peak.count("fp32") && peak.count("bf16")) {

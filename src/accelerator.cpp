@@ -13,6 +13,8 @@
 #include "checkpoint/export.h"
 #include "engine/engine.h"
 #include "engine/sharded_engine.h"
+#include "engine/lost_update_watch.h"
+#include "run_agreement.h"
 #include "engine/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -66,6 +68,7 @@ struct Accelerator::State {
   bool prepared = false;
   std::map<std::string, int64_t> extras;
   std::unique_ptr<DistributedSampler> sampler;
+  std::unique_ptr<engine::LostUpdateWatch> lost_update_watch;
 };
 
 Accelerator::Accelerator(AcceleratorOptions options) : state_(std::make_unique<State>()) {
@@ -166,6 +169,11 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
     load_dtype = first == at::kBFloat16 ? "bf16" : first == at::kHalf ? "fp16" : "fp32";
   }
 
+  // ---- every rank must train the same thing: checked before the engine's
+  // first collective, which would otherwise hang or mix different models.
+  check_ranks_agree(*s.comm, "resolved config", describe_run(s.config, num_processes(), load_dtype, run.seed));
+  check_ranks_agree(*s.comm, "model", describe_model(*s.module));
+
   // ---- optimizer: config block, overridden by code
   engine::OptimizerSpec spec;
   const OptimizerConfig& oc = s.config.optimizer;
@@ -179,6 +187,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   spec.momentum = optimizer.momentum.value_or(oc.momentum);
   spec.nesterov = oc.nesterov;
   spec.custom_factory = optimizer.custom_factory;
+  spec.audit_sample_period = s.config.precision_audit.sample_period();
   if (spec.type == "Adam" && oc.adam_w_mode.value_or(false)) spec.type = "AdamW";
   s.config.optimizer.type = spec.type;
   s.config.optimizer.momentum = spec.momentum;
@@ -248,6 +257,11 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   }
 
   s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, load_dtype, s.env.local_world_size);
+  s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
+      s.config.precision_audit,
+      s.plan.engine + ": " + s.plan.shard_dtype + " parameters, " +
+          (s.plan.master_dtype == "none" ? std::string("no fp32 master") : s.plan.master_dtype + " master"),
+      s.plan.master_dtype != "none");
   if (is_main_process() && s.options.print_plan) {
     std::cout << s.plan.to_string() << std::flush;
   }
@@ -310,6 +324,9 @@ void Accelerator::step() {
   s.last.grad_norm = result.grad_norm >= 0 ? result.grad_norm : norm;
   s.last.loss_scale = result.loss_scale;
   s.last.skipped = result.skipped;
+  s.last.non_finite = result.non_finite;
+  s.last.lost_update_frac = result.lost_update_frac;
+  s.last.lost_update_frac_if_bf16 = result.lost_update_frac_if_bf16;
   if (result.skipped) {
     ++s.last.skipped_total;
   } else {
@@ -317,6 +334,25 @@ void Accelerator::step() {
   }
   s.micro_in_window = 0;
   s.clipped_this_window = false;
+  if (result.non_finite) {
+    ++s.last.non_finite_total;
+    // The update was not applied and the gradients are zeroed: stopping here
+    // leaves the weights and optimizer state as they were after the last good step.
+    ST_CHECK(s.config.non_finite_policy != NonFinitePolicy::kStop, "after step ", s.last.step,
+             ": the gradients hold inf or NaN (a non-finite loss, or an overflow in bf16/fp32); the update was not "
+             "applied and non_finite_policy: stop ends the run here. Look at the loss and the learning rate, or "
+             "set non_finite_policy: skip to skip such steps");
+    if (is_main_process()) {
+      ST_LOG_WARN("skipped the optimizer step after step {}: the gradients hold inf or NaN ({} such step(s) so "
+                  "far); the weights are unchanged. non_finite_policy: stop makes this an error",
+                  s.last.step, s.last.non_finite_total);
+    }
+  }
+  if (s.lost_update_watch) {
+    // Every rank sees the same reduced fraction; one of them speaks.
+    auto warning = s.lost_update_watch->observe(s.last.step, result.lost_update_frac, lr);
+    if (warning && is_main_process()) ST_LOG_WARN("{}", *warning);
+  }
 }
 
 void Accelerator::zero_grad() {
@@ -379,8 +415,18 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
     const SamplerState sampler = s.sampler->state();
     training["sampler"] = {{"seed", sampler.seed}, {"epoch", sampler.epoch}, {"position", sampler.position}};
   }
-  return checkpoint::save(running, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
-                          training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
+  try {
+    return checkpoint::save(running, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
+                            training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
+  } catch (const CheckpointSaveError& failure) {
+    if (s.config.checkpoint_on_error == CheckpointErrorPolicy::kStop) throw;
+    if (is_main_process()) {
+      ST_LOG_WARN("{}. Training goes on (checkpoint_on_error: continue); the next save_state tries again. "
+                  "checkpoint_on_error: stop ends the run instead",
+                  failure.what());
+    }
+    return "";
+  }
 }
 
 void Accelerator::save_model(const std::string& out_dir, const std::string& dtype, uint64_t max_shard_bytes,
@@ -394,6 +440,8 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   // streams them into the Hugging Face layout one parameter at a time.
   const std::string staging = out_dir + "/.shardtrain-export";
   const std::string written = save_state(staging, "weights");
+  ST_CHECK_T(CheckpointSaveError, !written.empty(), "save_model: writing the weights to ", staging,
+             " failed (the warning above says why); nothing was exported to ", out_dir);
   if (is_main_process()) {
     checkpoint::ExportOptions options;
     options.dtype = resolved;

@@ -5,6 +5,7 @@
 
 #include "shardtrain/metrics_plot.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -29,14 +30,16 @@ struct Panel {
   const char* title;
   std::vector<const char*> keys;
   bool log_scale;
+  bool smoothable = true;
 };
 const std::vector<Panel>& panels() {
   static const std::vector<Panel> all = {
       {"loss", {"loss"}, false},
       {"gradient norm", {"grad_norm"}, true},
-      {"learning rate", {"lr"}, false},
+      {"learning rate", {"lr"}, false, false},
       {"tokens/s", {"tokens_per_s", "tokens_per_s_rank0"}, false},
       {"lost-update fraction", {"lost_update_frac"}, false},
+      {"lost-update fraction a bf16 master would have", {"lost_update_frac_if_bf16"}, false},
   };
   return all;
 }
@@ -82,10 +85,39 @@ std::string gnuplot_string(const std::string& s) {
   return out + "'";
 }
 
+Series smoothed(const Series& series, int64_t window) {
+  std::vector<double> values;
+  for (const auto& point : series) values.push_back(point.second);
+  const std::vector<double> means = trailing_mean(values, window);
+  Series out;
+  for (std::size_t i = 0; i < series.size(); ++i) out.emplace_back(series[i].first, means[i]);
+  return out;
+}
+
+bool panel_wanted(const Panel& panel, const std::vector<std::string>& metrics) {
+  if (metrics.empty()) return true;
+  for (const auto& metric : metrics) {
+    for (const char* key : panel.keys) {
+      if (metric == key) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
-void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output) {
+void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output, const PlotOptions& options) {
   ST_CHECK(!runs.empty(), "plot: no metrics files given");
+  ST_CHECK(options.smooth >= 1, "plot: the smoothing window must be at least 1 step, got ", options.smooth);
+  for (const auto& metric : options.metrics) {
+    bool known = false;
+    std::string names;
+    for (const Panel& panel : panels()) {
+      names += std::string(names.empty() ? "" : ", ") + panel.keys.front();
+      for (const char* key : panel.keys) known = known || metric == key;
+    }
+    ST_CHECK(known, "plot: unknown metric '", metric, "'; choose from ", names);
+  }
   const std::string extension = fs::path(output).extension().string();
   ST_CHECK(extension == ".png" || extension == ".svg", "plot: the output '", output,
            "' must end in .png or .svg (the picture's format)");
@@ -97,6 +129,7 @@ void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output) {
   }
   std::vector<const Panel*> shown;
   for (const Panel& panel : panels()) {
+    if (!panel_wanted(panel, options.metrics)) continue;
     for (const auto& run : data) {
       if (run.count(panel.title) && !run.at(panel.title).empty()) {
         shown.push_back(&panel);
@@ -117,10 +150,16 @@ void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output) {
   }
   script << "set output " << gnuplot_string(output) << "\n";
   script << "set multiplot layout " << shown.size() << ",1\n";
+  // Labels are file names and run names: "_" must not turn into a subscript.
+  script << "set termoption noenhanced\n";
   script << "set grid\nset key outside right top\nset xlabel 'step'\n";
   for (std::size_t p = 0; p < shown.size(); ++p) {
     const Panel& panel = *shown[p];
-    script << "set title " << gnuplot_string(panel.title) << "\n";
+    const bool smooth = panel.smoothable && options.smooth > 1;
+    const std::string title =
+        smooth ? std::string(panel.title) + " (mean of the last " + std::to_string(options.smooth) + " steps)"
+               : std::string(panel.title);
+    script << "set title " << gnuplot_string(title) << "\n";
     script << (panel.log_scale ? "set logscale y\n" : "unset logscale y\n");
     std::vector<std::string> plots;
     for (std::size_t r = 0; r < data.size(); ++r) {
@@ -128,7 +167,8 @@ void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output) {
       const fs::path file = work / ("p" + std::to_string(p) + "_r" + std::to_string(r) + ".dat");
       std::ofstream out(file);
       out.precision(10);
-      for (const auto& [step, value] : data[r].at(panel.title)) out << step << " " << value << "\n";
+      const Series& raw = data[r].at(panel.title);
+      for (const auto& [step, value] : smooth ? smoothed(raw, options.smooth) : raw) out << step << " " << value << "\n";
       plots.push_back(gnuplot_string(file.string()) + " using 1:2 with lines linewidth 2 title " + gnuplot_string(labels[r]));
     }
     script << "plot ";
@@ -151,6 +191,21 @@ void plot_metrics(const std::vector<PlotRun>& runs, const std::string& output) {
            "plot: gnuplot is not installed; install it (Debian: apt-get install gnuplot-nox, which scripts/setup does)");
   ST_CHECK(status == 0, "plot: gnuplot failed drawing ", output, ": ", said);
   ST_CHECK(fs::exists(output) && fs::file_size(output) > 0, "plot: gnuplot wrote no picture to ", output, ": ", said);
+}
+
+std::vector<double> trailing_mean(const std::vector<double>& values, int64_t window) {
+  ST_CHECK(window >= 1, "plot: the smoothing window must be at least 1 step, got ", window);
+  std::vector<double> out;
+  out.reserve(values.size());
+  // Summed afresh per point (not a running sum): no drift from adding and
+  // subtracting, and windows are short.
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const std::size_t first = i + 1 >= static_cast<std::size_t>(window) ? i + 1 - static_cast<std::size_t>(window) : 0;
+    double sum = 0;
+    for (std::size_t k = first; k <= i; ++k) sum += values[k];
+    out.push_back(sum / static_cast<double>(i - first + 1));
+  }
+  return out;
 }
 
 }  // namespace shardtrain

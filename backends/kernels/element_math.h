@@ -98,6 +98,8 @@ template <bool kFused>
 struct ScalarOps {
   using V = float;
   ST_HOST_DEVICE static float set1(float x) { return x; }
+  /// Defined after the bf16 conversions below.
+  ST_HOST_DEVICE static float round_bf16(float x);
 #if defined(__CUDA_ARCH__)
   __device__ __forceinline__ static float add(float a, float b) { return __fadd_rn(a, b); }
   __device__ __forceinline__ static float mul(float a, float b) { return __fmul_rn(a, b); }
@@ -138,9 +140,10 @@ struct ScalarOps {
 ///   denom = (v.sqrt() / sqrt(bc2)).add_(eps)
 ///   p.addcdiv_(m, denom, -step_size)  -> p + ((-step_size)*m) / denom
 /// Ops is a vector-ops policy (ScalarOps here, the CPU kernels' SIMD ones);
-/// V is one lane or a vector of lanes.
+/// V is one lane or a vector of lanes. Returns the update term
+/// (-step_size)*m/denom, which the lost-update audit needs.
 template <class Ops>
-ST_HOST_DEVICE void adam_update(typename Ops::V& p, typename Ops::V& m, typename Ops::V& v,
+ST_HOST_DEVICE typename Ops::V adam_update(typename Ops::V& p, typename Ops::V& m, typename Ops::V& v,
                                 const typename Ops::V& grad, const AdamScalars& c) {
   using V = typename Ops::V;
   V g = Ops::mul(grad, Ops::set1(c.grad_scale));
@@ -149,7 +152,9 @@ ST_HOST_DEVICE void adam_update(typename Ops::V& p, typename Ops::V& m, typename
   m = Ops::madd(g, Ops::set1(c.one_minus_beta1), Ops::mul(m, Ops::set1(c.beta1)));
   v = Ops::madd(Ops::mul(Ops::set1(c.one_minus_beta2), g), g, Ops::mul(v, Ops::set1(c.beta2)));
   const V denom = Ops::add(Ops::div(Ops::sqrt(v), Ops::set1(c.sqrt_bc2)), Ops::set1(c.eps));
-  p = Ops::add(p, Ops::div(Ops::mul(Ops::set1(c.neg_step_size), m), denom));
+  const V update = Ops::div(Ops::mul(Ops::set1(c.neg_step_size), m), denom);
+  p = Ops::add(p, update);
+  return update;
 }
 
 /// torch::optim::SGD's order (dampening 0):
@@ -160,8 +165,9 @@ ST_HOST_DEVICE void adam_update(typename Ops::V& p, typename Ops::V& m, typename
 ///   nesterov: d = d.add(buf, mom)           -> madd(buf, mom, d); else d = buf
 ///   p.add_(d, -lr)                          -> madd(d, -lr, p)
 /// `buf` is read only when momentum is on and this is not the first step.
+/// Returns the direction d (the update is d * -lr).
 template <class Ops>
-ST_HOST_DEVICE void sgd_update(typename Ops::V& p, typename Ops::V& buf, const typename Ops::V& grad,
+ST_HOST_DEVICE typename Ops::V sgd_update(typename Ops::V& p, typename Ops::V& buf, const typename Ops::V& grad,
                                const SgdScalars& c) {
   using V = typename Ops::V;
   V d = Ops::mul(grad, Ops::set1(c.grad_scale));
@@ -171,6 +177,7 @@ ST_HOST_DEVICE void sgd_update(typename Ops::V& p, typename Ops::V& buf, const t
     d = c.nesterov ? Ops::madd(buf, Ops::set1(c.momentum), d) : buf;
   }
   p = Ops::madd(d, Ops::set1(c.neg_lr), p);
+  return d;
 }
 
 // ---- 16-bit conversions ---------------------------------------------------------------
@@ -199,6 +206,70 @@ ST_HOST_DEVICE float float_from_bf16_bits(uint16_t b) {
   std::memcpy(&x, &bits, sizeof(x));
   return x;
 #endif
+}
+
+/// A value rounded to bf16 and widened back (exact): what a bf16 store keeps.
+ST_HOST_DEVICE float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
+
+template <bool kFused>
+ST_HOST_DEVICE float ScalarOps<kFused>::round_bf16(float x) {
+  return bf16_round(x);
+}
+
+// ---- the lost-update audit ------------------------------------------------------------
+//
+// An element's update is lost when the optimizer computed a non-zero update
+// for it and the value stored afterwards equals the value stored before: the
+// update was smaller than half an ulp of the stored type and rounding threw it
+// away (FSDP's pure bf16 mode at small learning rates, the seeds' flat loss).
+// The steps count, in the same pass:
+//   audited       elements looked at;
+//   lost          of those, lost in the type the step stores (fp32 master, or
+//                 the bf16/fp16 parameter of pure low precision);
+//   lost_if_bf16  of those, the ones a bf16 master would have lost: the old
+//                 value rounded to bf16, moved by the same update (and decay),
+//                 rounded to bf16 again, unchanged. It answers "what would pure
+//                 bf16 do with this run's updates" inside an fp32-master run.
+// Sampling: elements are grouped in granules of kAuditGranule consecutive
+// elements of one kernel call's buffer; with sample period k only granules
+// g with g % k == 0 are audited. The subset is fixed, so the fraction is
+// comparable from step to step, and identical on CPU and GPU.
+
+constexpr int64_t kAuditGranule = 256;
+
+/// Where a step adds its audit counts: 3 counters {audited, lost,
+/// lost_if_bf16} in the step's memory (host for the CPU kernels, device for
+/// the CUDA ones). counts == nullptr: no audit.
+struct AuditSpec {
+  unsigned long long* counts = nullptr;
+  int64_t sample_period = 1;
+};
+
+ST_HOST_DEVICE bool audited_element(int64_t i, int64_t sample_period) {
+  return sample_period <= 1 || (i / kAuditGranule) % sample_period == 0;
+}
+
+/// The rule itself, on one lane: a non-zero update and an unchanged stored value.
+ST_HOST_DEVICE bool update_lost(float stored_before, float stored_after, float update) {
+  return update != 0.0f && stored_after == stored_before;
+}
+
+/// What a bf16 master holding `bf16_before` (a bf16 value) would hold after
+/// this Adam update: AdamW's decay and the add in adam_update's order, then a
+/// bf16 store. Ops needs round_bf16().
+template <class Ops>
+ST_HOST_DEVICE typename Ops::V adam_bf16_master_after(const typename Ops::V& bf16_before,
+                                                      const typename Ops::V& update, const AdamScalars& c) {
+  typename Ops::V x = bf16_before;
+  if (c.use_decay) x = Ops::mul(x, Ops::set1(c.decay));
+  return Ops::round_bf16(Ops::add(x, update));
+}
+
+/// The same for an SGD update along `direction` (p += direction * -lr, fused as sgd_update does).
+template <class Ops>
+ST_HOST_DEVICE typename Ops::V sgd_bf16_master_after(const typename Ops::V& bf16_before,
+                                                     const typename Ops::V& direction, const SgdScalars& c) {
+  return Ops::round_bf16(Ops::madd(direction, Ops::set1(c.neg_lr), bf16_before));
 }
 
 // ---- the gradient-norm reduction ------------------------------------------------------

@@ -77,6 +77,21 @@ cuda::LowPrecisionOut cuda_out(const at::Tensor& master, at::Tensor* out) {
 }
 #endif
 
+/// The kernels' view of an audit: its counters on `reference`'s device.
+math::AuditSpec audit_spec(const at::Tensor& reference, UpdateAudit* audit) {
+  math::AuditSpec spec;
+  if (audit == nullptr) return spec;
+  check_same_device(reference, audit->counts, "audit counts");
+  ST_CHECK(audit->counts.scalar_type() == at::kLong && audit->counts.numel() == 3 && audit->counts.is_contiguous(),
+           "audit counts must be a contiguous int64 tensor of 3 elements, got ", audit->counts.scalar_type(), " of ",
+           audit->counts.numel());
+  ST_CHECK(audit->sample_period >= 1, "audit sample_period must be >= 1, got ", audit->sample_period);
+  // Two's complement: the unsigned counters the CUDA atomics need hold the same bits.
+  spec.counts = reinterpret_cast<unsigned long long*>(audit->counts.data_ptr<int64_t>());
+  spec.sample_period = audit->sample_period;
+  return spec;
+}
+
 }  // namespace
 
 bool has_kernels_for(c10::DeviceType device) {
@@ -89,10 +104,11 @@ bool has_kernels_for(c10::DeviceType device) {
 }
 
 void adam_step(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
-               at::Tensor* low_precision_out, const AdamParams& p) {
+               at::Tensor* low_precision_out, const AdamParams& p, UpdateAudit* audit) {
   ST_CHECK(master.defined(), "adam_step: master is an undefined tensor");
+  const math::AuditSpec spec = audit_spec(master, audit);
   if (master.is_cpu()) {
-    cpu::fused_adam(master, exp_avg, exp_avg_sq, grad, low_precision_out, p);
+    cpu::fused_adam(master, exp_avg, exp_avg_sq, grad, low_precision_out, p, spec);
     return;
   }
 #if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
@@ -107,7 +123,7 @@ void adam_step(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, 
     const cuda::DType grad_type = cuda_type(grad, "grad");
     on_cuda(master, "adam_step", [&](cudaStream_t stream) {
       return cuda::launch_adam(master.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                               grad.data_ptr(), grad_type, out, master.numel(), c, stream);
+                               grad.data_ptr(), grad_type, out, master.numel(), c, spec, stream);
     });
     return;
   }
@@ -116,10 +132,11 @@ void adam_step(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, 
 }
 
 void adam_step_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                             const at::Tensor& grad, const AdamParams& p) {
+                             const at::Tensor& grad, const AdamParams& p, UpdateAudit* audit) {
   ST_CHECK(param.defined(), "adam_step_low_precision: param is an undefined tensor");
+  const math::AuditSpec spec = audit_spec(param, audit);
   if (param.is_cpu()) {
-    cpu::fused_adam_low_precision(param, exp_avg, exp_avg_sq, grad, p);
+    cpu::fused_adam_low_precision(param, exp_avg, exp_avg_sq, grad, p, spec);
     return;
   }
 #if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
@@ -140,7 +157,7 @@ void adam_step_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor&
     on_cuda(param, "adam_step_low_precision", [&](cudaStream_t stream) {
       return cuda::launch_adam_low_precision(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                              cuda_type(param, "param"), grad.data_ptr(), cuda_type(grad, "grad"),
-                                             param.numel(), c, stream);
+                                             param.numel(), c, spec, stream);
     });
     return;
   }
@@ -149,10 +166,11 @@ void adam_step_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor&
 }
 
 void sgd_step(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-              at::Tensor* low_precision_out, const SgdParams& p) {
+              at::Tensor* low_precision_out, const SgdParams& p, UpdateAudit* audit) {
   ST_CHECK(master.defined(), "sgd_step: master is an undefined tensor");
+  const math::AuditSpec spec = audit_spec(master, audit);
   if (master.is_cpu()) {
-    cpu::fused_sgd(master, momentum_buffer, grad, low_precision_out, p);
+    cpu::fused_sgd(master, momentum_buffer, grad, low_precision_out, p, spec);
     return;
   }
 #if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
@@ -172,7 +190,7 @@ void sgd_step(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor&
     const cuda::DType grad_type = cuda_type(grad, "grad");
     on_cuda(master, "sgd_step", [&](cudaStream_t stream) {
       return cuda::launch_sgd(master.data_ptr<float>(), buffer, grad.data_ptr(), grad_type, out, master.numel(), c,
-                              stream);
+                              spec, stream);
     });
     return;
   }

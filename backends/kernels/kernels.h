@@ -17,6 +17,16 @@
 
 namespace shardtrain::kernels {
 
+/// The lost-update audit of one step (element_math.h explains the rule and
+/// the sampling). The step adds, in its own pass, to `counts`: an int64
+/// tensor of 3 elements on the step's device, {audited elements, updates lost
+/// in the stored type, updates a bf16 master would have lost}.
+struct UpdateAudit {
+  at::Tensor counts;
+  /// Audit every sample_period-th granule of math::kAuditGranule elements (1: all).
+  int64_t sample_period = 1;
+};
+
 /// One Adam(W) step in place on the fp32 `master`, `exp_avg`, `exp_avg_sq`:
 ///   g = grad * grad_scale                 (+ wd*master in Adam mode)
 ///   master *= 1 - lr*wd                   (AdamW mode)
@@ -25,19 +35,20 @@ namespace shardtrain::kernels {
 /// `grad` may be fp32, bf16 or fp16. When `low_precision_out` is not null (bf16
 /// or fp16, same numel) the new master is also written there, rounded to
 /// nearest even, in the same pass.
+/// `audit` (optional, every step function): count lost updates as it goes.
 void adam_step(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
-               at::Tensor* low_precision_out, const AdamParams& p);
+               at::Tensor* low_precision_out, const AdamParams& p, UpdateAudit* audit = nullptr);
 
 /// FSDP's pure low-precision Adam(W): `param` and the moments are all bf16 or
 /// all fp16 (`grad` that dtype or fp32); each element is updated in float and
 /// stored back rounded.
 void adam_step_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                             const at::Tensor& grad, const AdamParams& p);
+                             const at::Tensor& grad, const AdamParams& p, UpdateAudit* audit = nullptr);
 
 /// One SGD step in place on the fp32 `master` (see cpu::fused_sgd).
 /// `momentum_buffer` is required when p.momentum != 0.
 void sgd_step(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-              at::Tensor* low_precision_out, const SgdParams& p);
+              at::Tensor* low_precision_out, const SgdParams& p, UpdateAudit* audit = nullptr);
 
 /// Sum of x^2 over an fp32, bf16 or fp16 tensor, in fp64, in element_math.h's
 /// fixed order: a 0-dim float64 tensor on t's device, bitwise the same on

@@ -135,7 +135,7 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
     result.loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
   }
 
-  int64_t prompts = eval.examples.size();
+  int64_t prompts = options.eval_generate ? static_cast<int64_t>(eval.examples.size()) : 0;
   if (options.eval_samples > 0) prompts = std::min(prompts, options.eval_samples);
   if (prompts > 0) {
     const int64_t per_rank = (prompts + world - 1) / world;
@@ -180,7 +180,17 @@ std::string number(double value, const char* format = "%.4f") {
   return text;
 }
 
+/// A metrics-file fraction: null where the step did not measure it (-1).
+nlohmann::json fraction_or_null(double x) { return x >= 0 ? nlohmann::json(x) : nlohmann::json(); }
+
 }  // namespace
+
+double mean_of(const std::vector<double>& values) {
+  if (values.empty()) return NAN;
+  double sum = 0;
+  for (const double v : values) sum += v;
+  return sum / static_cast<double>(values.size());
+}
 
 double measure_gemm_flops(const std::string& dtype_name, const at::Device& device) {
   const at::ScalarType dtype = dtype_of(dtype_name);
@@ -222,6 +232,8 @@ nlohmann::json summary_to_json(const FinetuneSummary& summary) {
               {"peak_device_allocated_max_bytes", summary.peak_device_memory_max},
               {"losses", summary.losses},
               {"step_seconds", summary.step_seconds},
+              {"mean_lost_update_frac", finite_or_null(mean_of(summary.lost_update_fracs))},
+              {"mean_lost_update_frac_if_bf16", finite_or_null(mean_of(summary.lost_update_fracs_if_bf16))},
               {"eval_loss_before", finite_or_null(summary.eval_before.loss)},
               {"eval_loss_after", finite_or_null(summary.eval_after.loss)}};
 }
@@ -337,6 +349,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   run.warmup_steps = options.warmup;
   run.max_grad_norm = options.max_grad_norm;
   run.load_dtype = load_dtype;
+  run.seed = options.seed;
   run.weight_source = weight_source;
   auto prepared = accelerator.prepare(model, optimizer, run);
   shardtrain::SchedulerConfig schedule;
@@ -460,6 +473,11 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     }
     summary.losses.push_back(step_loss);
     summary.step_seconds.push_back(seconds);
+    const auto& audited = accelerator.last_step();
+    if (audited.lost_update_frac >= 0) {
+      summary.lost_update_fracs.push_back(audited.lost_update_frac);
+      summary.lost_update_fracs_if_bf16.push_back(audited.lost_update_frac_if_bf16);
+    }
     summary.tokens_per_step = step_tokens;
     const auto& info = accelerator.last_step();
     progress.update(step + 1, step_loss, info.lr, step_tokens / seconds);
@@ -471,6 +489,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
                       {"grad_norm", info.grad_norm},
                       {"loss_scale", info.loss_scale},
                       {"skipped", info.skipped},
+                      {"non_finite_total", info.non_finite_total},
+                      // null when the step was not audited (precision_audit off, fp16 overflow)
+                      {"lost_update_frac", fraction_or_null(info.lost_update_frac)},
+                      {"lost_update_frac_if_bf16", fraction_or_null(info.lost_update_frac_if_bf16)},
                       {"tokens_rank0", step_tokens},
                       {"tokens_per_s_rank0", step_tokens / seconds},
                       {"step_time_s", seconds},
@@ -483,7 +505,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     if (options.save_every > 0 && (step + 1) % options.save_every == 0 && !last) {
       progress.interrupt();
       const std::string saved = accelerator.save_state(checkpoint_dir);
-      if (verbose) std::cout << "saved " << saved << std::endl;
+      if (verbose && !saved.empty()) std::cout << "saved " << saved << std::endl;
     }
     if (options.eval_every > 0 && (step + 1) % options.eval_every == 0 && !last) {
       EvalResult mid = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
@@ -498,7 +520,11 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   if (eval.rows.num_rows() > 0 || !eval.examples.empty()) {
     summary.eval_after = evaluate(accelerator, prepared, eval, *tokenizer, chat, options);
   }
-  if (!options.no_save) summary.checkpoint_dir = accelerator.save_state(checkpoint_dir);
+  if (!options.no_save) {
+    summary.checkpoint_dir = accelerator.save_state(checkpoint_dir);
+    // The last save is the run's result: losing it fails the job (after the export below).
+    if (summary.checkpoint_dir.empty()) summary.ok = false;
+  }
   if (!options.no_export) {
     summary.export_dir = (output / "hf").string();
     accelerator.save_model(summary.export_dir, "auto");
@@ -554,6 +580,11 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
                                       percent(summary.eval_after.exact_match) + " of " +
                                       std::to_string(summary.eval_after.prompts) + " prompts");
     table.add("tokens/s per rank", number(summary.tokens_per_s_per_rank, "%.0f"));
+    if (!summary.lost_update_fracs.empty()) {
+      table.add("lost updates (mean over steps)",
+                percent(mean_of(summary.lost_update_fracs)) + " (a bf16 master would lose " +
+                    percent(mean_of(summary.lost_update_fracs_if_bf16)) + ")");
+    }
     table.add("MFU", percent(summary.mfu) + " of " + peak_source);
     table.add("peak memory (RSS)", per_rank(rss));
     if (device.is_cuda()) table.add("peak GPU memory (allocated)", per_rank(device_peak));

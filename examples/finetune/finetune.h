@@ -42,6 +42,9 @@ struct FinetuneOptions {
   int64_t eval_every = 0;
   int64_t eval_samples = 200;
   int64_t max_new_tokens = 16;
+  /// false: the evaluation measures the eval loss only, without generating
+  /// answers for exact match (studies that compare losses).
+  bool eval_generate = true;
   int64_t show_examples = 4;
   double peak_tflops = 0;  ///< 0: the GPU's known peak (device.h), else a measured GEMM rate
   std::string device = "auto";
@@ -65,6 +68,8 @@ struct FinetuneSummary {
   bool ok = true;
   std::vector<double> losses;  ///< mean train loss per step of this run
   std::vector<double> step_seconds;  ///< wall time of each step on this rank
+  /// StepInfo::lost_update_frac / _if_bf16 of each audited step (empty: audit off).
+  std::vector<double> lost_update_fracs, lost_update_fracs_if_bf16;
   int64_t tokens_per_step = 0;       ///< token positions one step computes on one rank
   int64_t first_step = 0;      ///< step the run started at (non-zero after --resume)
   EvalResult eval_before, eval_after;
@@ -82,6 +87,9 @@ struct FinetuneSummary {
   std::string checkpoint_dir, export_dir;
   shardtrain::PrecisionPlan plan;
 };
+
+/// Mean of `values`; NaN when empty.
+double mean_of(const std::vector<double>& values);
 
 /// Measured GEMM throughput of this rank in dtype "fp32", "bf16" or "fp16"
 /// (FLOP/s): the denominator of MFU where nobody gives the peak (CPUs).

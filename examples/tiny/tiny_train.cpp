@@ -117,6 +117,8 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
     const auto& info = accelerator.last_step();
     result.losses.push_back(mean_loss.item<double>());
     result.grad_norms.push_back(info.grad_norm);
+    result.lost_update_fracs.push_back(info.lost_update_frac);
+    result.lost_update_fracs_if_bf16.push_back(info.lost_update_frac_if_bf16);
     if (metrics.is_open()) {
       const shardtrain::MemoryReport mem = accelerator.memory();
       const int64_t tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
@@ -126,6 +128,12 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
                              {"grad_norm", info.grad_norm},
                              {"loss_scale", info.loss_scale},
                              {"skipped", info.skipped},
+                             {"non_finite_total", info.non_finite_total},
+                             {"lost_update_frac", info.lost_update_frac >= 0 ? nlohmann::json(info.lost_update_frac)
+                                                                              : nlohmann::json()},
+                             {"lost_update_frac_if_bf16", info.lost_update_frac_if_bf16 >= 0
+                                                              ? nlohmann::json(info.lost_update_frac_if_bf16)
+                                                              : nlohmann::json()},
                              {"tokens", tokens},
                              {"tokens_per_s", tokens / seconds},
                              {"step_time_s", seconds},

@@ -45,6 +45,9 @@ struct TinyRunOptions {
 struct TinyRunResult {
   std::vector<double> losses;      ///< global mean loss of each optimizer step
   std::vector<double> grad_norms;  ///< -1 where not computed
+  /// StepInfo's lost-update fractions of each step (-1 where not measured;
+  /// empty for --reference runs, which have no engine).
+  std::vector<double> lost_update_fracs, lost_update_fracs_if_bf16;
   std::vector<std::pair<std::string, at::Tensor>> final_params;  ///< fp32, by name
   shardtrain::MemoryReport memory;
   shardtrain::PrecisionPlan plan;

@@ -82,6 +82,9 @@ struct RunInfo {
   std::optional<int64_t> warmup_steps;      ///< scheduler warmup_num_steps "auto" (else 0)
   std::optional<double> max_grad_norm;      ///< gradient_clipping "auto" (else 1.0)
   std::string load_dtype = "fp32";
+  /// The run's seed (data order, initialisation): prepare() stops the job
+  /// when ranks were given different ones. Unset: not checked.
+  std::optional<uint64_t> seed;
   /// Fills the shards of parameters the program built without storage
   /// (release_parameter_storage; see materialize_full_weights()), each rank
   /// reading only its own slices, e.g. models::hf_weight_source. Unset: those
@@ -106,6 +109,17 @@ struct StepInfo {
   double loss_scale = 1;
   bool skipped = false;
   int64_t skipped_total = 0;
+  /// bf16/fp32: this step was skipped because a gradient held inf or NaN
+  /// (non_finite_policy: skip), and how many steps were so far.
+  bool non_finite = false;
+  int64_t non_finite_total = 0;
+  /// The lost-update detector (config precision_audit), the same on every
+  /// rank: the fraction of parameter elements whose non-zero update was
+  /// rounded away when stored (in pure low precision the bf16/fp16 shard; else
+  /// the fp32 master, near 0), and the fraction a bf16 master would have lost
+  /// with the same updates. -1: not measured this step.
+  double lost_update_frac = -1;
+  double lost_update_frac_if_bf16 = -1;
 };
 
 /// Bytes of model state on this rank (see PrecisionPlan for the prediction).
@@ -221,6 +235,11 @@ class Accelerator {
   /// Saves the run's whole state under DIR/TAG (TAG empty: "step_<N>") and
   /// points DIR/latest at it once it is complete. Collective. Returns DIR/TAG.
   /// Call it after step() (not inside an accumulation window: that throws).
+  /// A save that fails on any rank (disk full, EACCES, a write error) fails
+  /// on all of them after removing what it wrote, leaving `latest` and the
+  /// training state as they were; then with checkpoint_on_error: continue
+  /// (the default) every rank warns and it returns "" (the next save tries
+  /// again), with checkpoint_on_error: stop it throws CheckpointSaveError.
   std::string save_state(const std::string& dir, const std::string& tag = "");
   /// Restores the state under DIR/TAG (empty: the tag DIR/latest names), saved
   /// by either engine at any world size. Collective. Damaged or mismatched

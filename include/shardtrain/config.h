@@ -52,7 +52,20 @@ struct LossScaleConfig {
   int hysteresis = 2;
   bool consecutive_hysteresis = false;
   double min_loss_scale = 1.0;
+  /// An overflow while the scale already sits at min_loss_scale stops the run
+  /// with an error (DeepSpeed's DynamicLossScaler default; newer DeepSpeed
+  /// reads it from this key). false: keep skipping steps at the floor.
+  bool raise_error_at_min_scale = true;
 };
+
+/// `non_finite_policy:` what a bf16/fp32 step does with inf/NaN gradients
+/// (fp16 has the loss scaler instead): skip the step and warn, or stop.
+enum class NonFinitePolicy { kSkip, kStop };
+/// `checkpoint_on_error:` what a failed save_state does after cleaning up:
+/// warn and go on training (the next save retries), or stop.
+enum class CheckpointErrorPolicy { kContinue, kStop };
+const char* to_string(NonFinitePolicy);
+const char* to_string(CheckpointErrorPolicy);
 
 /// DeepSpeed's `optimizer` block (or options given in code).
 struct OptimizerConfig {
@@ -145,6 +158,21 @@ struct FsdpConfig {
   std::vector<std::string> ignored_modules;
 };
 
+/// `precision_audit:` the lost-update detector (a shardtrain extra, read in
+/// both formats). Every optimizer step counts the elements whose update was
+/// rounded away when stored (StepInfo::lost_update_frac); after
+/// `warmup_steps` the run warns when the mean over the last `warmup_steps`
+/// steps exceeds `threshold`.
+struct PrecisionAuditConfig {
+  int64_t warmup_steps = 20;
+  double threshold = 0.5;
+  /// Fraction of the elements counted (a fixed subset: every
+  /// round(1/sample_fraction)-th granule of 256); 0 turns the audit off.
+  double sample_fraction = 1.0;
+  /// The kernels' sample period: 0 when off, else round(1 / sample_fraction).
+  int64_t sample_period() const;
+};
+
 struct TrainingConfig {
   // ---- Accelerate top level
   std::string compute_environment = "LOCAL_MACHINE";
@@ -173,6 +201,9 @@ struct TrainingConfig {
   FsdpConfig fsdp;
   /// Honoured top-level extras users put in their files (e.g. `gradient_checkpointing`).
   bool gradient_checkpointing = false;
+  PrecisionAuditConfig precision_audit;
+  NonFinitePolicy non_finite_policy = NonFinitePolicy::kSkip;
+  CheckpointErrorPolicy checkpoint_on_error = CheckpointErrorPolicy::kContinue;
 
   // ---- bookkeeping
   bool strict = false;

@@ -25,6 +25,15 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
+/// A checkpoint save failed on some rank (disk full, permissions, a write
+/// error). Every rank throws it together, after the save cleaned up: the
+/// temporary directory is gone, `latest` still names the previous checkpoint,
+/// and the training state in memory is as it was.
+class CheckpointSaveError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A configuration value (file, flag or environment variable) is invalid.
 class ConfigError : public Error {
  public:

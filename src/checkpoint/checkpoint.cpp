@@ -3,6 +3,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <functional>
+#include <optional>
+#include <cerrno>
+#include <cstring>
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "comm/text_exchange.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/safetensors.h"
@@ -85,6 +91,82 @@ std::vector<std::string> read_history(const fs::path& root) {
   return tags;
 }
 
+/// Fault injection for the failed-save tests (see checkpoint.h):
+/// SHARDTRAIN_CHECKPOINT_FAIL_AT=<phase>[:<rank>[:<errno>]].
+void injected_failure(int rank, const char* phase, const std::string& path) {
+  const char* spec = std::getenv("SHARDTRAIN_CHECKPOINT_FAIL_AT");
+  if (spec == nullptr) return;
+  std::string text(spec), wanted_phase = text, rank_text = "0", errno_text;
+  if (auto colon = text.find(':'); colon != std::string::npos) {
+    wanted_phase = text.substr(0, colon);
+    rank_text = text.substr(colon + 1);
+    if (auto second = rank_text.find(':'); second != std::string::npos) {
+      errno_text = rank_text.substr(second + 1);
+      rank_text = rank_text.substr(0, second);
+    }
+  }
+  if (wanted_phase != phase || std::atoi(rank_text.c_str()) != rank) return;
+  const int code = errno_text.empty() ? EIO : std::atoi(errno_text.c_str());
+  ST_THROW(Error, "writing '", path, "' failed: ", std::strerror(code), " (injected by SHARDTRAIN_CHECKPOINT_FAIL_AT)");
+}
+
+/// Runs `phase` where `participate`, then agrees with every rank whether it
+/// failed anywhere: nullopt when it succeeded everywhere, else "rank R: why"
+/// for the lowest failing rank, the same text on every rank.
+std::optional<std::string> agree_on_failure(comm::Communicator& comm, bool participate,
+                                            const std::function<void()>& phase) {
+  std::string reason;
+  if (participate) {
+    try {
+      phase();
+    } catch (const std::exception& e) {
+      reason = e.what();
+      if (reason.empty()) reason = "unknown error";
+    }
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(comm.device());
+  at::Tensor failed = at::zeros({comm.world_size()}, options);
+  if (!reason.empty()) failed.index_put_({comm.rank()}, 1.0f);
+  comm.all_reduce(failed, comm::ReduceOp::kSum);
+  const at::Tensor host = failed.cpu();
+  int first = -1;
+  for (int r = 0; r < comm.world_size() && first < 0; ++r) {
+    if (host.data_ptr<float>()[r] > 0) first = r;
+  }
+  if (first < 0) return std::nullopt;
+  const std::string message = comm::broadcast_text(comm, reason, first, 4096);
+  return "rank " + std::to_string(first) + ": " + message;
+}
+
+/// What `latest` names now, for the error message.
+std::string latest_or_none(const fs::path& root) {
+  std::ifstream in(root / "latest");
+  std::string tag;
+  if (!in.good() || !std::getline(in, tag) || tag.empty()) return "none yet";
+  return tag;
+}
+
+/// How far rank 0's publishing got, so a failed save can be undone exactly.
+struct PublishProgress {
+  bool moved_aside = false;  ///< an older checkpoint of the same tag went to .old-TAG
+  bool renamed = false;      ///< .tmp-TAG became TAG
+};
+
+/// Rank 0, after a failed save: removes everything the save wrote (nothing
+/// it did not write: an older checkpoint of the same tag is put back) while
+/// `latest` still names the previous checkpoint. Best effort: a cleanup that
+/// fails itself is logged, and the original error is what the caller reports.
+void discard_unpublished(const fs::path& root, const std::string& tag, const PublishProgress& progress) {
+  std::error_code ec;
+  fs::remove_all(root / (".tmp-" + tag), ec);
+  fs::remove(root / "latest.tmp", ec);
+  fs::remove(root / "history.tmp", ec);
+  const fs::path final_dir = root / tag;
+  if (progress.renamed) fs::remove_all(final_dir, ec);
+  if (progress.moved_aside) fs::rename(root / (".old-" + tag), final_dir, ec);
+  if (ec) ST_LOG_WARN("checkpoint: cleaning up the failed save of {} in {}: {}", tag, root.string(), ec.message());
+}
+
 }  // namespace
 
 std::string latest_tag(const std::string& dir) {
@@ -107,93 +189,132 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
   const fs::path root(dir);
   const fs::path final_dir = root / tag;
   const fs::path tmp = root / (".tmp-" + tag);
-  if (rank == 0) {
-    fs::create_directories(root);
-    fs::remove_all(tmp);  // a save killed earlier
-    fs::create_directories(tmp);
-  }
-  comm.barrier();
+  const fs::path old = root / (".old-" + tag);
 
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  // Every failure below is agreed on by all ranks before anyone acts on it,
+  // then cleaned up by rank 0 and thrown everywhere.
+  PublishProgress progress;
+  auto fail = [&](const std::string& reason) {
+    if (rank == 0) discard_unpublished(root, tag, progress);
+    comm.barrier();
+    ST_THROW(CheckpointSaveError, "checkpoint save of '", tag, "' in ", dir, " failed: ", reason,
+             ". The partial save was removed; the previous checkpoint (latest: ", latest_or_none(root),
+             ") is intact and training state is unchanged");
+  };
+
+  if (auto failed = agree_on_failure(comm, rank == 0, [&] {
+        fs::create_directories(root);
+        fs::remove_all(tmp);  // a save killed earlier
+        fs::create_directories(tmp);
+      })) {
+    fail(*failed);
+  }
+
   nlohmann::json slices = nlohmann::json::array();
-  for (const auto& slice : engine.checkpoint_slices()) {
-    nlohmann::json kinds = nlohmann::json::array();
-    std::string dtype;
-    for (const auto& [kind, value] : slice.state) {
-      // The file is written from host memory; state on a GPU comes down here.
-      tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.to(at::kCPU).contiguous());
-      kinds.push_back(kind);
-      if (kind == "master") dtype = c10::toString(value.scalar_type());
-    }
-    slices.push_back({{"name", slice.name}, {"shape", slice.shape}, {"trainable", slice.trainable},
-                      {"begin", slice.begin}, {"length", slice.length}, {"kinds", kinds}, {"dtype", dtype}});
+  if (auto failed = agree_on_failure(comm, true, [&] {
+        std::vector<std::pair<std::string, at::Tensor>> tensors;
+        for (const auto& slice : engine.checkpoint_slices()) {
+          nlohmann::json kinds = nlohmann::json::array();
+          std::string dtype;
+          for (const auto& [kind, value] : slice.state) {
+            // The file is written from host memory; state on a GPU comes down here.
+            tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.to(at::kCPU).contiguous());
+            kinds.push_back(kind);
+            if (kind == "master") dtype = c10::toString(value.scalar_type());
+          }
+          slices.push_back({{"name", slice.name}, {"shape", slice.shape}, {"trainable", slice.trainable},
+                            {"begin", slice.begin}, {"length", slice.length}, {"kinds", kinds}, {"dtype", dtype}});
+        }
+        // Per-rank RNG, so a resume at the same world size continues the same random stream.
+        {
+          at::Generator generator = at::detail::getDefaultCPUGenerator();
+          std::lock_guard<std::mutex> lock(generator.mutex());
+          tensors.emplace_back("rng/cpu", generator.get_state());
+        }
+        const std::string file = rank_file(rank, ".safetensors");
+        injected_failure(rank, "rank_file", (tmp / file).string());
+        safetensors::write_file((tmp / file).string(), tensors,
+                                {{"format", "shardtrain-checkpoint"}, {"rank", std::to_string(rank)}});
+        nlohmann::json manifest = {{"file", file},
+                                   {"rank", rank},
+                                   {"size", fs::file_size(tmp / file)},
+                                   {"crc32", safetensors::crc32_of_file((tmp / file).string())},
+                                   {"slices", slices}};
+        injected_failure(rank, "rank_manifest", (tmp / rank_file(rank, ".json")).string());
+        write_text(tmp / rank_file(rank, ".json"), manifest.dump());
+        crash_point(rank, "after_rank_files");
+      })) {
+    fail(*failed);
   }
-  // Per-rank RNG, so a resume at the same world size continues the same random stream.
-  {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    tensors.emplace_back("rng/cpu", generator.get_state());
-  }
-  const std::string file = rank_file(rank, ".safetensors");
-  safetensors::write_file((tmp / file).string(), tensors, {{"format", "shardtrain-checkpoint"}, {"rank", std::to_string(rank)}});
-  nlohmann::json manifest = {{"file", file},
-                             {"rank", rank},
-                             {"size", fs::file_size(tmp / file)},
-                             {"crc32", safetensors::crc32_of_file((tmp / file).string())},
-                             {"slices", slices}};
-  write_text(tmp / rank_file(rank, ".json"), manifest.dump());
-  crash_point(rank, "after_rank_files");
-  comm.barrier();
 
+  if (auto failed = agree_on_failure(comm, rank == 0, [&] {
+        nlohmann::json index = {{"format_version", kFormatVersion},
+                                {"engine", engine.name()},
+                                {"world_size", comm.world_size()},
+                                {"training_state", training_state},
+                                {"config", config_yaml},
+                                {"precision_plan", precision_plan}};
+        nlohmann::json params = nlohmann::json::object();
+        nlohmann::json files = nlohmann::json::object();
+        for (int r = 0; r < comm.world_size(); ++r) {
+          const nlohmann::json m = read_json(tmp / rank_file(r, ".json"));
+          files[m["file"].get<std::string>()] = {{"size", m["size"]}, {"crc32", m["crc32"]}, {"rank", r}};
+          for (const auto& slice : m["slices"]) {
+            auto& p = params[slice["name"].get<std::string>()];
+            p["shape"] = slice["shape"];
+            p["dtype"] = slice["dtype"];
+            p["trainable"] = slice["trainable"];
+            p["slices"].push_back(
+                {{"file", m["file"]}, {"begin", slice["begin"]}, {"length", slice["length"]}, {"kinds", slice["kinds"]}});
+          }
+        }
+        index["params"] = params;
+        index["files"] = files;
+        injected_failure(rank, "index", (tmp / "index.json").string());
+        write_text(tmp / "index.json", index.dump(1));
+        sync_path(tmp, true);
+        crash_point(rank, "after_index");
+        // Publish: the new directory first, `latest` last. A checkpoint of the
+        // same tag waits in .old-TAG until `latest` is written, so a failure
+        // in between can put it back.
+        fs::remove_all(old);
+        if (fs::exists(final_dir)) {
+          fs::rename(final_dir, old);
+          progress.moved_aside = true;
+        }
+        fs::rename(tmp, final_dir);
+        progress.renamed = true;
+        sync_path(root, true);
+        crash_point(rank, "after_rename");
+        injected_failure(rank, "latest", (root / "latest.tmp").string());
+        write_text(root / "latest.tmp", tag + "\n");
+        crash_point(rank, "before_latest_rename");
+        fs::rename(root / "latest.tmp", root / "latest");
+        sync_path(root, true);
+      })) {
+    fail(*failed);
+  }
+
+  // Housekeeping after publishing: a failure here leaves a complete, published
+  // checkpoint, so it warns instead of failing the save.
   if (rank == 0) {
-    nlohmann::json index = {{"format_version", kFormatVersion},
-                            {"engine", engine.name()},
-                            {"world_size", comm.world_size()},
-                            {"training_state", training_state},
-                            {"config", config_yaml},
-                            {"precision_plan", precision_plan}};
-    nlohmann::json params = nlohmann::json::object();
-    nlohmann::json files = nlohmann::json::object();
-    for (int r = 0; r < comm.world_size(); ++r) {
-      const nlohmann::json m = read_json(tmp / rank_file(r, ".json"));
-      files[m["file"].get<std::string>()] = {{"size", m["size"]}, {"crc32", m["crc32"]}, {"rank", r}};
-      for (const auto& s : m["slices"]) {
-        auto& p = params[s["name"].get<std::string>()];
-        p["shape"] = s["shape"];
-        p["dtype"] = s["dtype"];
-        p["trainable"] = s["trainable"];
-        p["slices"].push_back({{"file", m["file"]}, {"begin", s["begin"]}, {"length", s["length"]}, {"kinds", s["kinds"]}});
+    try {
+      fs::remove_all(old);
+      // Keep-last-N (Accelerate's total_limit): oldest first, never the one just written.
+      std::vector<std::string> history = read_history(root);
+      history.erase(std::remove(history.begin(), history.end(), tag), history.end());
+      history.push_back(tag);
+      while (keep_last > 0 && static_cast<int>(history.size()) > keep_last) {
+        fs::remove_all(root / history.front());
+        history.erase(history.begin());
       }
+      std::string lines;
+      for (const auto& t : history) lines += t + "\n";
+      write_text(root / "history.tmp", lines);
+      fs::rename(root / "history.tmp", root / "history");
+    } catch (const std::exception& e) {
+      ST_LOG_WARN("checkpoint {} was saved, but updating {}/history (keep_last) failed: {}", tag, dir, e.what());
     }
-    index["params"] = params;
-    index["files"] = files;
-    write_text(tmp / "index.json", index.dump(1));
-    sync_path(tmp, true);
-    crash_point(rank, "after_index");
-    // Publish: the new directory first, `latest` last.
-    const fs::path old = root / (".old-" + tag);
-    fs::remove_all(old);
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    sync_path(root, true);
-    crash_point(rank, "after_rename");
-    write_text(root / "latest.tmp", tag + "\n");
-    crash_point(rank, "before_latest_rename");
-    fs::rename(root / "latest.tmp", root / "latest");
-    sync_path(root, true);
-    fs::remove_all(old);
-    // Keep-last-N (Accelerate's total_limit): oldest first, never the one just written.
-    std::vector<std::string> history = read_history(root);
-    history.erase(std::remove(history.begin(), history.end(), tag), history.end());
-    history.push_back(tag);
-    while (keep_last > 0 && static_cast<int>(history.size()) > keep_last) {
-      fs::remove_all(root / history.front());
-      history.erase(history.begin());
-    }
-    std::string lines;
-    for (const auto& t : history) lines += t + "\n";
-    write_text(root / "history.tmp", lines);
-    fs::rename(root / "history.tmp", root / "history");
   }
   comm.barrier();
   return final_dir.string();

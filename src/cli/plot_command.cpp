@@ -23,14 +23,20 @@ void register_plot_command(CLI::App& app, int& exit_code) {
       ->check(CLI::ExistingFile);
   plot->add_option("-o,--output", *output, "The picture: .png or .svg")->required();
   plot->add_option("--label", *labels, "Labels of the runs, in file order (default: the file names)");
-  plot->callback([&exit_code, files, labels, output]() {
+  auto options = std::make_shared<PlotOptions>();
+  plot->add_option("--smooth", options->smooth, "Plot the mean of the last N steps (1: raw values; lr is never smoothed)")
+      ->capture_default_str();
+  plot->add_option("--metrics", options->metrics,
+                   "Only these metrics: loss grad_norm lr tokens_per_s lost_update_frac lost_update_frac_if_bf16")
+      ->delimiter(',');
+  plot->callback([&exit_code, files, labels, output, options]() {
     ST_CHECK_T(ConfigError, labels->empty() || labels->size() == files->size(), "plot: ", labels->size(),
                " --label values for ", files->size(), " files; give one per file or none");
     std::vector<PlotRun> runs;
     for (std::size_t i = 0; i < files->size(); ++i) {
       runs.push_back({(*files)[i], labels->empty() ? std::string() : (*labels)[i]});
     }
-    plot_metrics(runs, *output);
+    plot_metrics(runs, *output, *options);
     std::cout << "plot: " << files->size() << " run(s) -> " << *output << "\n";
     exit_code = 0;
   });

@@ -2,6 +2,7 @@
 // config_parse.cpp, "auto" resolution in config_resolve.cpp and the writers in
 // config_output.cpp.
 #include <algorithm>
+#include <cmath>
 
 #include "config/config_internal.h"
 #include "shardtrain/config.h"
@@ -83,6 +84,16 @@ const char* to_string(DType dtype) {
     case DType::kFp16: return "fp16";
   }
   return "?";
+}
+
+const char* to_string(NonFinitePolicy policy) { return policy == NonFinitePolicy::kSkip ? "skip" : "stop"; }
+const char* to_string(CheckpointErrorPolicy policy) {
+  return policy == CheckpointErrorPolicy::kContinue ? "continue" : "stop";
+}
+
+int64_t PrecisionAuditConfig::sample_period() const {
+  if (!(sample_fraction > 0)) return 0;
+  return std::max<int64_t>(1, std::llround(1.0 / sample_fraction));
 }
 
 int TrainingConfig::zero_stage() const {

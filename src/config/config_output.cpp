@@ -166,7 +166,8 @@ Node deepspeed_tree(const TrainingConfig& config, bool for_deepspeed) {
                        .add("loss_scale_window", Node::of(fp16.loss_scale_window))
                        .add("hysteresis", Node::of(fp16.hysteresis))
                        .add("consecutive_hysteresis", Node::of(fp16.consecutive_hysteresis))
-                       .add("min_loss_scale", Node::of(fp16.min_loss_scale)));
+                       .add("min_loss_scale", Node::of(fp16.min_loss_scale))
+                       .add("raise_error_at_min_scale", Node::of(fp16.raise_error_at_min_scale)));
   tree.add("bf16", Node::map().add("enabled", Node::of(config.bf16)));
   tree.add("zero_optimization", zero_tree(config, for_deepspeed));
   return tree;
@@ -187,11 +188,28 @@ Node accelerate_tree(const TrainingConfig& config, bool with_fsdp_config) {
   return tree;
 }
 
+Node precision_audit_tree(const PrecisionAuditConfig& audit) {
+  Node tree = Node::map();
+  tree.add("warmup_steps", Node::of(audit.warmup_steps))
+      .add("threshold", Node::of(audit.threshold))
+      .add("sample_fraction", Node::of(audit.sample_fraction));
+  return tree;
+}
+
+bool is_default(const PrecisionAuditConfig& audit) {
+  const PrecisionAuditConfig defaults;
+  return audit.warmup_steps == defaults.warmup_steps && audit.threshold == defaults.threshold &&
+         audit.sample_fraction == defaults.sample_fraction;
+}
+
 Node training_config_tree(const TrainingConfig& config) {
   Node tree = accelerate_tree(config, false);
   tree.add("gradient_checkpointing", Node::of(config.gradient_checkpointing))
       .add("zero3_init_flag", Node::of(config.zero3_init_flag))
-      .add("strict", Node::of(config.strict));
+      .add("strict", Node::of(config.strict))
+      .add("precision_audit", precision_audit_tree(config.precision_audit))
+      .add("non_finite_policy", Node::of(to_string(config.non_finite_policy)))
+      .add("checkpoint_on_error", Node::of(to_string(config.checkpoint_on_error)));
   for (auto& member : deepspeed_tree(config, false).members) tree.add(member.first, std::move(member.second));
   tree.add("fsdp_config", fsdp_tree(config.fsdp));
   return tree;
@@ -329,6 +347,9 @@ std::string to_deepspeed(const TrainingConfig& source, std::vector<std::string>&
   Node tree = config_detail::deepspeed_tree(out, true);
   if (out.zero3_init_flag) tree.add("zero3_init_flag", Node::of(true));
   if (out.gradient_checkpointing) tree.add("gradient_checkpointing", Node::of(true));
+  if (!config_detail::is_default(out.precision_audit)) {
+    tree.add("precision_audit", config_detail::precision_audit_tree(out.precision_audit));
+  }
   return config_detail::emit_json(tree);
 }
 
@@ -442,6 +463,9 @@ std::string to_fsdp(const TrainingConfig& source, std::vector<std::string>& note
   }
   Node tree = config_detail::accelerate_tree(out, true);
   if (out.gradient_checkpointing) tree.add("gradient_checkpointing", Node::of(true));
+  if (!config_detail::is_default(out.precision_audit)) {
+    tree.add("precision_audit", config_detail::precision_audit_tree(out.precision_audit));
+  }
   return config_detail::emit_yaml(tree);
 }
 

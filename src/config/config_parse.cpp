@@ -636,6 +636,8 @@ void read_fp16(ParseState& state, const Field& block) {
           [&](const Field& f) {
             assign(state, f, fp16.min_loss_scale, [&] { return f.number_in(0, false, 1e300, "a number > 0"); });
           })
+      .on("raise_error_at_min_scale",
+          [&](const Field& f) { assign(state, f, fp16.raise_error_at_min_scale, [&] { return f.boolean(); }); })
       .not_implemented({"auto_cast", "fp16_master_weights_and_grads", "type"});
   section.read(block.node);
 }
@@ -763,8 +765,27 @@ void read_zero_optimization(ParseState& state, const Field& block) {
   section.read(block.node);
 }
 
+void read_precision_audit(ParseState& state, const Field& block) {
+  require_map(block, "{warmup_steps: 20, threshold: 0.5, sample_fraction: 1.0}");
+  PrecisionAuditConfig& audit = state.config.precision_audit;
+  Section section(state, block.source, "precision_audit.");
+  section
+      .on("warmup_steps",
+          [&](const Field& f) { assign(state, f, audit.warmup_steps, [&] { return f.integer_at_least(0, "an integer >= 0"); }); })
+      .on("threshold",
+          [&](const Field& f) {
+            assign(state, f, audit.threshold, [&] { return f.number_in(0, true, 1, "a fraction in [0, 1]"); });
+          })
+      .on("sample_fraction", [&](const Field& f) {
+        assign(state, f, audit.sample_fraction,
+               [&] { return f.number_in(0, true, 1, "a fraction in [0, 1] (0 turns the audit off)"); });
+      });
+  section.read(block.node);
+}
+
 /// DeepSpeed's top-level keys, plus the non-DeepSpeed extras shardtrain
-/// honours in any file (gradient_checkpointing, zero3_init_flag, strict).
+/// honours in any file (gradient_checkpointing, zero3_init_flag, strict,
+/// precision_audit).
 void add_deepspeed_keys(Section& section, ParseState& state) {
   TrainingConfig& config = state.config;
   section
@@ -816,6 +837,22 @@ void add_deepspeed_keys(Section& section, ParseState& state) {
       .on("zero3_init_flag",
           [&](const Field& f) { assign(state, f, config.zero3_init_flag, [&] { return f.boolean(); }); })
       .on("strict", [&](const Field& f) { config.strict = config.strict || f.boolean(); })
+      .on("precision_audit", [&](const Field& f) { read_precision_audit(state, f); })
+      .on("non_finite_policy",
+          [&](const Field& f) {
+            assign(state, f, config.non_finite_policy, [&] {
+              return choose<NonFinitePolicy>(f, {{"skip", NonFinitePolicy::kSkip}, {"stop", NonFinitePolicy::kStop}},
+                                             {"skip", "stop"});
+            });
+          })
+      .on("checkpoint_on_error",
+          [&](const Field& f) {
+            assign(state, f, config.checkpoint_on_error, [&] {
+              return choose<CheckpointErrorPolicy>(
+                  f, {{"continue", CheckpointErrorPolicy::kContinue}, {"stop", CheckpointErrorPolicy::kStop}},
+                  {"continue", "stop"});
+            });
+          })
       // DeepSpeed's guards for optimizers it did not test or would swap for its
       // CPU Adam; shardtrain only has its own three optimizers, so they say nothing.
       .accept({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})

@@ -38,9 +38,16 @@ struct MemoryStats {
 };
 
 struct StepResult {
-  bool skipped = false;    ///< fp16 overflow: the update was not applied
+  bool skipped = false;    ///< fp16 overflow or non-finite gradients: the update was not applied
+  bool non_finite = false; ///< bf16/fp32: skipped because a gradient was inf or NaN
   double grad_norm = -1;   ///< global (unscaled) gradient norm, -1 if not computed
   double loss_scale = 1;   ///< loss scale in effect for this step
+  /// The lost-update audit (kernels::UpdateAudit), summed over ranks: the
+  /// fraction of audited elements whose non-zero update left the stored value
+  /// unchanged, and what a bf16 master would have lost. -1: not measured
+  /// (audit off, a custom optimizer, a skipped step).
+  double lost_update_frac = -1;
+  double lost_update_frac_if_bf16 = -1;
 };
 
 /// Optimizer the engine runs over its fp32 master shards.
@@ -49,6 +56,9 @@ struct OptimizerSpec {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
   double momentum = 0.0;
   bool nesterov = false;
+  /// Lost-update audit sampling: every k-th granule of kernels' audit
+  /// granules is counted (1: every element, 0: no audit).
+  int64_t audit_sample_period = 1;
   /// Escape hatch: build any torch::optim optimizer over the master shard
   /// tensors (their .grad() holds the reduced, unscaled gradient at step time).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> custom_factory;

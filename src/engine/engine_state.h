@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -113,6 +114,9 @@ struct ShardedEngine::State {
   DynamicLossScaler scaler;
   double clip_coefficient = 1.0;
   double last_grad_norm = -1.0;
+  /// Set by clip_grad_norm for the step it precedes: whether the global norm
+  /// was finite (it is iff every gradient element is). Unset: step() checks.
+  std::optional<bool> grads_finite;
   int64_t optimizer_steps = 0;
   /// grad_flat is known to hold zeros (zero_grad need not write it again).
   bool grads_zero = true;
@@ -161,7 +165,7 @@ struct ShardedEngine::State {
   }
 
   State(std::shared_ptr<torch::nn::Module> m, comm::CommunicatorPtr c, ShardingOptions o)
-      : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale) {}
+      : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale, options.loss_scale.raise_error_at_min_scale) {}
 
   int layout_world() const { return options.shard_params ? comm->world_size() : 1; }
   /// One rank with no replicas: an all-gather or reduce-scatter would be a

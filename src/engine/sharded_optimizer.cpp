@@ -42,6 +42,7 @@ double ShardedEngine::clip_grad_norm(double max_norm) {
   }
   const double norm = std::sqrt(total.item<double>()) / s.scaler.scale();
   s.last_grad_norm = std::isfinite(norm) ? norm : -1.0;
+  s.grads_finite = std::isfinite(norm);
   s.clip_coefficient = 1.0;
   if (max_norm > 0 && std::isfinite(norm)) s.clip_coefficient = std::min(1.0, max_norm / (norm + 1e-6));
   return norm;
@@ -67,7 +68,32 @@ StepResult ShardedEngine::step(double lr) {
       result.skipped = true;
       return result;
     }
+  } else {
+    // bf16/fp32 have no loss scaler to absorb an inf or NaN: an update with one
+    // would poison the weights, so the step is skipped and the Accelerator
+    // applies non_finite_policy. The norm, when clipping computed it, already
+    // answers (finite iff every element is); else one pass and a MAX.
+    bool finite = true;
+    if (s.grads_finite.has_value()) {
+      finite = *s.grads_finite;
+    } else {
+      at::Tensor flag = kernels::non_finite_flag(s.grad_flat).reshape({1});
+      s.comm->all_reduce(flag, ReduceOp::kMax);
+      finite = flag.item<float>() == 0;
+    }
+    s.grads_finite.reset();
+    if (!finite) {
+      s.scaler.update(true);  // counts the skipped step (the scale stays 1)
+      s.grad_flat.zero_();
+      s.grads_zero = true;
+      s.clip_coefficient = 1.0;
+      s.last_grad_norm = -1.0;
+      result.skipped = true;
+      result.non_finite = true;
+      return result;
+    }
   }
+  s.grads_finite.reset();
   const double grad_scale = s.clip_coefficient / s.scaler.scale();
   at::Tensor grad = s.grad_flat;
   if (s.host_grad_flat.defined()) {
@@ -93,6 +119,13 @@ StepResult ShardedEngine::step(double lr) {
   } else {
     at::Tensor& stepped = s.pure() ? s.lp_flat : s.master_flat;
     const int64_t total = stepped.numel();
+    kernels::UpdateAudit audit;
+    kernels::UpdateAudit* audit_ptr = nullptr;
+    if (o.audit_sample_period > 0) {
+      audit.counts = at::zeros({3}, stepped.options().dtype(at::kLong));
+      audit.sample_period = o.audit_sample_period;
+      audit_ptr = &audit;
+    }
     const int64_t group = std::max<int64_t>(1, s.options.sub_group_size);
     for (int64_t begin = 0; begin < total; begin += group) {
       const int64_t len = std::min(group, total - begin);
@@ -108,7 +141,8 @@ StepResult ShardedEngine::step(double lr) {
         p.nesterov = o.nesterov;
         p.grad_scale = grad_scale;
         p.first_step = s.optimizer_steps == 1;
-        kernels::sgd_step(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr, p);
+        kernels::sgd_step(param, s.momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr, p,
+                          audit_ptr);
         continue;
       }
       at::Tensor m = s.exp_avg_flat.narrow(0, begin, len);
@@ -123,9 +157,20 @@ StepResult ShardedEngine::step(double lr) {
       p.adam_w_mode = o.type == "AdamW";
       p.grad_scale = grad_scale;
       if (s.pure()) {
-        kernels::adam_step_low_precision(param, m, v, g, p);
+        kernels::adam_step_low_precision(param, m, v, g, p, audit_ptr);
       } else {
-        kernels::adam_step(param, m, v, g, separate_lp ? &lp : nullptr, p);
+        kernels::adam_step(param, m, v, g, separate_lp ? &lp : nullptr, p, audit_ptr);
+      }
+    }
+    if (audit_ptr != nullptr) {
+      // Offloaded steps count on the host; the sum runs on the communicator's device.
+      at::Tensor counts = audit.counts.to(s.comm->device());
+      s.comm->all_reduce(counts, ReduceOp::kSum);
+      const at::Tensor host = counts.cpu();
+      const int64_t* c = host.data_ptr<int64_t>();
+      if (c[0] > 0) {
+        result.lost_update_frac = static_cast<double>(c[1]) / static_cast<double>(c[0]);
+        result.lost_update_frac_if_bf16 = static_cast<double>(c[2]) / static_cast<double>(c[0]);
       }
     }
   }

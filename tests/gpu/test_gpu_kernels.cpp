@@ -188,6 +188,56 @@ TEST(GpuKernels, SgdStepIsTheSharedFusedMathBitForBit) {
   }
 }
 
+TEST(GpuKernels, LostUpdateCountsAreTheCpuKernelsOnThisFmaCpu) {
+  REQUIRE_GPU();
+  // The audit counts integer outcomes of the same per-element arithmetic, so
+  // the two devices' counts are equal, not close: same bits, same comparisons
+  // (NaN payloads do not matter, NaN never equals anything).
+  ASSERT_TRUE(k::cpu::fuses_multiply_add()) << "this CPU runs LibTorch's unfused kernels";
+  auto counts_of = [](const k::UpdateAudit& audit) { return audit.counts.cpu(); };
+  for (const at::ScalarType state : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const int64_t period : {int64_t{1}, int64_t{3}}) {
+      for (const int64_t offset : {int64_t{0}, int64_t{1}, int64_t{3}}) {
+        const at::Tensor p0 = awkward_values(kN, 1, true).to(state);
+        const at::Tensor m0 = (awkward_values(kN, 2, false) * 1e-3).to(state);
+        const at::Tensor v0 = (awkward_values(kN, 3, false).abs() * 1e-6).to(state);
+        const at::Tensor g = awkward_values(kN, 4, true).to(state);
+        k::AdamParams params;
+        params.lr = 1e-3;
+        params.weight_decay = 0.1;
+        params.step = 3;
+        at::Tensor p = p0.clone(), m = m0.clone(), v = v0.clone();
+        at::Tensor gp = gpu_copy(p0, offset), gm = gpu_copy(m0, offset), gv = gpu_copy(v0, offset);
+        const at::Tensor gg = gpu_copy(g, offset);
+        k::UpdateAudit cpu_audit{at::zeros({3}, at::kLong), period};
+        k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(kGpu0)), period};
+        if (state == at::kFloat) {
+          k::adam_step(p, m, v, g, nullptr, params, &cpu_audit);
+          k::adam_step(gp, gm, gv, gg, nullptr, params, &gpu_audit);
+        } else {
+          k::adam_step_low_precision(p, m, v, g, params, &cpu_audit);
+          k::adam_step_low_precision(gp, gm, gv, gg, params, &gpu_audit);
+        }
+        EXPECT_TRUE(at::equal(counts_of(gpu_audit), counts_of(cpu_audit)))
+            << c10::toString(state) << " period " << period << " offset " << offset << ": gpu "
+            << counts_of(gpu_audit) << " cpu " << counts_of(cpu_audit);
+        EXPECT_GT(counts_of(cpu_audit)[0].item<int64_t>(), 0);
+      }
+    }
+  }
+  // SGD on an fp32 master.
+  at::Tensor p = awkward_values(kN, 5, true), gp = gpu_copy(p, 1);
+  const at::Tensor g = awkward_values(kN, 6, true);
+  k::SgdParams sgd;
+  sgd.lr = 1e-3;
+  k::UpdateAudit cpu_audit{at::zeros({3}, at::kLong), 1};
+  k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(kGpu0)), 1};
+  k::sgd_step(p, nullptr, g, nullptr, sgd, &cpu_audit);
+  k::sgd_step(gp, nullptr, gpu_copy(g, 1), nullptr, sgd, &gpu_audit);
+  EXPECT_TRUE(at::equal(counts_of(gpu_audit), counts_of(cpu_audit)))
+      << "sgd: gpu " << counts_of(gpu_audit) << " cpu " << counts_of(cpu_audit);
+}
+
 TEST(GpuKernels, SumOfSquaresIsTheCpuKernelsBitForBit) {
   REQUIRE_GPU();
   for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{255}, int64_t{16384}, int64_t{16385},
@@ -267,10 +317,10 @@ TEST(GpuKernels, BadArgumentsAreClearErrorsAndLaunchNothing) {
   namespace kcuda = shardtrain::kernels::cuda;
   const kmath::AdamScalars c = k::adam_scalars(k::AdamParams{});
   float* p = master.data_ptr<float>();
-  EXPECT_EQ(kcuda::launch_adam(p, p, p, p, kcuda::DType::kF32, {}, -1, c, nullptr), cudaErrorInvalidValue);
-  EXPECT_EQ(kcuda::launch_adam(nullptr, p, p, p, kcuda::DType::kF32, {}, 8, c, nullptr), cudaErrorInvalidValue);
-  EXPECT_EQ(kcuda::launch_adam(p, p, p, p, kcuda::DType::kF32, {}, 0, c, nullptr), cudaSuccess);
-  EXPECT_EQ(kcuda::launch_adam_low_precision(p, p, p, kcuda::DType::kF32, p, kcuda::DType::kF32, 8, c, nullptr),
+  EXPECT_EQ(kcuda::launch_adam(p, p, p, p, kcuda::DType::kF32, {}, -1, c, {}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kcuda::launch_adam(nullptr, p, p, p, kcuda::DType::kF32, {}, 8, c, {}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kcuda::launch_adam(p, p, p, p, kcuda::DType::kF32, {}, 0, c, {}, nullptr), cudaSuccess);
+  EXPECT_EQ(kcuda::launch_adam_low_precision(p, p, p, kcuda::DType::kF32, p, kcuda::DType::kF32, 8, c, {}, nullptr),
             cudaErrorInvalidValue);
 }
 

@@ -221,7 +221,7 @@ TEST(UnitCpuKernels, DefaultDispatchPathAlsoMatchesTorch) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string command =
       "ATEN_CPU_CAPABILITY=default '" + self +
-      "' --gtest_filter='UnitCpuKernels.FusedAdamW*:UnitCpuKernels.FusedAdamL2*:UnitCpuKernels.FusedSgd*:UnitKernelMath.Shared*' 2>&1";
+      "' --gtest_filter='UnitCpuKernels.FusedAdamW*:UnitCpuKernels.FusedAdamL2*:UnitCpuKernels.FusedSgd*:UnitKernelMath.Shared*:UnitLostUpdateAudit.*' 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr) << command;
   std::string output;
@@ -229,8 +229,9 @@ TEST(UnitCpuKernels, DefaultDispatchPathAlsoMatchesTorch) {
   while (size_t got = std::fread(chunk, 1, sizeof(chunk), pipe)) output.append(chunk, got);
   const int status = pclose(pipe);
   EXPECT_EQ(status, 0) << output;
-  // Three torch comparisons and the three shared-math comparisons (unfused lanes).
-  EXPECT_NE(output.find("[  PASSED  ] 6 tests"), std::string::npos) << output;
+  // Three torch comparisons, the three shared-math comparisons (unfused
+  // lanes) and the four lost-update audit tests (GenericOps' lanes).
+  EXPECT_NE(output.find("[  PASSED  ] 10 tests"), std::string::npos) << output;
 }
 
 TEST(UnitCpuKernels, PlainSgdNeedsNoMomentumBuffer) {

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -54,6 +55,37 @@ TEST(UnitPlot, DrawsEveryRunIntoPngAndSvg) {
   const fs::path png = scratch("curves.png");
   shardtrain::plot_metrics({{a.string(), ""}}, png.string());
   EXPECT_EQ(read(png).substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  fs::remove_all(a.parent_path());
+}
+
+TEST(UnitPlot, SmoothsWithATrailingMeanAndDrawsOnlyTheChosenMetrics) {
+  // Exact in binary: every sum and quotient below is a small dyadic rational.
+  const std::vector<double> means = shardtrain::trailing_mean({1, 3, 5, 7, 9}, 2);
+  EXPECT_EQ(means, (std::vector<double>{1, 2, 4, 6, 8}));
+  EXPECT_EQ(shardtrain::trailing_mean({2, 4}, 1), (std::vector<double>{2, 4}));
+  EXPECT_EQ(shardtrain::trailing_mean({2, 4, 6}, 10), (std::vector<double>{2, 3, 4}));
+  EXPECT_THROW(shardtrain::trailing_mean({1}, 0), shardtrain::Error);
+
+  const fs::path a = scratch("audit.jsonl");
+  write(a, R"({"step":1,"loss":6.1,"lr":0.001,"lost_update_frac":0.9,"lost_update_frac_if_bf16":0.9}
+{"step":2,"loss":5.9,"lr":0.001,"lost_update_frac":0.8,"lost_update_frac_if_bf16":0.95}
+)");
+  const fs::path svg = scratch("chosen.svg");
+  shardtrain::PlotOptions options;
+  options.smooth = 2;
+  options.metrics = {"loss", "lost_update_frac_if_bf16"};
+  shardtrain::plot_metrics({{a.string(), ""}}, svg.string(), options);
+  const std::string text = read(svg);
+  EXPECT_NE(text.find("loss (mean of the last 2 steps)"), std::string::npos);
+  EXPECT_NE(text.find("lost-update fraction a bf16 master would have"), std::string::npos);
+  EXPECT_EQ(text.find("learning rate"), std::string::npos) << "lr was not chosen";
+  options.metrics = {"los"};
+  try {
+    shardtrain::plot_metrics({{a.string(), ""}}, svg.string(), options);
+    FAIL() << "an unknown metric was accepted";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown metric 'los'"), std::string::npos) << e.what();
+  }
   fs::remove_all(a.parent_path());
 }
 

@@ -105,6 +105,39 @@ struct GenericOps {
 #endif
   }
 
+  // The lost-update audit's lanes. This policy is the fallback for CPUs and
+  // settings without ATen's vector kernels, so it goes through memory and
+  // element_math.h's scalar conversions rather than per-ISA tricks.
+  static V round_bf16(const V& a) {
+    alignas(64) float x[kWidth];
+    a.store(x);
+    for (int64_t k = 0; k < kWidth; ++k) x[k] = math::bf16_round(x[k]);
+    return V::loadu(x);
+  }
+  template <typename T>
+  static V round_to(const V& a) {
+    if constexpr (std::is_same_v<T, float>) {
+      return a;
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      return round_bf16(a);
+    } else {
+      alignas(64) float x[kWidth];
+      a.store(x);
+      for (int64_t k = 0; k < kWidth; ++k) x[k] = static_cast<float>(c10::Half(x[k]));
+      return V::loadu(x);
+    }
+  }
+  /// Lanes (a bit mask) where math::update_lost holds.
+  static int count_lost(const V& before, const V& after, const V& update, uint32_t lanes) {
+    alignas(64) float b[kWidth], a[kWidth], u[kWidth];
+    before.store(b);
+    after.store(a);
+    update.store(u);
+    int lost = 0;
+    for (int64_t k = 0; k < kWidth; ++k) lost += ((lanes >> k) & 1u) != 0 && math::update_lost(b[k], a[k], u[k]);
+    return lost;
+  }
+
   template <typename T>
   static V load(const T* src, int64_t count) {
     if constexpr (std::is_same_v<T, float>) {
@@ -162,6 +195,38 @@ struct Avx2Ops {
     V product = _mm256_mul_ps(a, b);
     asm volatile("" : "+x"(product));
     return _mm256_add_ps(product, c);
+  }
+
+  /// c10::detail::round_to_nearest_even on eight lanes, widened back:
+  /// (bits + 0x7fff + lsb) & 0xffff0000, NaN -> 0x7fc00000.
+  ST_AVX2_TARGET static V round_bf16(V v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan);
+    return _mm256_castsi256_ps(rounded);
+  }
+  template <typename T>
+  ST_AVX2_TARGET static V round_to(V v) {
+    if constexpr (std::is_same_v<T, float>) {
+      return v;
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      return round_bf16(v);
+    } else {
+      // F16C's conversion rounds to nearest even, as c10::Half does.
+      return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  /// Lanes in `lanes` where math::update_lost holds: an ordered equality (NaN
+  /// never equals) and an unordered inequality with 0 (a NaN update counts as
+  /// non-zero), as the scalar comparisons.
+  ST_AVX2_TARGET static int count_lost(V before, V after, V update, uint32_t lanes) {
+    const V unchanged = _mm256_cmp_ps(after, before, _CMP_EQ_OQ);
+    const V nonzero = _mm256_cmp_ps(update, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+    const auto mask = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_and_ps(unchanged, nonzero)));
+    return __builtin_popcount(mask & lanes);
   }
 
   template <typename T>
@@ -282,105 +347,200 @@ void check_low_precision_out(const at::Tensor* out, int64_t numel) {
   check_same_numel(*out, "low_precision_out", numel);
 }
 
-// ---- Adam ---------------------------------------------------------------------
+// ---- Adam ----------------------------------------------------------------------
+
+/// One task's lost-update counts (element_math.h's audit).
+struct AuditTally {
+  int64_t audited = 0, lost = 0, lost_if_bf16 = 0;
+};
+
+/// Bit k set: element i + k (k < count) is audited at this sample period.
+ST_ALWAYS_INLINE uint32_t audit_lanes(int64_t i, int64_t count, int64_t period) {
+  const uint32_t all = count >= 32 ? ~0u : (1u << count) - 1u;
+  if (period <= 1) return all;
+  const int64_t first = i / math::kAuditGranule;
+  if (first == (i + count - 1) / math::kAuditGranule) return first % period == 0 ? all : 0u;
+  uint32_t lanes = 0;
+  for (int64_t k = 0; k < count; ++k) lanes |= static_cast<uint32_t>(math::audited_element(i + k, period)) << k;
+  return lanes;
+}
+
+/// Counts one vector of updates: `before` the stored value widened,
+/// `stored_after` the value stored now, `hypothetical_after` what a bf16
+/// master starting from `bf16_before` would store.
+template <class Ops>
+ST_ALWAYS_INLINE void tally_lanes(const typename Ops::V& before, const typename Ops::V& stored_after,
+                                  const typename Ops::V& bf16_before, const typename Ops::V& hypothetical_after,
+                                  const typename Ops::V& update, uint32_t lanes, AuditTally& tally) {
+  tally.audited += __builtin_popcount(lanes);
+  tally.lost += Ops::count_lost(before, stored_after, update, lanes);
+  tally.lost_if_bf16 += Ops::count_lost(bf16_before, hypothetical_after, update, lanes);
+}
 
 /// StateT: what param/m/v are stored in (float, or bf16/fp16 in pure low
-/// precision mode). OutT: the optional compute copy's type (unused unless kWriteOut).
-template <class Ops, typename StateT, typename GradT, typename OutT, bool kWriteOut>
+/// precision mode). OutT: the optional compute copy's type (unused unless
+/// kWriteOut). kAudit: count lost updates into `tally` (period: sample period).
+template <class Ops, typename StateT, typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 ST_ALWAYS_INLINE void adam_range(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
-                                 OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c) {
+                                 OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c,
+                                 int64_t period, AuditTally* tally) {
   using V = typename Ops::V;
   for (int64_t i = begin; i < end; i += Ops::kWidth) {
     const int64_t count = std::min(Ops::kWidth, end - i);
     V p = Ops::load(param + i, count);
+    const V before = p;
     V m = Ops::load(exp_avg + i, count);
     V v = Ops::load(exp_avg_sq + i, count);
-    math::adam_update<Ops>(p, m, v, Ops::load(grad + i, count), c);
+    const V update = math::adam_update<Ops>(p, m, v, Ops::load(grad + i, count), c);
     Ops::store(param + i, p, count);
     Ops::store(exp_avg + i, m, count);
     Ops::store(exp_avg_sq + i, v, count);
     if constexpr (kWriteOut) Ops::store(out + i, p, count);
+    if constexpr (kAudit) {
+      const uint32_t lanes = audit_lanes(i, count, period);
+      if constexpr (std::is_same_v<StateT, c10::BFloat16>) {
+        // A bf16 state is the bf16 master: the hypothetical rounds the same
+        // values through the same operations, so it is the real count.
+        if (lanes != 0) {
+          const int lost = Ops::count_lost(before, Ops::template round_to<StateT>(p), update, lanes);
+          tally->audited += __builtin_popcount(lanes);
+          tally->lost += lost;
+          tally->lost_if_bf16 += lost;
+        }
+      } else if (lanes != 0) {
+        const V bf16_before = Ops::round_bf16(before);
+        tally_lanes<Ops>(before, Ops::template round_to<StateT>(p), bf16_before,
+                         math::adam_bf16_master_after<Ops>(bf16_before, update, c), update, lanes, *tally);
+      }
+    }
   }
 }
 
-template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 void adam_range_generic(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
-                        int64_t begin, int64_t end, const math::AdamScalars& c) {
-  adam_range<GenericOps, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end,
-                                                         c);
+                        int64_t begin, int64_t end, const math::AdamScalars& c, int64_t period,
+                        AuditTally* tally) {
+  adam_range<GenericOps, StateT, GradT, OutT, kWriteOut, kAudit>(param, exp_avg, exp_avg_sq, grad, out, begin,
+                                                                 end, c, period, tally);
 }
 
 #if ST_HAVE_AVX2_PATH
-template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 ST_AVX2_TARGET void adam_range_avx2(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad,
-                                    OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c) {
-  adam_range<Avx2Ops, StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+                                    OutT* out, int64_t begin, int64_t end, const math::AdamScalars& c,
+                                    int64_t period, AuditTally* tally) {
+  adam_range<Avx2Ops, StateT, GradT, OutT, kWriteOut, kAudit>(param, exp_avg, exp_avg_sq, grad, out, begin, end,
+                                                              c, period, tally);
 }
 #endif
 
+/// Runs `range(begin, end, tally)` over [0, n) on the intra-op pool and adds
+/// the tasks' audit counts to `audit.counts` (integer sums: the order the
+/// tasks finish in does not matter).
+template <class Range>
+void parallel_with_audit(int64_t n, const math::AuditSpec& audit, Range&& range) {
+  std::atomic<int64_t> audited{0}, lost{0}, lost_if_bf16{0};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    AuditTally tally;
+    range(begin, end, &tally);
+    audited.fetch_add(tally.audited, std::memory_order_relaxed);
+    lost.fetch_add(tally.lost, std::memory_order_relaxed);
+    lost_if_bf16.fetch_add(tally.lost_if_bf16, std::memory_order_relaxed);
+  });
+  if (audit.counts != nullptr) {
+    audit.counts[0] += static_cast<unsigned long long>(audited.load());
+    audit.counts[1] += static_cast<unsigned long long>(lost.load());
+    audit.counts[2] += static_cast<unsigned long long>(lost_if_bf16.load());
+  }
+}
+
 /// Runs the Adam element loop over [0, n) on the intra-op pool, with the
 /// multiply-add flavour LibTorch uses on this machine.
-template <typename StateT, typename GradT, typename OutT, bool kWriteOut>
+template <typename StateT, typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 void adam_parallel(StateT* param, StateT* exp_avg, StateT* exp_avg_sq, const GradT* grad, OutT* out,
-                   int64_t n, const math::AdamScalars& c) {
+                   int64_t n, const math::AdamScalars& c, const math::AuditSpec& audit) {
+  const int64_t period = audit.sample_period;
 #if ST_HAVE_AVX2_PATH
   if (fuses_multiply_add()) {
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      adam_range_avx2<StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+    parallel_with_audit(n, audit, [&](int64_t begin, int64_t end, AuditTally* tally) {
+      adam_range_avx2<StateT, GradT, OutT, kWriteOut, kAudit>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c,
+                                                              period, tally);
     });
     return;
   }
 #endif
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    adam_range_generic<StateT, GradT, OutT, kWriteOut>(param, exp_avg, exp_avg_sq, grad, out, begin, end, c);
+  parallel_with_audit(n, audit, [&](int64_t begin, int64_t end, AuditTally* tally) {
+    adam_range_generic<StateT, GradT, OutT, kWriteOut, kAudit>(param, exp_avg, exp_avg_sq, grad, out, begin, end,
+                                                               c, period, tally);
   });
+}
+
+/// Calls f(std::bool_constant<audit.counts != nullptr>{}): the audit is a
+/// template switch, so a step without it has no extra instructions.
+template <class F>
+void with_audit(const math::AuditSpec& audit, F&& f) {
+  if (audit.counts != nullptr) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
 }
 
 // ---- SGD ----------------------------------------------------------------------
 
-template <class Ops, typename GradT, typename OutT, bool kWriteOut>
+template <class Ops, typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 ST_ALWAYS_INLINE void sgd_range(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                                int64_t end, const math::SgdScalars& c) {
+                                int64_t end, const math::SgdScalars& c, int64_t period, AuditTally* tally) {
   using V = typename Ops::V;
   const bool read_buffer = c.use_momentum && !c.first_step;
   for (int64_t i = begin; i < end; i += Ops::kWidth) {
     const int64_t count = std::min(Ops::kWidth, end - i);
     V p = Ops::load(param + i, count);
+    const V before = p;
     V buf = read_buffer ? Ops::load(buffer + i, count) : Ops::set1(0.0f);
-    math::sgd_update<Ops>(p, buf, Ops::load(grad + i, count), c);
+    const V direction = math::sgd_update<Ops>(p, buf, Ops::load(grad + i, count), c);
     Ops::store(param + i, p, count);
     if (c.use_momentum) Ops::store(buffer + i, buf, count);
     if constexpr (kWriteOut) Ops::store(out + i, p, count);
+    if constexpr (kAudit) {
+      const uint32_t lanes = audit_lanes(i, count, period);
+      if (lanes != 0) {
+        const V bf16_before = Ops::round_bf16(before);
+        tally_lanes<Ops>(before, p, bf16_before, math::sgd_bf16_master_after<Ops>(bf16_before, direction, c),
+                         Ops::mul(direction, Ops::set1(c.neg_lr)), lanes, *tally);
+      }
+    }
   }
 }
 
-template <typename GradT, typename OutT, bool kWriteOut>
+template <typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 void sgd_range_generic(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                       int64_t end, const math::SgdScalars& c) {
-  sgd_range<GenericOps, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+                       int64_t end, const math::SgdScalars& c, int64_t period, AuditTally* tally) {
+  sgd_range<GenericOps, GradT, OutT, kWriteOut, kAudit>(param, buffer, grad, out, begin, end, c, period, tally);
 }
 
 #if ST_HAVE_AVX2_PATH
-template <typename GradT, typename OutT, bool kWriteOut>
+template <typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 ST_AVX2_TARGET void sgd_range_avx2(float* param, float* buffer, const GradT* grad, OutT* out, int64_t begin,
-                                   int64_t end, const math::SgdScalars& c) {
-  sgd_range<Avx2Ops, GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+                                   int64_t end, const math::SgdScalars& c, int64_t period, AuditTally* tally) {
+  sgd_range<Avx2Ops, GradT, OutT, kWriteOut, kAudit>(param, buffer, grad, out, begin, end, c, period, tally);
 }
 #endif
 
-template <typename GradT, typename OutT, bool kWriteOut>
+template <typename GradT, typename OutT, bool kWriteOut, bool kAudit>
 void sgd_parallel(float* param, float* buffer, const GradT* grad, OutT* out, int64_t n,
-                  const math::SgdScalars& c) {
+                  const math::SgdScalars& c, const math::AuditSpec& audit) {
+  const int64_t period = audit.sample_period;
 #if ST_HAVE_AVX2_PATH
   if (fuses_multiply_add()) {
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      sgd_range_avx2<GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+    parallel_with_audit(n, audit, [&](int64_t begin, int64_t end, AuditTally* tally) {
+      sgd_range_avx2<GradT, OutT, kWriteOut, kAudit>(param, buffer, grad, out, begin, end, c, period, tally);
     });
     return;
   }
 #endif
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    sgd_range_generic<GradT, OutT, kWriteOut>(param, buffer, grad, out, begin, end, c);
+  parallel_with_audit(n, audit, [&](int64_t begin, int64_t end, AuditTally* tally) {
+    sgd_range_generic<GradT, OutT, kWriteOut, kAudit>(param, buffer, grad, out, begin, end, c, period, tally);
   });
 }
 
@@ -460,7 +620,8 @@ bool fuses_multiply_add() {
 }
 
 void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                const at::Tensor& grad, at::Tensor* low_precision_out, const AdamParams& p) {
+                const at::Tensor& grad, at::Tensor* low_precision_out, const AdamParams& p,
+                const math::AuditSpec& audit) {
   check_cpu_contiguous(master, "master");
   check_cpu_contiguous(exp_avg, "exp_avg");
   check_cpu_contiguous(exp_avg_sq, "exp_avg_sq");
@@ -484,20 +645,23 @@ void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
   dispatch_float_types(grad.scalar_type(), "grad", [&](auto grad_tag) {
     using GradT = decltype(grad_tag);
     const GradT* g_ptr = grad.data_ptr<GradT>();
-    if (low_precision_out == nullptr) {
-      adam_parallel<float, GradT, float, false>(param_ptr, m_ptr, v_ptr, g_ptr, nullptr, n, c);
-      return;
-    }
-    dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
-      using OutT = decltype(out_tag);
-      adam_parallel<float, GradT, OutT, true>(param_ptr, m_ptr, v_ptr, g_ptr,
-                                              low_precision_out->data_ptr<OutT>(), n, c);
+    with_audit(audit, [&](auto audit_tag) {
+      constexpr bool kAudit = decltype(audit_tag)::value;
+      if (low_precision_out == nullptr) {
+        adam_parallel<float, GradT, float, false, kAudit>(param_ptr, m_ptr, v_ptr, g_ptr, nullptr, n, c, audit);
+        return;
+      }
+      dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
+        using OutT = decltype(out_tag);
+        adam_parallel<float, GradT, OutT, true, kAudit>(param_ptr, m_ptr, v_ptr, g_ptr,
+                                                        low_precision_out->data_ptr<OutT>(), n, c, audit);
+      });
     });
   });
 }
 
 void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                              const at::Tensor& grad, const AdamParams& p) {
+                              const at::Tensor& grad, const AdamParams& p, const math::AuditSpec& audit) {
   check_cpu_contiguous(param, "param");
   check_cpu_contiguous(exp_avg, "exp_avg");
   check_cpu_contiguous(exp_avg_sq, "exp_avg_sq");
@@ -526,15 +690,17 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
       StateT* v_ptr = exp_avg_sq.data_ptr<StateT>();
       dispatch_float_types(grad.scalar_type(), "grad", [&](auto grad_tag) {
         using GradT = decltype(grad_tag);
-        adam_parallel<StateT, GradT, float, false>(param_ptr, m_ptr, v_ptr, grad.data_ptr<GradT>(),
-                                                   nullptr, n, c);
+        with_audit(audit, [&](auto audit_tag) {
+          adam_parallel<StateT, GradT, float, false, decltype(audit_tag)::value>(
+              param_ptr, m_ptr, v_ptr, grad.data_ptr<GradT>(), nullptr, n, c, audit);
+        });
       });
     }
   });
 }
 
 void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-               at::Tensor* low_precision_out, const SgdParams& params) {
+               at::Tensor* low_precision_out, const SgdParams& params, const math::AuditSpec& audit) {
   check_cpu_contiguous(master, "master");
   check_cpu_contiguous(grad, "grad");
   ST_CHECK(master.scalar_type() == at::kFloat, "fused_sgd keeps the master in float32, got ",
@@ -559,14 +725,17 @@ void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor
   dispatch_float_types(grad.scalar_type(), "grad", [&](auto grad_tag) {
     using GradT = decltype(grad_tag);
     const GradT* g_ptr = grad.data_ptr<GradT>();
-    if (low_precision_out == nullptr) {
-      sgd_parallel<GradT, float, false>(param_ptr, buffer_ptr, g_ptr, nullptr, n, c);
-      return;
-    }
-    dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
-      using OutT = decltype(out_tag);
-      sgd_parallel<GradT, OutT, true>(param_ptr, buffer_ptr, g_ptr, low_precision_out->data_ptr<OutT>(),
-                                      n, c);
+    with_audit(audit, [&](auto audit_tag) {
+      constexpr bool kAudit = decltype(audit_tag)::value;
+      if (low_precision_out == nullptr) {
+        sgd_parallel<GradT, float, false, kAudit>(param_ptr, buffer_ptr, g_ptr, nullptr, n, c, audit);
+        return;
+      }
+      dispatch_float_types(low_precision_out->scalar_type(), "low_precision_out", [&](auto out_tag) {
+        using OutT = decltype(out_tag);
+        sgd_parallel<GradT, OutT, true, kAudit>(param_ptr, buffer_ptr, g_ptr, low_precision_out->data_ptr<OutT>(),
+                                                n, c, audit);
+      });
     });
   });
 }

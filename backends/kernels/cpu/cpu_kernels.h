@@ -37,8 +37,12 @@ using kernels::SgdParams;
 /// `low_precision_out` is not null (bf16 or fp16, same numel) the new master is
 /// also written there, rounded to nearest even exactly as at::Tensor::to does,
 /// in the same pass: the compute copy the engines all-gather next.
+///
+/// `audit` (counts == nullptr: off): count lost updates in the same pass into
+/// the host counters audit.counts (element_math.h's lost-update audit).
 void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                const at::Tensor& grad, at::Tensor* low_precision_out, const AdamParams& p);
+                const at::Tensor& grad, at::Tensor* low_precision_out, const AdamParams& p,
+                const math::AuditSpec& audit = {});
 
 /// FSDP's pure low-precision Adam(W): `param`, `exp_avg` and `exp_avg_sq` are
 /// all bf16 or all fp16 (`grad` that dtype or fp32). Each element is updated in
@@ -46,7 +50,7 @@ void fused_adam(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
 /// half an ulp of the parameter are lost. That loss is the behaviour this mode
 /// exists to reproduce, not a defect.
 void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                              const at::Tensor& grad, const AdamParams& p);
+                              const at::Tensor& grad, const AdamParams& p, const math::AuditSpec& audit = {});
 
 /// One SGD step in place on the fp32 `master`, as torch::optim::SGD with
 /// dampening 0:
@@ -57,7 +61,7 @@ void fused_adam_low_precision(at::Tensor& param, at::Tensor& exp_avg, at::Tensor
 /// ignored otherwise; `first_step` initialises it from d as torch does.
 /// `grad` and `low_precision_out` as in fused_adam.
 void fused_sgd(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor& grad,
-               at::Tensor* low_precision_out, const SgdParams& params);
+               at::Tensor* low_precision_out, const SgdParams& params, const math::AuditSpec& audit = {});
 
 /// Whether the optimizer kernels fuse the multiply-adds that LibTorch's own
 /// CPU kernels fuse here: true where ATen dispatches its AVX2/AVX-512 kernels

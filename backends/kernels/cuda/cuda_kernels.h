@@ -43,20 +43,24 @@ struct LowPrecisionOut {
 
 /// One Adam(W) step over `n` fp32 elements in place on `master`, `exp_avg`,
 /// `exp_avg_sq`, reading `grad` (fp32, bf16 or fp16, widened exactly).
+/// Every step takes an `audit`: with audit.counts (3 device counters) set, it
+/// also counts lost updates (element_math.h's audit) in the same pass.
 cudaError_t launch_adam(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, DType grad_type,
-                        LowPrecisionOut out, int64_t n, const math::AdamScalars& c, cudaStream_t stream);
+                        LowPrecisionOut out, int64_t n, const math::AdamScalars& c, const math::AuditSpec& audit,
+                        cudaStream_t stream);
 
 /// Pure low-precision Adam(W): `param`, `exp_avg`, `exp_avg_sq` are all
 /// `state_type` (bf16 or fp16); `grad` is that type or fp32. Each element is
 /// updated in float and stored back rounded to nearest even.
 cudaError_t launch_adam_low_precision(void* param, void* exp_avg, void* exp_avg_sq, DType state_type,
                                       const void* grad, DType grad_type, int64_t n, const math::AdamScalars& c,
-                                      cudaStream_t stream);
+                                      const math::AuditSpec& audit, cudaStream_t stream);
 
 /// One SGD step over `n` fp32 elements in place on `master` (and on
 /// `momentum_buffer`, fp32, required when c.use_momentum).
 cudaError_t launch_sgd(float* master, float* momentum_buffer, const void* grad, DType grad_type,
-                       LowPrecisionOut out, int64_t n, const math::SgdScalars& c, cudaStream_t stream);
+                       LowPrecisionOut out, int64_t n, const math::SgdScalars& c, const math::AuditSpec& audit,
+                       cudaStream_t stream);
 
 /// Scratch `launch_sum_of_squares` needs: one double per math::kSumBlock elements.
 inline int64_t sum_of_squares_scratch(int64_t n) { return n <= 0 ? 0 : math::sum_blocks(n); }

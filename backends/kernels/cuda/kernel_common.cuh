@@ -107,4 +107,52 @@ __device__ __forceinline__ int64_t global_thread() {
 }
 __device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
+// ---- the lost-update audit -------------------------------------------------------
+// element_math.h's rules on one element per call; each thread keeps its own
+// counts and the block's warps add theirs to the device counters once, at the
+// end of the kernel (integer sums: the order of the atomics does not matter).
+
+struct AuditTally {
+  unsigned long long audited = 0, lost = 0, lost_if_bf16 = 0;
+};
+
+/// Counts one Adam update: `before` the stored value widened, `stored_after`
+/// the value stored now, widened.
+__device__ __forceinline__ void audit_adam(AuditTally& tally, float before, float stored_after, float update,
+                                           const math::AdamScalars& c) {
+  using Ops = math::ScalarOps<true>;
+  const float bf16_before = math::bf16_round(before);
+  tally.audited += 1;
+  tally.lost += math::update_lost(before, stored_after, update);
+  tally.lost_if_bf16 +=
+      math::update_lost(bf16_before, math::adam_bf16_master_after<Ops>(bf16_before, update, c), update);
+}
+
+/// Counts one SGD update along `direction` on an fp32 master.
+__device__ __forceinline__ void audit_sgd(AuditTally& tally, float before, float after, float direction,
+                                          const math::SgdScalars& c) {
+  using Ops = math::ScalarOps<true>;
+  const float bf16_before = math::bf16_round(before);
+  const float update = Ops::mul(direction, c.neg_lr);
+  tally.audited += 1;
+  tally.lost += math::update_lost(before, after, update);
+  tally.lost_if_bf16 +=
+      math::update_lost(bf16_before, math::sgd_bf16_master_after<Ops>(bf16_before, direction, c), update);
+}
+
+/// Adds the block's counts to audit.counts. Every thread of the block must
+/// call it (warp shuffles over full warps; the blocks are whole warps).
+__device__ __forceinline__ void flush_audit(const math::AuditSpec& audit, AuditTally tally) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    tally.audited += __shfl_down_sync(0xffffffffu, tally.audited, offset);
+    tally.lost += __shfl_down_sync(0xffffffffu, tally.lost, offset);
+    tally.lost_if_bf16 += __shfl_down_sync(0xffffffffu, tally.lost_if_bf16, offset);
+  }
+  if ((threadIdx.x & 31u) == 0 && tally.audited != 0) {
+    atomicAdd(audit.counts + 0, tally.audited);
+    atomicAdd(audit.counts + 1, tally.lost);
+    atomicAdd(audit.counts + 2, tally.lost_if_bf16);
+  }
+}
+
 }  // namespace shardtrain::kernels::cuda::detail

@@ -27,38 +27,61 @@ struct AdamPointers {
 
 /// State: the element type of param and moments (F32 for a master). Out is
 /// only touched when kWriteOut.
+/// The audit is a run-time switch: one uniform branch per element costs
+/// nothing next to the memory traffic, and templating on it would double the
+/// kernels nvcc compiles.
 template <class State, class Grad, class Out, bool kWriteOut>
-__global__ void __launch_bounds__(kThreads) adam_kernel(AdamPointers ptr, ElementwisePlan plan, math::AdamScalars c) {
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(AdamPointers ptr, ElementwisePlan plan, math::AdamScalars c, math::AuditSpec audit) {
   using S = typename State::Storage;
   S* param = static_cast<S*>(ptr.param);
   S* exp_avg = static_cast<S*>(ptr.exp_avg);
   S* exp_avg_sq = static_cast<S*>(ptr.exp_avg_sq);
   const auto* grad = static_cast<const typename Grad::Storage*>(ptr.grad);
   auto* out = static_cast<typename Out::Storage*>(ptr.out);
+  const bool auditing = audit.counts != nullptr;
+  detail::AuditTally tally;
   auto element = [&](int64_t i) {
     float p = State::load(param[i]);
+    const float before = p;
     float m = State::load(exp_avg[i]);
     float v = State::load(exp_avg_sq[i]);
-    math::adam_update<Ops>(p, m, v, Grad::load(grad[i]), c);
-    param[i] = State::store(p);
+    const float update = math::adam_update<Ops>(p, m, v, Grad::load(grad[i]), c);
+    const S stored = State::store(p);
+    param[i] = stored;
     exp_avg[i] = State::store(m);
     exp_avg_sq[i] = State::store(v);
     if constexpr (kWriteOut) out[i] = Out::store(p);
+    if (auditing && math::audited_element(i, audit.sample_period)) {
+      detail::audit_adam(tally, before, State::load(stored), update, c);
+    }
   };
   auto pack = [&](int64_t first) {
-    float p[kVec], m[kVec], v[kVec], g[kVec];
+    float p[kVec], m[kVec], v[kVec], g[kVec], before[kVec], update[kVec];
     load_pack<State>(param, first, p);
     load_pack<State>(exp_avg, first, m);
     load_pack<State>(exp_avg_sq, first, v);
     load_pack<Grad>(grad, first, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) math::adam_update<Ops>(p[k], m[k], v[k], g[k], c);
+    for (int k = 0; k < kVec; ++k) {
+      before[k] = p[k];
+      update[k] = math::adam_update<Ops>(p[k], m[k], v[k], g[k], c);
+    }
     store_pack<State>(param, first, p);
     store_pack<State>(exp_avg, first, m);
     store_pack<State>(exp_avg_sq, first, v);
     if constexpr (kWriteOut) store_pack<Out>(out, first, p);
+    if (auditing) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (math::audited_element(first + k, audit.sample_period)) {
+          detail::audit_adam(tally, before[k], State::load(State::store(p[k])), update[k], c);
+        }
+      }
+    }
   };
   for_each_plan_item(plan, detail::global_thread(), detail::grid_stride(), element, pack);
+  if (auditing) detail::flush_audit(audit, tally);
 }
 
 struct SgdPointers {
@@ -69,37 +92,55 @@ struct SgdPointers {
 };
 
 template <class Grad, class Out, bool kWriteOut>
-__global__ void __launch_bounds__(kThreads) sgd_kernel(SgdPointers ptr, ElementwisePlan plan, math::SgdScalars c) {
+__global__ void __launch_bounds__(kThreads)
+    sgd_kernel(SgdPointers ptr, ElementwisePlan plan, math::SgdScalars c, math::AuditSpec audit) {
   const auto* grad = static_cast<const typename Grad::Storage*>(ptr.grad);
   auto* out = static_cast<typename Out::Storage*>(ptr.out);
   const bool read_buffer = c.use_momentum && !c.first_step;
+  const bool auditing = audit.counts != nullptr;
+  detail::AuditTally tally;
   auto element = [&](int64_t i) {
     float p = ptr.param[i];
+    const float before = p;
     float buf = read_buffer ? ptr.buffer[i] : 0.0f;
-    math::sgd_update<Ops>(p, buf, Grad::load(grad[i]), c);
+    const float direction = math::sgd_update<Ops>(p, buf, Grad::load(grad[i]), c);
     ptr.param[i] = p;
     if (c.use_momentum) ptr.buffer[i] = buf;
     if constexpr (kWriteOut) out[i] = Out::store(p);
+    if (auditing && math::audited_element(i, audit.sample_period)) detail::audit_sgd(tally, before, p, direction, c);
   };
   auto pack = [&](int64_t first) {
-    float p[kVec], buf[kVec] = {0.0f, 0.0f, 0.0f, 0.0f}, g[kVec];
+    float p[kVec], buf[kVec] = {0.0f, 0.0f, 0.0f, 0.0f}, g[kVec], before[kVec], direction[kVec];
     load_pack<detail::F32>(ptr.param, first, p);
     if (read_buffer) load_pack<detail::F32>(ptr.buffer, first, buf);
     load_pack<Grad>(grad, first, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) math::sgd_update<Ops>(p[k], buf[k], g[k], c);
+    for (int k = 0; k < kVec; ++k) {
+      before[k] = p[k];
+      direction[k] = math::sgd_update<Ops>(p[k], buf[k], g[k], c);
+    }
     store_pack<detail::F32>(ptr.param, first, p);
     if (c.use_momentum) store_pack<detail::F32>(ptr.buffer, first, buf);
     if constexpr (kWriteOut) store_pack<Out>(out, first, p);
+    if (auditing) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (math::audited_element(first + k, audit.sample_period)) {
+          detail::audit_sgd(tally, before[k], p[k], direction[k], c);
+        }
+      }
+    }
   };
   for_each_plan_item(plan, detail::global_thread(), detail::grid_stride(), element, pack);
+  if (auditing) detail::flush_audit(audit, tally);
 }
 
 int64_t head_of(const void* p, DType dtype) { return elements_to_pack_alignment(p, detail::element_size(dtype)); }
 
 template <class State>
 cudaError_t launch_adam_state(AdamPointers ptr, DType state_type, DType grad_type, const LowPrecisionOut& out,
-                              int64_t n, const math::AdamScalars& c, cudaStream_t stream) {
+                              int64_t n, const math::AdamScalars& c, const math::AuditSpec& audit,
+                              cudaStream_t stream) {
   const bool write_out = out.data != nullptr;
   ElementwisePlan plan;
   const int64_t head = common_head({head_of(ptr.param, state_type), head_of(ptr.exp_avg, state_type),
@@ -110,12 +151,12 @@ cudaError_t launch_adam_state(AdamPointers ptr, DType state_type, DType grad_typ
   return detail::with_type(grad_type, [&](auto grad_tag) -> cudaError_t {
     using Grad = decltype(grad_tag);
     if (!write_out) {
-      adam_kernel<State, Grad, detail::F32, false><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c);
+      adam_kernel<State, Grad, detail::F32, false><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c, audit);
       return cudaGetLastError();
     }
     return detail::with_type(out.dtype, [&](auto out_tag) -> cudaError_t {
       using Out = decltype(out_tag);
-      adam_kernel<State, Grad, Out, true><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c);
+      adam_kernel<State, Grad, Out, true><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c, audit);
       return cudaGetLastError();
     });
   });
@@ -128,19 +169,20 @@ bool valid_out(const LowPrecisionOut& out) {
 }  // namespace
 
 cudaError_t launch_adam(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, DType grad_type,
-                        LowPrecisionOut out, int64_t n, const math::AdamScalars& c, cudaStream_t stream) {
+                        LowPrecisionOut out, int64_t n, const math::AdamScalars& c, const math::AuditSpec& audit,
+                        cudaStream_t stream) {
   if (n < 0 || !detail::valid(grad_type) || !valid_out(out)) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   if (master == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr || grad == nullptr) {
     return cudaErrorInvalidValue;
   }
   return launch_adam_state<detail::F32>(AdamPointers{master, exp_avg, exp_avg_sq, grad, out.data}, DType::kF32,
-                                        grad_type, out, n, c, stream);
+                                        grad_type, out, n, c, audit, stream);
 }
 
 cudaError_t launch_adam_low_precision(void* param, void* exp_avg, void* exp_avg_sq, DType state_type,
                                       const void* grad, DType grad_type, int64_t n, const math::AdamScalars& c,
-                                      cudaStream_t stream) {
+                                      const math::AuditSpec& audit, cudaStream_t stream) {
   if (n < 0 || (state_type != DType::kBF16 && state_type != DType::kF16)) return cudaErrorInvalidValue;
   if (grad_type != state_type && grad_type != DType::kF32) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
@@ -150,13 +192,14 @@ cudaError_t launch_adam_low_precision(void* param, void* exp_avg, void* exp_avg_
   const AdamPointers ptr{param, exp_avg, exp_avg_sq, grad, nullptr};
   const LowPrecisionOut none{};
   if (state_type == DType::kBF16) {
-    return launch_adam_state<detail::BF16>(ptr, state_type, grad_type, none, n, c, stream);
+    return launch_adam_state<detail::BF16>(ptr, state_type, grad_type, none, n, c, audit, stream);
   }
-  return launch_adam_state<detail::F16>(ptr, state_type, grad_type, none, n, c, stream);
+  return launch_adam_state<detail::F16>(ptr, state_type, grad_type, none, n, c, audit, stream);
 }
 
 cudaError_t launch_sgd(float* master, float* momentum_buffer, const void* grad, DType grad_type,
-                       LowPrecisionOut out, int64_t n, const math::SgdScalars& c, cudaStream_t stream) {
+                       LowPrecisionOut out, int64_t n, const math::SgdScalars& c, const math::AuditSpec& audit,
+                       cudaStream_t stream) {
   if (n < 0 || !detail::valid(grad_type) || !valid_out(out)) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   if (master == nullptr || grad == nullptr || (c.use_momentum && momentum_buffer == nullptr)) {
@@ -173,12 +216,12 @@ cudaError_t launch_sgd(float* master, float* momentum_buffer, const void* grad, 
   return detail::with_type(grad_type, [&](auto grad_tag) -> cudaError_t {
     using Grad = decltype(grad_tag);
     if (!write_out) {
-      sgd_kernel<Grad, detail::F32, false><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c);
+      sgd_kernel<Grad, detail::F32, false><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c, audit);
       return cudaGetLastError();
     }
     return detail::with_type(out.dtype, [&](auto out_tag) -> cudaError_t {
       using Out = decltype(out_tag);
-      sgd_kernel<Grad, Out, true><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c);
+      sgd_kernel<Grad, Out, true><<<plan.blocks, plan.threads, 0, stream>>>(ptr, plan, c, audit);
       return cudaGetLastError();
     });
   });
