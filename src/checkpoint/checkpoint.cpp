@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "checkpoint/index_fields.h"
 #include "comm/text_exchange.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -326,18 +328,22 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   const fs::path ckpt = fs::path(dir) / tag;
   ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist");
   const nlohmann::json index = read_json(ckpt / "index.json");
-  ST_CHECK(index.value("format_version", 0) == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ",
-           index.value("format_version", 0), "; this shardtrain reads version ", kFormatVersion);
+  const int format_version = index_integer_or<int>(index, "format_version", 0, ckpt.string());
+  ST_CHECK(format_version == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ", format_version,
+           "; this shardtrain reads version ", kFormatVersion);
 
   // Damage is found before anything is loaded: no partial load.
   for (const auto& [file, meta] : index.at("files").items()) {
     const fs::path path = ckpt / file;
-    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file, " (rank ", meta.value("rank", -1),
-             ") is missing");
+    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file, " (rank ",
+             index_integer_or<int>(meta, "rank", -1, "file " + file), ") is missing");
     const auto size = fs::file_size(path);
-    ST_CHECK(size == meta.at("size").get<uint64_t>(), "checkpoint ", ckpt.string(), ": file ", file, " has ", size,
-             " bytes but the index says ", meta.at("size").get<uint64_t>(), " (truncated or replaced)");
-    ST_CHECK(safetensors::crc32_of_file(path.string()) == meta.at("crc32").get<uint32_t>(), "checkpoint ",
+    const uint64_t recorded = index_integer<uint64_t>(meta.at("size"), "file " + file + " size");
+    ST_CHECK(size == recorded, "checkpoint ", ckpt.string(), ": file ", file, " has ", size,
+             " bytes but the index says ", recorded, " (truncated or replaced)");
+    ST_CHECK(safetensors::crc32_of_file(path.string()) ==
+                 index_integer<uint32_t>(meta.at("crc32"), "file " + file + " crc32"),
+             "checkpoint ",
              ckpt.string(), ": file ", file, " fails its CRC-32 check (its bytes were altered)");
   }
   const nlohmann::json& params = index.at("params");
@@ -347,7 +353,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   for (const auto& [name, shape] : model_shapes) {
     ST_CHECK(params.contains(name), "checkpoint ", ckpt.string(), " has no parameter '", name,
              "' that the model has: it was saved from a different model");
-    ST_CHECK(params.at(name).at("shape").get<std::vector<int64_t>>() == shape, "checkpoint ", ckpt.string(),
+    ST_CHECK(index_shape(params.at(name).at("shape"), "parameter " + name + " shape") == shape, "checkpoint ", ckpt.string(),
              ": parameter '", name, "' has shape ", params.at(name).at("shape").dump(), " but the model's is ",
              nlohmann::json(shape).dump());
   }
@@ -364,8 +370,12 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     at::Tensor result;
     int64_t covered = 0;
     for (const auto& s : params.at(name).at("slices")) {
-      const int64_t s_begin = s.at("begin").get<int64_t>();
-      const int64_t s_end = s_begin + s.at("length").get<int64_t>();
+      const int64_t s_begin = index_integer<int64_t>(s.at("begin"), "parameter " + name + " slice begin");
+      const int64_t s_length = index_integer<int64_t>(s.at("length"), "parameter " + name + " slice length");
+      ST_CHECK(s_begin >= 0 && s_length >= 0 && s_begin <= std::numeric_limits<int64_t>::max() - s_length,
+               "checkpoint ", ckpt.string(), ": parameter ", name, " has a slice [", s_begin, ", +", s_length,
+               ") out of range; the index is damaged");
+      const int64_t s_end = s_begin + s_length;
       const int64_t lo = std::max(begin, s_begin);
       const int64_t hi = std::min(begin + length, s_end);
       if (lo >= hi) continue;
@@ -389,7 +399,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     return result;
   });
   // Same world size: continue each rank's random stream.
-  if (index.value("world_size", 0) == comm.world_size()) {
+  if (index_integer_or<int>(index, "world_size", 0, ckpt.string()) == comm.world_size()) {
     const std::string own = rank_file(comm.rank(), ".safetensors");
     if (index.at("files").contains(own) && reader(own).contains("rng/cpu")) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();

@@ -1,4 +1,5 @@
 #include "checkpoint/export.h"
+#include "checkpoint/index_fields.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -105,18 +106,18 @@ Index read_index(const fs::path& dir) {
   std::string where = "the header";
   try {
     ST_CHECK(raw.is_object(), "checkpoint ", index_path.string(), " is not a JSON object");
-    index.format_version = raw.value("format_version", 0);
+    index.format_version = index_integer_or<int>(raw, "format_version", 0, "the header's");
     index.engine = raw.value("engine", std::string("?"));
-    index.world_size = raw.value("world_size", 0);
+    index.world_size = index_integer_or<int>(raw, "world_size", 0, "the header's");
     index.training_state = raw.value("training_state", json::object());
     where = "\"files\"";
     for (const auto& [name, meta] : raw.at("files").items()) {
       where = "file " + name;
       FileEntry file;
       file.name = name;
-      file.size = meta.at("size").get<uint64_t>();
-      file.crc32 = meta.at("crc32").get<uint32_t>();
-      file.rank = meta.value("rank", -1);
+      file.size = index_integer<uint64_t>(meta.at("size"), where + " size");
+      file.crc32 = index_integer<uint32_t>(meta.at("crc32"), where + " crc32");
+      file.rank = index_integer_or<int>(meta, "rank", -1, where);
       index.file_position[name] = index.files.size();
       index.files.push_back(std::move(file));
     }
@@ -125,7 +126,7 @@ Index read_index(const fs::path& dir) {
       where = "parameter '" + name + "'";
       ParamEntry param;
       param.name = name;
-      param.shape = meta.at("shape").get<std::vector<int64_t>>();
+      param.shape = index_shape(meta.at("shape"), where + " shape");
       param.dtype = meta.value("dtype", std::string());
       param.trainable = meta.value("trainable", true);
       for (int64_t extent : param.shape) {
@@ -136,8 +137,8 @@ Index read_index(const fs::path& dir) {
       for (const auto& s : meta.at("slices")) {
         SliceEntry slice;
         slice.file = s.at("file").get<std::string>();
-        slice.begin = s.at("begin").get<int64_t>();
-        slice.length = s.at("length").get<int64_t>();
+        slice.begin = index_integer<int64_t>(s.at("begin"), where + " slice begin");
+        slice.length = index_integer<int64_t>(s.at("length"), where + " slice length");
         slice.kinds = s.at("kinds").get<std::vector<std::string>>();
         param.slices.push_back(std::move(slice));
       }

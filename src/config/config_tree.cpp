@@ -380,6 +380,11 @@ Node parse_json_document(const std::string& text, const std::string& source) {
     if (colon != std::string::npos) detail = detail.substr(colon + 2);
     ST_THROW(ConfigError, source, ":", line, ":", column, ": malformed JSON at line ", line, ", column ", column,
              ": ", detail);
+  } catch (const OrderedJson::exception& e) {
+    // Not a syntax error but a value the parser cannot hold, e.g. a number
+    // beyond double's range (out_of_range.406; found by tests/fuzz).
+    ST_THROW(ConfigError, source, ": a value in this JSON cannot be represented (", e.what(),
+             "); numbers must fit in a double");
   }
   if (duplicate) {
     ST_THROW(ConfigError, source, ": duplicate key '", *duplicate,

@@ -193,7 +193,8 @@ std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, i
     json object;
     try {
       object = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
+      // parse_error for bad syntax; out_of_range for a number beyond double's range (found by tests/fuzz).
       ST_THROW(Error, where, ": not valid JSON (", e.what(), "); each line must hold one JSON object");
     }
     records.push_back(parse_record(object, where, vocab_size));

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -28,6 +29,19 @@ template <typename T>
 T get_or(const json& j, const char* key, T fallback, const std::string& source) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // nlohmann converts a float or an oversized unsigned to an integer with a
+    // plain cast, undefined when it does not fit (found by tests/fuzz): accept
+    // integers in range and floats with an exact integral value in range only.
+    const bool fits =
+        (it->is_number_integer() && !it->is_number_unsigned()) ||
+        (it->is_number_unsigned() && it->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())) ||
+        (it->is_number_float() && std::trunc(it->get<double>()) == it->get<double>() &&
+         it->get<double>() >= static_cast<double>(std::numeric_limits<T>::min()) &&
+         it->get<double>() < static_cast<double>(std::numeric_limits<T>::max()));
+    ST_CHECK_T(ConfigError, fits || !it->is_number(), source, ": field '", key, "' must be an integer in range, got ",
+               it->dump());
+  }
   try {
     return it->get<T>();
   } catch (const json::exception& e) {

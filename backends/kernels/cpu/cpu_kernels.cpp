@@ -39,7 +39,12 @@
 #include "kernels/element_math.h"
 #include "shardtrain/error.h"
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+// The AVX2 path needs GCC: clang type-checks the shared element templates
+// (instantiated with __m256 lanes) outside the AVX2 target and rejects their
+// vector ABI. A clang build (the fuzz build, tests/fuzz) runs the generic
+// lanes, and fuses_multiply_add() says so.
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define ST_HAVE_AVX2_PATH 1
 #else
@@ -304,7 +309,11 @@ bool detect_torch_fuses_multiply_add() {
     if (std::strcmp(forced, "default") == 0) return false;
   }
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  // F16C through CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports
+  // does not know "f16c".
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 #else
   return false;
 #endif
