@@ -47,6 +47,18 @@ struct Plan {
   double lr;
 };
 
+/// What the base and every fine-tune share: the tiny Llama's data, the
+/// study's batch shape, no checkpoint, no console output.
+finetune::FinetuneOptions study_run_options(const StudyOptions& options) {
+  finetune::FinetuneOptions f;
+  f.data = options.model_dir + "/data/train.jsonl";
+  f.seq_len = options.seq_len;
+  f.micro_batch = options.micro_batch;
+  f.no_save = true;
+  f.quiet = true;
+  return f;
+}
+
 const StudyRun& find_run(const std::vector<StudyRun>& runs, const std::string& mode, double lr) {
   for (const auto& run : runs) {
     if (run.mode == mode && run.lr == lr) return run;
@@ -171,21 +183,16 @@ StudyResult run_precision_study(const StudyOptions& options) {
   // The base the fine-tunes start from (the seeds' pretrained checkpoint).
   const std::string base_dir = (out / "base").string();
   {
-    finetune::FinetuneOptions b;
+    finetune::FinetuneOptions b = study_run_options(options);
     b.config_path = (fs::path(options.configs_dir) / "zero3_bf16.json").string();
     b.model_config = options.model_dir + "/config.json";
     b.tokenizer = options.model_dir + "/tokenizer.model";
-    b.data = options.model_dir + "/data/train.jsonl";
-    b.seq_len = options.seq_len;
-    b.micro_batch = options.micro_batch;
     b.max_steps = options.base_steps;
     b.warmup = std::min<int64_t>(options.warmup, options.base_steps / 2);
     b.lr = options.base_lr;
     b.seed = options.base_seed;
     b.output_dir = base_dir;
     b.metrics_out = (out / "base.jsonl").string();
-    b.no_save = true;
-    b.quiet = true;
     if (!options.quiet) {
       std::cout << "precision study: the base, " << options.base_steps << " steps at lr " << lr_text(options.base_lr)
                 << " from the random init" << std::endl;
@@ -203,24 +210,19 @@ StudyResult run_precision_study(const StudyOptions& options) {
     run.lr = plan.lr;
     run.config_path = (fs::path(options.configs_dir) / plan.config_file).string();
     run.metrics_path = (out / (run.name + ".jsonl")).string();
-    finetune::FinetuneOptions f;
+    finetune::FinetuneOptions f = study_run_options(options);
     f.config_path = run.config_path;
     f.model_dir = base_model;
-    f.data = options.model_dir + "/data/train.jsonl";
     f.eval_data = options.model_dir + "/data/eval.jsonl";
     f.eval_generate = false;
     f.load_dtype = "bf16";  // the seeds load the checkpoint in bf16
-    f.seq_len = options.seq_len;
-    f.micro_batch = options.micro_batch;
     f.max_steps = options.steps;
     f.warmup = options.warmup;
     f.lr = plan.lr;
     f.seed = options.seed;
     f.output_dir = (out / run.name).string();
     f.metrics_out = run.metrics_path;
-    f.no_save = true;
     f.no_export = true;
-    f.quiet = true;
     if (!options.quiet) std::cout << "precision study: " << run.name << " (" << run.config_path << ")" << std::endl;
     const finetune::FinetuneSummary summary = finetune::run_finetune(f);
     ST_CHECK(summary.ok, "precision study: the run ", run.name, " failed");

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -56,44 +58,31 @@ StepResult ShardedEngine::step(double lr) {
   StepResult result;
   result.loss_scale = s.scaler.scale();
   result.grad_norm = s.last_grad_norm;
-  if (s.options.fp16) {
-    at::Tensor overflow = kernels::non_finite_flag(s.grad_flat).reshape({1});
-    s.comm->all_reduce(overflow, ReduceOp::kMax);
-    if (overflow.item<float>() > 0) {
-      s.scaler.update(true);
-      s.grad_flat.zero_();
-      s.grads_zero = true;
-      s.clip_coefficient = 1.0;
-      s.last_grad_norm = -1.0;
-      result.skipped = true;
-      return result;
-    }
+  // Whether every gradient element is finite. fp16: the loss scaler's
+  // overflow check. bf16/fp32: no scaler absorbs an inf or NaN, and an update
+  // with one would poison the weights, so the step is skipped the same way and
+  // the Accelerator applies non_finite_policy. There the norm, when clipping
+  // computed it for this step, already answers (finite iff every element is);
+  // else one pass and a MAX.
+  const std::optional<bool> norm_finite = std::exchange(s.grads_finite, std::nullopt);
+  bool finite = true;
+  if (norm_finite.has_value() && !s.options.fp16) {
+    finite = *norm_finite;
   } else {
-    // bf16/fp32 have no loss scaler to absorb an inf or NaN: an update with one
-    // would poison the weights, so the step is skipped and the Accelerator
-    // applies non_finite_policy. The norm, when clipping computed it, already
-    // answers (finite iff every element is); else one pass and a MAX.
-    bool finite = true;
-    if (s.grads_finite.has_value()) {
-      finite = *s.grads_finite;
-    } else {
-      at::Tensor flag = kernels::non_finite_flag(s.grad_flat).reshape({1});
-      s.comm->all_reduce(flag, ReduceOp::kMax);
-      finite = flag.item<float>() == 0;
-    }
-    s.grads_finite.reset();
-    if (!finite) {
-      s.scaler.update(true);  // counts the skipped step (the scale stays 1)
-      s.grad_flat.zero_();
-      s.grads_zero = true;
-      s.clip_coefficient = 1.0;
-      s.last_grad_norm = -1.0;
-      result.skipped = true;
-      result.non_finite = true;
-      return result;
-    }
+    at::Tensor flag = kernels::non_finite_flag(s.grad_flat).reshape({1});
+    s.comm->all_reduce(flag, ReduceOp::kMax);
+    finite = flag.item<float>() == 0;
   }
-  s.grads_finite.reset();
+  if (!finite) {
+    s.scaler.update(true);  // fp16 lowers the scale; otherwise it counts the skipped step
+    s.grad_flat.zero_();
+    s.grads_zero = true;
+    s.clip_coefficient = 1.0;
+    s.last_grad_norm = -1.0;
+    result.skipped = true;
+    result.non_finite = !s.options.fp16;
+    return result;
+  }
   const double grad_scale = s.clip_coefficient / s.scaler.scale();
   at::Tensor grad = s.grad_flat;
   if (s.host_grad_flat.defined()) {
