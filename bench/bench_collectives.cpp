@@ -5,14 +5,22 @@
 // numbers compare across world sizes and against hardware link speed.
 //
 // Run: build/bin/shardtrain launch --num_processes 2 build/bin/bench_collectives
+//
+// --log-cost instead measures what hang forensics adds to every collective:
+// one CollectiveLog::record() (under a two-deep scope chain, as the engine
+// issues them) against the cheapest collective there is, a 4-byte
+// all-reduce, in interleaved rounds; it prints both and their ratio.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 
+#include "comm/collective_log.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/error.h"
 
@@ -62,6 +70,41 @@ double time_collective(Communicator& comm, const std::string& op, int64_t bytes,
   return elapsed.item<double>();
 }
 
+/// Median of `values` (sorted in place).
+double median(std::vector<double>& values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+void measure_log_cost(Communicator& comm, int rounds) {
+  shardtrain::comm::CollectiveLog log(comm.rank(), comm.global_ranks());
+  shardtrain::comm::CollectiveEvent event{"all_gather", at::kBFloat16, 1 << 20, 2 << 20};
+  at::Tensor tiny = at::ones({1});
+  constexpr int kRecords = 100000, kCollectives = 300;
+  std::vector<double> record_ns, collective_us;
+  using Clock = std::chrono::steady_clock;
+  for (int round = 0; round < rounds; ++round) {
+    {
+      shardtrain::comm::CollectiveScope outer("backward()");
+      shardtrain::comm::CollectiveScope inner("gather model.layers.31 (LlamaDecoderLayer)");
+      const auto start = Clock::now();
+      for (int i = 0; i < kRecords; ++i) log.record(event);
+      record_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / kRecords);
+    }
+    comm.barrier();
+    const auto start = Clock::now();
+    for (int i = 0; i < kCollectives; ++i) comm.all_reduce(tiny);
+    collective_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count() / kCollectives);
+  }
+  const double record = median(record_ns), collective = median(collective_us);
+  if (comm.rank() == 0) {
+    std::printf("# hang-forensics log cost: %d interleaved rounds, medians\n", rounds);
+    std::printf("record()                     %10.1f ns\n", record);
+    std::printf("all_reduce(4 bytes, world %d) %10.1f us\n", comm.world_size(), collective);
+    std::printf("ratio record/collective      %10.5f\n", record / (collective * 1000.0));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,6 +124,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "auto | gloo | nccl")->capture_default_str();
   app.add_option("--ops", ops, "Collectives to time")->capture_default_str();
   app.add_option("--seconds-per-size", target_seconds, "Timed seconds per row")->capture_default_str();
+  bool log_cost = false;
+  app.add_flag("--log-cost", log_cost, "Measure the hang-forensics log's cost per collective instead");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -91,6 +136,10 @@ int main(int argc, char** argv) {
     auto comm = shardtrain::init_distributed(shardtrain::detect_dist_env(), init);
     const int W = comm->world_size();
     const bool print = comm->rank() == 0;
+    if (log_cost) {
+      measure_log_cost(*comm, 7);
+      return 0;
+    }
     if (print) {
       std::printf("# shardtrain collectives benchmark: backend %s, world %d, dtype %s, threads/rank %d\n",
                   comm->backend().c_str(), W, dtype_name.c_str(), at::get_num_threads());

@@ -132,6 +132,7 @@ engine::Engine& Accelerator::engine() {
 
 void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, const OptimizerOptions& optimizer,
                                  const RunInfo& run) {
+  comm::CollectiveScope scope("prepare()");
   State& s = *state_;
   ST_CHECK(!s.prepared, "prepare() was already called: one Accelerator drives one model");
   ST_CHECK(module != nullptr, "prepare(): the model is null");
@@ -287,6 +288,7 @@ void Accelerator::begin_forward() { engine().begin_forward(); }
 at::Tensor Accelerator::end_forward(at::Tensor output) { return engine().end_forward(std::move(output)); }
 
 void Accelerator::backward(const at::Tensor& loss) {
+  comm::CollectiveScope scope("backward()");
   State& s = *state_;
   if (s.micro_in_window == s.accumulation) {  // step() was not called: start a new window anyway
     s.micro_in_window = 0;
@@ -301,6 +303,7 @@ bool Accelerator::sync_gradients() const { return state_->micro_in_window == sta
 int64_t Accelerator::gradient_accumulation_steps() const { return state_->accumulation; }
 
 double Accelerator::clip_grad_norm(double max_norm) {
+  comm::CollectiveScope scope("clip_grad_norm()");
   State& s = *state_;
   if (!sync_gradients()) return -1.0;  // gradients are incomplete until the window ends
   s.clipped_this_window = true;
@@ -313,6 +316,7 @@ double Accelerator::current_lr() const {
 }
 
 void Accelerator::step() {
+  comm::CollectiveScope scope("step()");
   State& s = *state_;
   if (!sync_gradients()) return;
   const double clip = s.config.gradient_clipping.value_or(0.0);
@@ -364,6 +368,7 @@ const StepInfo& Accelerator::last_step() const { return state_->last; }
 at::Device Accelerator::device() const { return state_->comm->device(); }
 
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
+  comm::CollectiveScope scope("gather_for_metrics()");
   at::Tensor input = tensor.to(device()).contiguous();
   const bool widen = !comm::is_supported_dtype(input.scalar_type());
   if (widen) input = input.to(at::isFloatingType(input.scalar_type()) ? at::kFloat : at::kLong);
@@ -376,6 +381,7 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& op) {
+  comm::CollectiveScope scope("reduce()");
   // A copy on the communicator's device (to() alone would alias a tensor already there).
   at::Tensor copy = tensor.to(device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
   if (op == "sum") communicator().all_reduce(copy, comm::ReduceOp::kSum);
@@ -385,17 +391,24 @@ at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& op) 
   return copy.to(tensor.device());
 }
 
-void Accelerator::wait_for_everyone() { communicator().barrier(); }
+void Accelerator::wait_for_everyone() {
+  comm::CollectiveScope scope("wait_for_everyone()");
+  communicator().barrier();
+}
 
 void Accelerator::print(const std::string& text) const {
   if (is_main_process()) std::cout << text << std::endl;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Accelerator::full_state_dict() { return engine().full_state_dict(); }
+std::vector<std::pair<std::string, at::Tensor>> Accelerator::full_state_dict() {
+  comm::CollectiveScope scope("full_state_dict()");
+  return engine().full_state_dict();
+}
 
 std::map<std::string, int64_t>& Accelerator::checkpoint_extras() { return state_->extras; }
 
 std::string Accelerator::save_state(const std::string& dir, const std::string& tag) {
+  comm::CollectiveScope scope("save_state()");
   State& s = *state_;
   engine::Engine& running = engine();
   ST_CHECK(s.micro_in_window == 0 || s.micro_in_window == s.accumulation,
@@ -454,6 +467,7 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {
+  comm::CollectiveScope scope("load_state()");
   State& s = *state_;
   engine::Engine& running = engine();
   const nlohmann::json training = checkpoint::load(running, *s.comm, dir, tag);

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/collective_log.h"
 #include "comm/work_util.h"
 #include "shardtrain/error.h"
 
@@ -50,6 +51,7 @@ Communicator::Communicator(int rank, int world_size, std::vector<int> global_ran
            " for a group of ", world_size_);
   ST_CHECK(static_cast<int>(global_ranks_.size()) == world_size_,
            "global rank list has ", global_ranks_.size(), " entries for a group of ", world_size_);
+  log_ = std::make_shared<CollectiveLog>(rank_, global_ranks_);
 }
 
 std::string Communicator::describe(const CollectiveEvent& event) const {
@@ -66,7 +68,8 @@ std::string Communicator::describe(const CollectiveEvent& event) const {
   return out.str();
 }
 
-void Communicator::before_collective(const CollectiveEvent& event) {
+void Communicator::before_collective(CollectiveEvent& event) {
+  event.seq = log_->record(event);
   if (observer_) observer_(event);
   if (options_.inject_max_delay_ms > 0) {
     thread_local std::mt19937 generator(std::random_device{}());
@@ -279,7 +282,7 @@ void Communicator::barrier() {
   CollectiveEvent event{"barrier", at::kFloat, 0, 0};
   before_collective(event);
   if (world_size_ == 1) return;
-  do_barrier();
+  do_barrier(event);
 }
 
 std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {

@@ -12,6 +12,9 @@
 #endif
 #include "comm/single_process_communicator.h"
 #include "comm/nccl_factory.h"
+#include "comm/rendezvous_protocol.h"
+#include "comm/rendezvous_server.h"
+#include "comm/rendezvous_store.h"
 #include "comm/work_util.h"
 #include "compat/torch_compat.h"
 #include "shardtrain/error.h"
@@ -102,8 +105,74 @@ void validate(const DistEnv& env, const char* rank_var, const char* world_var, c
   }
 }
 
+DistEnv detect_launcher_env(const Lookup& lookup);
+
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+/// rank 0 hosts the store; every rank connects, authenticates and waits until
+/// all world_size ranks have arrived.
+compat::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  namespace rdzv = comm::rendezvous;
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  if (!env.rdzv_token.empty()) {
+    ST_CHECK_T(ConfigError, rdzv::authentication_available(), "SHARDTRAIN_RDZV_TOKEN is set, but this "
+               "shardtrain was built without OpenSSL's libcrypto and cannot check it. Install libssl-dev and "
+               "rebuild, or unset SHARDTRAIN_RDZV_TOKEN to run an unauthenticated rendezvous");
+  } else if (env.rank == 0) {
+    ST_LOG_WARN("the rendezvous at {} is not authenticated: SHARDTRAIN_RDZV_TOKEN is not set, so any process "
+                "that reaches the port can join. `shardtrain launch` sets one; with torchrun, srun or mpirun "
+                "export the same secret on every rank, e.g. SHARDTRAIN_RDZV_TOKEN=$(openssl rand -hex 32)",
+                where);
+  }
+  std::shared_ptr<rdzv::RendezvousServer> server;
+  if (env.rank == 0) {
+    const std::string bind = env.rdzv_bind.empty() ? env.master_addr : env.rdzv_bind;
+    try {
+      server = std::make_shared<rdzv::RendezvousServer>(bind, env.master_port, env.rdzv_token);
+    } catch (const Error& failure) {
+      const std::string what = failure.what();
+      if (what.find("in use") != std::string::npos) {
+        ST_THROW(Error, "rank 0 could not listen on ", where, " (", what,
+                 "): the port is taken; choose another MASTER_PORT / --main_process_port");
+      }
+      ST_THROW(Error, "rank 0 could not listen on ", bind, ":", env.master_port, " (", what,
+               "). MASTER_ADDR must be an address of rank 0's machine; behind NAT set SHARDTRAIN_RDZV_BIND to "
+               "the local address (0.0.0.0 listens on every interface)");
+    }
+    ST_LOG_DEBUG("rendezvous store listening on {}", server->bound_address());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  c10::intrusive_ptr<rdzv::RendezvousStore> store;
+  try {
+    store = c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{env.master_addr, env.master_port, env.rdzv_token},
+                                                       timeout, server);
+  } catch (const TimeoutError& failure) {
+    ST_THROW(TimeoutError, "rank ", env.rank, " could not join the rendezvous at ", where, " within ",
+             timeout.count(), " ms: is rank 0 running, and is MASTER_ADDR reachable from this machine? ",
+             failure.what());
+  }
+  // Everyone has arrived when the counter reaches the world size; the rank
+  // that completes it says so for the others.
+  const int64_t arrived = store->add("shardtrain/rdzv/arrived", 1);
+  if (arrived == env.world_size) store->set("shardtrain/rdzv/complete", std::vector<uint8_t>{1});
+  const auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::steady_clock::now() - start);
+  try {
+    store->wait({"shardtrain/rdzv/complete"}, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const TimeoutError&) {
+    const int64_t now_arrived = store->add("shardtrain/rdzv/arrived", 0);
+    if (env.rank == 0) {
+      ST_THROW(TimeoutError, "rank 0 waited ", timeout.count(), " ms at ", where, " for all ", env.world_size,
+               " ranks to arrive and only ", now_arrived, " did: check that every machine started its processes "
+               "(num_machines, machine_rank, num_processes), with the same token");
+    }
+    ST_THROW(TimeoutError, "rank ", env.rank, " joined the rendezvous at ", where, " but only ", now_arrived, " of ",
+             env.world_size, " ranks arrived within ", timeout.count(), " ms: check that every machine started its "
+             "processes (num_machines, machine_rank, num_processes)");
+  }
+  return store;
 }
 
 }  // namespace
@@ -113,6 +182,15 @@ DistEnv detect_dist_env() {
 }
 
 DistEnv detect_dist_env(const Lookup& lookup) {
+  DistEnv env = detect_launcher_env(lookup);
+  if (auto token = get(lookup, "SHARDTRAIN_RDZV_TOKEN")) env.rdzv_token = *token;
+  if (auto bind = get(lookup, "SHARDTRAIN_RDZV_BIND")) env.rdzv_bind = *bind;
+  return env;
+}
+
+namespace {
+
+DistEnv detect_launcher_env(const Lookup& lookup) {
   DistEnv env;
   if (get(lookup, "RANK") || get(lookup, "WORLD_SIZE")) {
     const char* fix =
@@ -177,6 +255,8 @@ DistEnv detect_dist_env(const Lookup& lookup) {
   return env;
 }
 
+}  // namespace
+
 std::chrono::milliseconds default_comm_timeout() {
   if (const char* text = std::getenv("SHARDTRAIN_COMM_TIMEOUT_S"); text && *text) {
     char* end = nullptr;
@@ -235,26 +315,7 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
   if (env.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
-    const bool is_server = env.rank == 0;
-    try {
-      store = compat::make_tcp_store(env.master_addr, env.master_port, is_server, env.world_size,
-                                     comm_options.timeout);
-    } catch (const std::exception& failure) {
-      std::string what = comm::backend_message(failure);
-      if (is_server && (what.find("in use") != std::string::npos || what.find("bind") != std::string::npos)) {
-        ST_THROW(Error, "rank 0 could not listen on ", env.master_addr, ":", env.master_port, " (",
-                 what, "): the port is taken; choose another MASTER_PORT / --main_process_port");
-      }
-      if (is_server) {
-        ST_THROW(TimeoutError, "rank 0 waited ", comm_options.timeout.count(), " ms at ", env.master_addr, ":",
-                 env.master_port, " for all ", env.world_size,
-                 " ranks to arrive and some did not: check that every machine started its processes "
-                 "(num_machines, machine_rank, num_processes). Store said: ", what);
-      }
-      ST_THROW(TimeoutError, "rank ", env.rank, " could not join the rendezvous at ", env.master_addr, ":",
-               env.master_port, " within ", comm_options.timeout.count(),
-               " ms: is rank 0 running, and is MASTER_ADDR reachable from this machine? Store said: ", what);
-    }
+    store = connect_rendezvous(env, comm_options.timeout);
   }
 
   std::vector<int> global_ranks(env.world_size);

@@ -34,7 +34,7 @@ WorkPtr SingleProcessCommunicator::do_all_reduce(const at::Tensor&, ReduceOp, co
 WorkPtr SingleProcessCommunicator::do_broadcast(const at::Tensor&, int, const CollectiveEvent&) {
   unreachable("broadcast");
 }
-void SingleProcessCommunicator::do_barrier() { unreachable("barrier"); }
+void SingleProcessCommunicator::do_barrier(const CollectiveEvent& /*event*/) { unreachable("barrier"); }
 
 std::shared_ptr<Communicator> SingleProcessCommunicator::do_new_group(const std::vector<int>&, int64_t) {
   return std::make_shared<SingleProcessCommunicator>(device_, options());

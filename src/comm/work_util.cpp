@@ -82,16 +82,17 @@ WorkPtr then_work(WorkPtr inner, std::function<void()> then) {
 }
 
 void rethrow_collective_failure(const std::string& description, std::chrono::milliseconds timeout,
-                                const std::exception& failure) {
+                                const std::exception& failure, const std::string& hang_report) {
   const std::string said = backend_message(failure);
+  const std::string report = hang_report.empty() ? "" : "\n" + hang_report;
   if (looks_like_timeout(said)) {
     ST_THROW(TimeoutError, description, " did not complete within the timeout of ", timeout.count(),
              " ms: a peer rank did not join or died. Every rank must call the same collectives in "
              "the same order; if the job is just slow, raise the timeout (SHARDTRAIN_COMM_TIMEOUT_S). "
              "The communicator cannot be used after this. Backend said: ",
-             said);
+             said, report);
   }
-  ST_THROW(Error, description, " failed: ", said);
+  ST_THROW(Error, description, " failed: ", said, report);
 }
 
 }  // namespace shardtrain::comm

@@ -26,9 +26,11 @@ WorkPtr all_of_work(std::vector<WorkPtr> works);
 std::string backend_message(const std::exception& failure);
 
 /// Rethrows a backend failure as TimeoutError or Error, prefixed with the
-/// collective's description and followed by the usual fix.
+/// collective's description and followed by the usual fix and, when given,
+/// the hang report (CollectiveLog::report()).
 [[noreturn]] void rethrow_collective_failure(const std::string& description,
                                              std::chrono::milliseconds timeout,
-                                             const std::exception& failure);
+                                             const std::exception& failure,
+                                             const std::string& hang_report = "");
 
 }  // namespace shardtrain::comm

@@ -2,7 +2,7 @@
 // The one place that knows which LibTorch shardtrain is built against.
 //
 // LibTorch changed c10d between 1.13 (Debian, CI) and 2.x (GPU users):
-// ProcessGroup became a dispatcher over Backend objects, TCPStoreOptions grew
+// ProcessGroup became a dispatcher over Backend objects, c10d option structs grew
 // fields (so it must be filled by name, never positionally), c10::optional
 // became std::optional, and Gloo gained _allgather_base / reduce_scatter
 // fallbacks. Every version-dependent c10d call goes through this header; the
@@ -16,7 +16,6 @@
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "compat/torch_cuda.h"
@@ -28,19 +27,6 @@ namespace shardtrain::compat {
 
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 using WorkHandle = c10::intrusive_ptr<c10d::Work>;
-
-/// rank 0 hosts the store (is_server), the others connect; waits for all
-/// world_size workers up to `timeout`.
-inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server, int world_size,
-                               std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(port);
-  options.isServer = is_server;
-  options.numWorkers = static_cast<std::size_t>(world_size);
-  options.waitWorkers = true;
-  options.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(host, options);
-}
 
 inline StorePtr make_prefix_store(const std::string& prefix, StorePtr store) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));

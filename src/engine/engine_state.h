@@ -54,6 +54,8 @@ enum class LoadMode {
 struct UnitState {
   std::string path;               // module path ("" = root)
   Unit* unit = nullptr;           // nullptr for the root
+  /// How hang reports name this unit's collectives: "layers.3 (LlamaDecoderLayer)".
+  std::string label() const;
   bool trainable = true;
   std::vector<std::string> names; // fully-qualified parameter names
   std::vector<at::Tensor> params; // the module's parameters (identity kept)

@@ -79,8 +79,14 @@ comm::WorkPtr ShardedEngine::State::gather_pieces(const UnitLayout& layout, cons
   return comm->all_gather_coalesced_async(outputs, inputs);
 }
 
+std::string UnitState::label() const {
+  const std::string name = path.empty() ? "root parameters" : path;
+  return unit != nullptr ? name + " (" + unit->unit_class_name() + ")" : name;
+}
+
 void ShardedEngine::State::start_gather(UnitState& u) {
   if (u.gathered || u.gather_work || u.views_shard) return;
+  comm::CollectiveScope scope("gather " + u.label());
   compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
   add_gathered(full_bytes(u));
   if (!options.shard_params) {

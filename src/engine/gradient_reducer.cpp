@@ -122,6 +122,9 @@ void ShardedEngine::State::flush_bucket() {
   if (filling.entries.empty()) return;
   ReduceBucket bucket = std::move(filling);
   filling = ReduceBucket();
+  const std::size_t more = bucket.entries.size() - 1;
+  comm::CollectiveScope scope("reduce gradients of " + units[bucket.entries[0].unit].label() +
+                              (more > 0 ? " and " + std::to_string(more) + " more tensors" : ""));
   const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
   if (!options.shard_params) {
     std::vector<at::Tensor> inputs;

@@ -1,5 +1,6 @@
 #include "launcher/launch_options.h"
 
+#include <cstdlib>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "config/config_tree.h"  // lowercase, uppercase
+#include "comm/rendezvous_protocol.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::launcher {
@@ -219,6 +221,10 @@ void add_launch_flags(CLI::App& command, LaunchFlags& flags) {
   command.add_option("--grace_period", flags.grace_period_s,
                      "Seconds workers get between SIGTERM and SIGKILL when the job stops (default 5)")
       ->type_name("SECONDS");
+  command.add_option("--rdzv_token", flags.rdzv_token,
+                     "The job's rendezvous secret; every machine of a job passes the same one (default: "
+                     "SHARDTRAIN_RDZV_TOKEN, else machine 0 makes one and prints it)")
+      ->type_name("TOKEN");
 
   // PROGRAM and ARGS reach the caller through prefix_command() and
   // remaining(). This never-matching positional exists only because CLI11
@@ -355,6 +361,21 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
     if (deepspeed_file) options.deepspeed_config_file = resolve_deepspeed_config_path(*deepspeed_file, config_file_dir);
   }
   options.grace_period_s = flags.grace_period_s.value_or(5.0);
+  const char* token_variable = std::getenv("SHARDTRAIN_RDZV_TOKEN");
+  if (flags.rdzv_token) {
+    ST_CHECK_T(ConfigError, !flags.rdzv_token->empty(), "--rdzv_token is empty; give the job's secret, e.g. "
+               "$(openssl rand -hex 32), the same on every machine");
+    options.rdzv_token = *flags.rdzv_token;
+  } else if (token_variable != nullptr && *token_variable != '\0') {
+    options.rdzv_token = token_variable;
+  } else if (options.machine_rank > 0) {
+    ST_THROW(ConfigError, "machine ", options.machine_rank, " of ", options.num_machines,
+             " has no rendezvous token: pass the one machine 0's launcher printed (or the one you generated) with "
+             "--rdzv_token TOKEN or SHARDTRAIN_RDZV_TOKEN=TOKEN; rank 0's store refuses processes without it");
+  } else {
+    options.rdzv_token = comm::rendezvous::generate_token();
+    options.rdzv_token_generated = true;
+  }
   options.program = flags.command.front();
   options.program_args.assign(flags.command.begin() + 1, flags.command.end());
   return options;

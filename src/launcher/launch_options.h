@@ -32,6 +32,7 @@ struct LaunchFlags {
   bool use_fsdp = false;
   std::optional<std::string> deepspeed_config_file;
   std::optional<double> grace_period_s;
+  std::optional<std::string> rdzv_token;
   /// PROGRAM followed by its ARGS, untouched.
   std::vector<std::string> command;
   /// Never set; see add_launch_flags().
@@ -58,6 +59,11 @@ struct LaunchOptions {
   std::string deepspeed_config_file;
   /// Seconds between SIGTERM and SIGKILL when stopping workers.
   double grace_period_s = 5.0;
+  /// The job's rendezvous secret, handed to the workers as SHARDTRAIN_RDZV_TOKEN:
+  /// --rdzv_token, else SHARDTRAIN_RDZV_TOKEN, else a fresh one (machine 0 only).
+  std::string rdzv_token;
+  /// True when this launcher made the token (the other machines need it too).
+  bool rdzv_token_generated = false;
   std::string program;
   std::vector<std::string> program_args;
 

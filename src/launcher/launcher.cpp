@@ -724,6 +724,7 @@ std::map<std::string, std::string> worker_environment(const LaunchOptions& optio
   env["ACCELERATE_USE_DEEPSPEED"] = options.use_deepspeed ? "true" : "false";
   env["ACCELERATE_USE_FSDP"] = options.use_fsdp ? "true" : "false";
   env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = options.deepspeed_config_file;
+  env["SHARDTRAIN_RDZV_TOKEN"] = options.rdzv_token;
   env["SHARDTRAIN_OUTPUT_PREFIXED"] = "1";  // the logger then leaves out its own rank prefix
   // N workers each spawning one OpenMP thread per core oversubscribe the
   // machine N-fold; split the cores as torchrun's default does (it uses 1).
@@ -739,6 +740,11 @@ int run_launch(const LaunchOptions& options) {
              "invalid launch options: num_processes ", options.num_processes, ", num_machines ",
              options.num_machines, " (resolve them with resolve_launch_options)");
   find_program(options.program);
+  if (options.rdzv_token_generated && options.num_machines > 1) {
+    // The only way the other machines can learn it; a job script that starts
+    // every machine at once generates one and passes it to all instead.
+    say("rendezvous token of this job (pass it to the other machines as --rdzv_token): " + options.rdzv_token);
+  }
   Supervisor supervisor(options);
   supervisor.start_workers();
   return supervisor.supervise();

@@ -265,7 +265,7 @@ class GpuClaimingCommunicator final : public shardtrain::comm::Communicator {
   }
   WorkPtr do_all_reduce(const at::Tensor&, Op, const Event&) override { unreachable(); }
   WorkPtr do_broadcast(const at::Tensor&, int, const Event&) override { unreachable(); }
-  void do_barrier() override { unreachable(); }
+  void do_barrier(const Event&) override { unreachable(); }
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>&, int64_t) override { unreachable(); }
 };
 

@@ -210,7 +210,8 @@ TEST(FaultLauncher, WorkerEnvironmentOnTwoMachines) {
   for (int machine_rank : {0, 1}) {
     const CommandResult result = run_command(
         kShardtrain + " launch --num_processes 4 --num_machines 2 --machine_rank " + std::to_string(machine_rank) +
-            " --main_process_ip 127.0.0.1 --main_process_port " + std::to_string(port) + " " + worker,
+            " --main_process_ip 127.0.0.1 --main_process_port " + std::to_string(port) +
+            " --rdzv_token shared-test-token " + worker,
         30s);
     EXPECT_EQ(result.exit_code, 0) << result.output;
     output += result.output;
@@ -222,6 +223,40 @@ TEST(FaultLauncher, WorkerEnvironmentOnTwoMachines) {
              << "\n";
     EXPECT_TRUE(contains(output, expected.str())) << "missing: " << expected.str() << "in:\n" << output;
   }
+}
+
+TEST(FaultLauncher, WorkersShareAFreshRendezvousToken) {
+  const std::string worker = "/bin/sh -c 'echo \"token=$SHARDTRAIN_RDZV_TOKEN.\"'";
+  std::vector<std::string> tokens;
+  for (int run = 0; run < 2; ++run) {
+    const CommandResult result =
+        run_command("env -u SHARDTRAIN_RDZV_TOKEN " + kShardtrain + " launch --num_processes 2 " + worker, 30s);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    const std::size_t first = result.output.find("token=");
+    ASSERT_NE(first, std::string::npos) << result.output;
+    const std::string token = result.output.substr(first + 6, result.output.find('.', first) - first - 6);
+    EXPECT_EQ(token.size(), 64u) << result.output;
+    EXPECT_EQ(token.find_first_not_of("0123456789abcdef"), std::string::npos) << token;
+    EXPECT_TRUE(contains(result.output, "[rank 1] token=" + token + ".")) << "ranks got different tokens:\n"
+                                                                           << result.output;
+    tokens.push_back(token);
+  }
+  EXPECT_NE(tokens[0], tokens[1]) << "two jobs got the same token";
+}
+
+TEST(FaultLauncher, OtherMachinesNeedTheTokenMachineZeroPrints) {
+  const std::string port = std::to_string(pick_free_port());
+  const std::string common = "env -u SHARDTRAIN_RDZV_TOKEN " + kShardtrain +
+                             " launch --num_processes 4 --num_machines 2 --main_process_ip 127.0.0.1 --main_process_port " +
+                             port + " --machine_rank ";
+  const CommandResult machine1 = run_command(common + "1 /bin/true", 30s);
+  EXPECT_EQ(machine1.exit_code, 2) << machine1.output;
+  EXPECT_TRUE(contains(machine1.output, "machine 1 of 2 has no rendezvous token")) << machine1.output;
+  EXPECT_TRUE(contains(machine1.output, "--rdzv_token TOKEN")) << machine1.output;
+  const CommandResult machine0 = run_command(common + "0 /bin/true", 30s);
+  EXPECT_EQ(machine0.exit_code, 0) << machine0.output;
+  EXPECT_TRUE(contains(machine0.output, "rendezvous token of this job (pass it to the other machines as --rdzv_token): "))
+      << machine0.output;
 }
 
 TEST(FaultLauncher, WorkerEnvironmentCarriesRunSettings) {
@@ -257,7 +292,7 @@ TEST(FaultLauncher, HelpListsEveryOption) {
   for (const char* option :
        {"--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",
         "--config_file", "--mixed_precision", "--use_deepspeed", "--use_fsdp", "--deepspeed_config_file",
-        "--deepspeed_config", "--grace_period", "PROGRAM [ARGS...]"}) {
+        "--deepspeed_config", "--grace_period", "--rdzv_token", "PROGRAM [ARGS...]"}) {
     EXPECT_TRUE(contains(help.output, option)) << option << " missing from:\n" << help.output;
   }
 }
@@ -268,7 +303,7 @@ TEST(FaultLauncher, TwoLaunchersFormOneFourRankJob) {
   auto launch = [&](int machine_rank) {
     return "OMP_NUM_THREADS=1 SHARDTRAIN_COMM_TIMEOUT_S=60 " + kShardtrain +
            " launch --num_processes 4 --num_machines 2 --machine_rank " + std::to_string(machine_rank) +
-           " --main_process_ip 127.0.0.1 --main_process_port " + port + " " + kSmokeJob;
+           " --main_process_ip 127.0.0.1 --main_process_port " + port + " --rdzv_token shared-test-token " + kSmokeJob;
   };
   const std::string log1 = dir.file("machine1.log");
   const std::string command = launch(1) + " > " + log1 + " 2>&1 & M1=$!; " + launch(0) +

@@ -153,7 +153,7 @@ TEST(NcclBackend, SingleRankCollectivesRunThroughNccl) {
     nccl.do_broadcast(b, 0, event_for("broadcast", b))->wait();
     EXPECT_TRUE(same_bits(b.cpu(), reference.cpu()));
   }
-  nccl.do_barrier();
+  nccl.do_barrier(comm::CollectiveEvent{"barrier", at::kFloat, 0, 0});
 
   // Async: several in flight, waited for out of order; dropping one unwaited is safe.
   at::Tensor a = at::ones({1 << 20}, on_gpu(0, at::kBFloat16));

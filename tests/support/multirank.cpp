@@ -128,6 +128,22 @@ void mark_rank_body_ran() {
 
 bool is_rank_process() { return std::getenv("SHARDTRAIN_TEST_RANK_CALL") != nullptr; }
 
+std::string listening_ipv4_address(int port) {
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  char port_hex[8];
+  std::snprintf(port_hex, sizeof(port_hex), "%04X", port);
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    const std::size_t colon = local.find(':');
+    if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex) return local.substr(0, colon);
+  }
+  return "";
+}
+
 int pick_free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   ST_CHECK(fd >= 0, "socket() failed");
@@ -171,6 +187,8 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     env["MASTER_ADDR"] = "127.0.0.1";
     env["MASTER_PORT"] = std::to_string(port);
     env["OMP_NUM_THREADS"] = "1";
+    // Every job authenticates, as under `shardtrain launch`; a test may set its own.
+    env.emplace("SHARDTRAIN_RDZV_TOKEN", "multirank-test-token-" + std::to_string(port));
     logs[r] = dir + "/rank" + std::to_string(r) + ".log";
     env["SHARDTRAIN_TEST_RAN_MARKER"] = dir + "/rank" + std::to_string(r) + ".ran";
     pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_brief=1"}, env, logs[r]);

@@ -61,6 +61,11 @@ bool is_rank_process();
 /// A TCP port that was free a moment ago on 127.0.0.1.
 int pick_free_port();
 
+/// The IPv4 address the socket listening on `port` is bound to, in
+/// /proc/net/tcp's hex form ("0100007F" is 127.0.0.1, "00000000" every
+/// interface); empty when nothing listens there.
+std::string listening_ipv4_address(int port);
+
 /// Runs a command line (through /bin/sh) with a timeout; captures stdout+stderr.
 struct CommandResult {
   int exit_code = -1;     ///< exit status, or 128+signal

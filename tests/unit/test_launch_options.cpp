@@ -57,7 +57,9 @@ TEST(UnitLaunchOptions, FlagsAreParsed) {
   const LaunchOptions options = parse_launch_options(
       {"--num_processes", "8", "--num_machines=2", "--machine_rank", "1", "--main_process_ip", "10.0.0.7",
        "--main_process_port", "31000", "--mixed_precision", "bf16", "--use_fsdp", "--grace_period", "0.5",
-       "./train"});
+       "--rdzv_token", "the-job-secret", "./train"});
+  EXPECT_EQ(options.rdzv_token, "the-job-secret");
+  EXPECT_FALSE(options.rdzv_token_generated);
   EXPECT_EQ(options.num_processes, 8);
   EXPECT_EQ(options.num_machines, 2);
   EXPECT_EQ(options.machine_rank, 1);
@@ -107,6 +109,31 @@ TEST(UnitLaunchOptions, DeepspeedConfigAliasAndAbsolutePath) {
   EXPECT_EQ(fs::canonical(relative.deepspeed_config_file), fs::canonical(json));
 }
 
+TEST(UnitLaunchOptions, RendezvousTokenComesFromTheFlagTheEnvironmentOrIsMade) {
+  const char* saved = std::getenv("SHARDTRAIN_RDZV_TOKEN");
+  const std::string restore = saved ? saved : "";
+  ::unsetenv("SHARDTRAIN_RDZV_TOKEN");
+  const LaunchOptions made = parse_launch_options({"--num_processes", "2", "./train"});
+  EXPECT_TRUE(made.rdzv_token_generated);
+  EXPECT_EQ(made.rdzv_token.size(), 64u);
+  EXPECT_NE(parse_launch_options({"./train"}).rdzv_token, made.rdzv_token) << "a token must be fresh per job";
+  EXPECT_NE(config_error_of({"--rdzv_token", "", "./train"}).find("--rdzv_token is empty"), std::string::npos);
+  const std::string missing = config_error_of({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+                                               "--main_process_ip", "10.0.0.1", "./train"});
+  EXPECT_NE(missing.find("machine 1 of 2 has no rendezvous token"), std::string::npos) << missing;
+  ::setenv("SHARDTRAIN_RDZV_TOKEN", "from-the-environment", 1);
+  const LaunchOptions from_env = parse_launch_options({"--num_processes", "4", "--num_machines", "2", "--machine_rank",
+                                                       "1", "--main_process_ip", "10.0.0.1", "./train"});
+  EXPECT_EQ(from_env.rdzv_token, "from-the-environment");
+  EXPECT_FALSE(from_env.rdzv_token_generated);
+  EXPECT_EQ(parse_launch_options({"--rdzv_token", "flag-wins", "./train"}).rdzv_token, "flag-wins");
+  if (saved) {
+    ::setenv("SHARDTRAIN_RDZV_TOKEN", restore.c_str(), 1);
+  } else {
+    ::unsetenv("SHARDTRAIN_RDZV_TOKEN");
+  }
+}
+
 TEST(UnitLaunchOptions, YamlValuesAreDefaults) {
   ScratchDir dir;
   // A name that cannot exist in the working directory, so it is found next to the YAML.
@@ -132,7 +159,7 @@ TEST(UnitLaunchOptions, YamlValuesAreDefaults) {
                                        "same_network: true\n"
                                        "tpu_env: []\n"
                                        "use_cpu: false\n");
-  const LaunchOptions options = parse_launch_options({"--config_file", config, "./train"});
+  const LaunchOptions options = parse_launch_options({"--config_file", config, "--rdzv_token", "t", "./train"});
   EXPECT_EQ(options.num_processes, 4);
   EXPECT_EQ(options.num_machines, 2);
   EXPECT_EQ(options.machine_rank, 1);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/collective_log.h"
 #include "comm/work_util.h"
 #include "shardtrain/error.h"
 
@@ -23,18 +24,32 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 class GlooWork final : public Work {
  public:
   GlooWork(compat::WorkHandle work, std::string description, std::chrono::milliseconds timeout,
-           std::function<void()> finalize)
+           std::function<void()> finalize, std::shared_ptr<CollectiveLog> log)
       : work_(std::move(work)), description_(std::move(description)), timeout_(timeout),
-        finalize_(std::move(finalize)) {}
+        finalize_(std::move(finalize)), log_(std::move(log)) {}
 
   void wait() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
-    try {
-      // Gloo's own context timeout fires first; the margin keeps ours from racing it.
-      work_->wait(timeout_ + std::chrono::seconds(5));
-    } catch (const std::exception& failure) {
-      rethrow_collective_failure(description_, timeout_, failure);
+    // Gloo's own context timeout fires first; the margin keeps ours from racing it.
+    const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
+    // In slices, so that a rank blocked here joins the hang report as soon as
+    // a peer gives up, rather than at its own timeout.
+    while (true) {
+      bool finished = false;
+      try {
+        finished = work_->wait(CollectiveLog::kPollInterval);
+      } catch (const std::exception& failure) {
+        if (work_->isCompleted() || std::chrono::steady_clock::now() >= deadline) {
+          rethrow_collective_failure(description_, timeout_, failure, log_->report());
+        }
+      }
+      if (finished) break;
+      if (log_->peer_reported()) {
+        const std::runtime_error abandoned(
+            "abandoned after a peer's timeout: another rank of this group reported a failed collective");
+        rethrow_collective_failure(description_, timeout_, abandoned, log_->report());
+      }
     }
     if (finalize_) finalize_();
     finalize_ = nullptr;
@@ -52,6 +67,7 @@ class GlooWork final : public Work {
   std::string description_;
   std::chrono::milliseconds timeout_;
   std::function<void()> finalize_;
+  std::shared_ptr<CollectiveLog> log_;
   bool done_ = false;
 };
 
@@ -72,12 +88,13 @@ GlooCommunicator::GlooCommunicator(compat::StorePtr store, int rank, int world_s
              store_prefix_, "') and some did not: check that every rank started and creates the same "
              "groups in the same order. Backend said: ", backend_message(failure));
   }
+  collective_log()->attach_store(root_store_, store_prefix_, options.timeout);
 }
 
 WorkPtr GlooCommunicator::wrap(compat::WorkHandle work, const CollectiveEvent& event,
                                std::function<void()> finalize) {
   return std::make_shared<GlooWork>(std::move(work), describe(event), options().timeout,
-                                    std::move(finalize));
+                                    std::move(finalize), collective_log());
 }
 
 WorkPtr GlooCommunicator::do_all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -90,7 +107,7 @@ WorkPtr GlooCommunicator::do_all_gather(const at::Tensor& output, const at::Tens
   try {
     return wrap(group_->allgather(outputs, inputs), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 
@@ -137,7 +154,7 @@ WorkPtr GlooCommunicator::do_all_gather_coalesced(const std::vector<at::Tensor>&
   try {
     return wrap(group_->allgather_coalesced(output_lists, input_list), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 
@@ -166,7 +183,7 @@ WorkPtr GlooCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
     return wrap(group_->alltoall_base(wire_received, wire_in, receive_splits, send_splits), event,
                 std::move(finalize));
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 
@@ -197,7 +214,7 @@ WorkPtr GlooCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op,
   try {
     return wrap(group_->allreduce(tensors, reduce_options), event, std::move(finalize));
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 
@@ -227,18 +244,17 @@ WorkPtr GlooCommunicator::do_broadcast(const at::Tensor& tensor, int root,
   try {
     return wrap(group_->broadcast(tensors, broadcast_options), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 
-void GlooCommunicator::do_barrier() {
-  CollectiveEvent event{"barrier", at::kFloat, 0, 0};
+void GlooCommunicator::do_barrier(const CollectiveEvent& event) {
   try {
     wrap(group_->barrier(), event, nullptr)->wait();
   } catch (const Error&) {
     throw;
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure);
+    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
   }
 }
 

@@ -40,7 +40,7 @@ class GlooCommunicator final : public Communicator {
   /// SUM/AVG past two ranks: reduce-scatter (rank-order sums) + all-gather.
   WorkPtr rank_ordered_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event);
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
-  void do_barrier() override;
+  void do_barrier(const CollectiveEvent& event) override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;
 
  private:

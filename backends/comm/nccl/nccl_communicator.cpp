@@ -14,6 +14,7 @@
 #include <nccl.h>
 
 #include "comm/nccl/nccl_utils.h"
+#include "comm/collective_log.h"
 #include "comm/nccl/nccl_watchdog.h"
 #include "comm/nccl_factory.h"
 #include "comm/work_util.h"
@@ -112,6 +113,8 @@ struct NcclState {
   std::atomic<bool> abort_started{false};
   /// Follows the collectives in flight; stopped first at teardown.
   std::unique_ptr<Watchdog> watchdog;
+  /// The communicator's CollectiveLog::report(), for the watchdog's timeout error.
+  std::function<std::string()> hang_report;
 
   NcclState() = default;
   NcclState(const NcclState&) = delete;
@@ -201,7 +204,8 @@ struct NcclState {
     ST_CHECK_CUDA(cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream));
     watchdog = std::make_unique<Watchdog>(
         device, timeout, [this] { return poll_async_error(); }, [this](const std::string& reason) { abort(reason); },
-        [this] { return abort_started.load(std::memory_order_acquire); });
+        [this] { return abort_started.load(std::memory_order_acquire); },
+        [this] { return hang_report ? hang_report() : std::string(); });
   }
 };
 
@@ -423,6 +427,8 @@ NcclCommunicator::NcclCommunicator(compat::StorePtr store, int rank, int world_s
                            " (store prefix '" + store_prefix_ + "')";
   state_->device = device_;
   state_->timeout = options.timeout;
+  collective_log()->attach_store(root_store_, store_prefix_, options.timeout);
+  state_->hang_report = [log = collective_log()] { return log->report(); };
   state_->name = "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " on cuda:" +
                  std::to_string(device_index) + " (store prefix '" + store_prefix_ + "')";
   const Clock::time_point deadline = Clock::now() + options.timeout;
@@ -681,8 +687,7 @@ WorkPtr NcclCommunicator::do_broadcast(const at::Tensor& tensor, int root, const
   });
 }
 
-void NcclCommunicator::do_barrier() {
-  CollectiveEvent event{"barrier", at::kFloat, 0, 0};
+void NcclCommunicator::do_barrier(const CollectiveEvent& event) {
   float* buffer = state_->barrier_buffer;
   // A one-element all-reduce that every rank must join; waiting for it on the
   // host also drains whatever the caller's stream had queued before.
@@ -732,6 +737,8 @@ NcclCommunicator::NcclCommunicator(NcclCommunicator& parent, int rank, int world
       state_(std::make_shared<NcclState>()) {
   state_->device = device_;
   state_->timeout = options().timeout;
+  collective_log()->attach_store(root_store_, store_prefix_, options().timeout);
+  state_->hang_report = [log = collective_log()] { return log->report(); };
   state_->name = "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " on cuda:" +
                  std::to_string(device_) + " (split " + std::to_string(group_index) + " of " + parent.state_->name +
                  ")";

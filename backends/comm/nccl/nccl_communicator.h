@@ -77,7 +77,7 @@ class NcclCommunicator : public Communicator {
                               ReduceOp op, const CollectiveEvent& event) override;
   WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveEvent& event) override;
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
-  void do_barrier() override;
+  void do_barrier(const CollectiveEvent& event) override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;
   void do_new_group_not_member(int64_t group_index) override;
 

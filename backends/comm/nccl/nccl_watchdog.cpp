@@ -43,8 +43,9 @@ void PendingCollective::wait_settled() const {
 }
 
 Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort,
-                   IsAborted is_aborted)
-    : device_(device), timeout_(timeout), poll_(std::move(poll)), abort_(std::move(abort)),
+                   IsAborted is_aborted, HangReport hang_report)
+    : device_(device), timeout_(timeout), hang_report_(std::move(hang_report)), poll_(std::move(poll)),
+      abort_(std::move(abort)),
       is_aborted_(std::move(is_aborted)), thread_([this] { run(); }) {}
 
 Watchdog::~Watchdog() {
@@ -137,11 +138,13 @@ void Watchdog::run() {
         ST_LOG_ERROR("nccl watchdog: {} did not finish within {} ms; aborting the communicator", p->description(),
                      timeout_.count());
         abort_(abort_reason_);
+        const std::string report = hang_report_ ? hang_report_() : "";
         fail(*p, [&] {
           rethrow_collective_failure(p->description(), timeout_,
                                      std::runtime_error("the NCCL collective timed out: still running on the GPU "
                                                         "at the deadline; the communicator was aborted "
-                                                        "(ncclCommAbort)"));
+                                                        "(ncclCommAbort)"),
+                                     report);
         });
         p.reset();
         progressed = true;

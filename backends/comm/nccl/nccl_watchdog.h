@@ -74,8 +74,11 @@ class Watchdog {
   using Abort = std::function<void(const std::string& reason)>;
   /// Whether an abort has begun (from any thread), read without a lock.
   using IsAborted = std::function<bool()>;
+  /// The cross-rank hang report for a timed-out collective (CollectiveLog::report()).
+  using HangReport = std::function<std::string()>;
 
-  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort, IsAborted is_aborted);
+  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort, IsAborted is_aborted,
+           HangReport hang_report);
   /// Stops and joins the thread; collectives still pending stay unsettled.
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
@@ -98,6 +101,7 @@ class Watchdog {
 
   int device_;
   std::chrono::milliseconds timeout_;
+  HangReport hang_report_;
   AsyncErrorPoll poll_;
   Abort abort_;
   IsAborted is_aborted_;

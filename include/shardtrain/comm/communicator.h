@@ -21,7 +21,9 @@
 ///    Work::wait() returns. wait() throws TimeoutError when the collective
 ///    did not finish within the communicator's timeout (a rank that never
 ///    joins), and Error for any other failure, naming the operation, rank,
-///    dtype and sizes.
+///    dtype and sizes. Where the ranks can still reach the store, the error
+///    ends with a hang report: the ranks' recent collectives compared, the
+///    first sequence number where they differ, and who is behind or missing.
 
 #include <chrono>
 #include <cstdint>
@@ -48,7 +50,24 @@ struct CollectiveEvent {
   int64_t output_numel = 0;
   ReduceOp reduce = ReduceOp::kSum;
   int root = -1;            ///< broadcast root (group rank), else -1
+  int64_t seq = -1;         ///< this group's count of collectives before this one (set when issued)
 };
+
+/// Names what the calling thread is doing while it issues collectives
+/// ("save_state()", "gather layers.3 (LlamaDecoderLayer)"), for the hang
+/// report a failed collective gives. Scopes nest: a collective records the
+/// chain, outermost first.
+class CollectiveScope {
+ public:
+  explicit CollectiveScope(std::string what);
+  ~CollectiveScope();
+  CollectiveScope(const CollectiveScope&) = delete;
+  CollectiveScope& operator=(const CollectiveScope&) = delete;
+  /// The calling thread's chain, joined by " > "; empty outside any scope.
+  static std::string current();
+};
+
+class CollectiveLog;
 
 /// Handle of an in-flight collective.
 class Work {
@@ -171,7 +190,7 @@ class Communicator {
   virtual WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op,
                                 const CollectiveEvent& event) = 0;
   virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) = 0;
-  virtual void do_barrier() = 0;
+  virtual void do_barrier(const CollectiveEvent& event) = 0;
   /// Builds the communicator of a sub-group. `group_index` is unique per call
   /// sequence and identical on all ranks; `ranks` are group ranks of this
   /// communicator; called only on members.
@@ -184,9 +203,12 @@ class Communicator {
 
   /// "all_reduce(sum) on rank 1 of 4 (global 1), bfloat16, 1000 -> 1000 elements".
   std::string describe(const CollectiveEvent& event) const;
+  /// The ring of this group's recent collectives; backends attach the store
+  /// to it and ask it for the hang report when a collective fails.
+  const std::shared_ptr<CollectiveLog>& collective_log() const { return log_; }
 
  private:
-  void before_collective(const CollectiveEvent& event);
+  void before_collective(CollectiveEvent& event);
 
   int rank_;
   int world_size_;
@@ -194,6 +216,7 @@ class Communicator {
   CommOptions options_;
   int64_t next_group_index_ = 0;
   std::function<void(const CollectiveEvent&)> observer_;
+  std::shared_ptr<CollectiveLog> log_;
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;

@@ -11,6 +11,11 @@
 ///  * Open MPI (mpirun): OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE,
 ///    OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE, with MASTER_ADDR/MASTER_PORT
 /// None of them: a single process (rank 0 of 1).
+///
+/// Every launcher: SHARDTRAIN_RDZV_TOKEN, the job's secret. Each rank proves
+/// it holds it before the rendezvous store (hosted by rank 0, listening on
+/// MASTER_ADDR only) lets it read or write a key. `shardtrain launch` makes
+/// one per job; other launchers export the same value on every rank.
 
 #include <chrono>
 #include <functional>
@@ -31,6 +36,12 @@ struct DistEnv {
   int master_port = 29500;
   /// "torchrun", "slurm", "openmpi" or "single".
   std::string source = "single";
+  /// SHARDTRAIN_RDZV_TOKEN; empty: the rendezvous is not authenticated (a warning says so).
+  std::string rdzv_token;
+  /// SHARDTRAIN_RDZV_BIND: where rank 0's store listens when that is not
+  /// MASTER_ADDR (behind NAT MASTER_ADDR may not be a local address;
+  /// "0.0.0.0" listens everywhere). Empty: MASTER_ADDR.
+  std::string rdzv_bind;
 
   int num_machines() const { return world_size / local_world_size; }
   int machine_rank() const { return rank / local_world_size; }
@@ -52,9 +63,10 @@ struct InitOptions {
   std::optional<int> inject_max_delay_ms;
 };
 
-/// Connects all ranks of `env` through a c10d TCPStore hosted by rank 0 at
-/// MASTER_ADDR:MASTER_PORT and returns the world communicator. Throws
-/// TimeoutError when not every rank arrives within the timeout.
+/// Connects all ranks of `env` through the authenticated store rank 0 hosts
+/// at MASTER_ADDR:MASTER_PORT and returns the world communicator. Throws
+/// TimeoutError when not every rank arrives within the timeout, and
+/// ConfigError when the store refuses this process's token.
 comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& options = {});
 
 /// The timeout InitOptions resolves to when none is given.

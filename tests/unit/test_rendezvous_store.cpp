@@ -1,0 +1,195 @@
+// The authenticated rendezvous store in one process: c10d's store semantics
+// (Gloo and the NCCL backend rely on them), token refusal with the fix in the
+// message, mutual authentication (a server without the token is not
+// trusted), binding only the address it is given, and resilience to silent
+// or garbage connections.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "comm/rendezvous_protocol.h"
+#include "comm/rendezvous_server.h"
+#include "comm/rendezvous_store.h"
+#include "shardtrain/error.h"
+#include "support/multirank.h"
+
+namespace {
+
+namespace rdzv = shardtrain::comm::rendezvous;
+using Clock = std::chrono::steady_clock;
+using Bytes = std::vector<uint8_t>;
+
+constexpr auto kTimeout = std::chrono::milliseconds(5000);
+
+Bytes bytes_of(const std::string& text) { return Bytes(text.begin(), text.end()); }
+std::string text_of(const Bytes& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+c10::intrusive_ptr<rdzv::RendezvousStore> connect(int port, const std::string& token,
+                                                  std::chrono::milliseconds timeout = kTimeout) {
+  return c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{"127.0.0.1", port, token}, timeout);
+}
+
+/// A plain TCP connection to 127.0.0.1:port, as any process on the machine could open.
+int raw_connection(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  return fd;
+}
+
+TEST(UnitRendezvousStore, KeepsC10dStoreSemantics) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "job-token");
+  auto store = connect(server.port(), "job-token");
+  auto other = connect(server.port(), "job-token");
+  store->set("a", bytes_of("one"));
+  EXPECT_EQ(text_of(other->get("a")), "one");
+  EXPECT_EQ(store->add("counter", 1), 1);
+  EXPECT_EQ(other->add("counter", 2), 3);
+  EXPECT_EQ(text_of(store->get("counter")), "3");  // counters read back as decimal text, as in c10d
+  EXPECT_TRUE(store->check({"a", "counter"}));
+  EXPECT_FALSE(store->check({"a", "absent"}));
+  EXPECT_EQ(store->getNumKeys(), 2);
+  // compareSet: created only from an empty expectation; replaced only on a match.
+  EXPECT_EQ(text_of(store->compareSet("cas", bytes_of("x"), bytes_of("y"))), "x");
+  EXPECT_FALSE(store->check({"cas"}));
+  EXPECT_EQ(text_of(store->compareSet("cas", {}, bytes_of("y"))), "y");
+  EXPECT_EQ(text_of(store->compareSet("cas", bytes_of("wrong"), bytes_of("z"))), "y");
+  EXPECT_EQ(text_of(store->compareSet("cas", bytes_of("y"), bytes_of("z"))), "z");
+  EXPECT_TRUE(store->deleteKey("cas"));
+  EXPECT_FALSE(store->deleteKey("cas"));
+  // get and wait park until another client sets the key.
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    other->set("late", bytes_of("arrived"));
+    other->set("later", bytes_of("too"));
+  });
+  EXPECT_EQ(text_of(store->get("late")), "arrived");
+  store->wait({"late", "later"});
+  writer.join();
+  auto copy = store->clone();
+  EXPECT_EQ(text_of(copy->get("later")), "too");
+}
+
+TEST(UnitRendezvousStore, WaitForAMissingKeyTimesOutAndTheStoreStaysUsable) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  auto store = connect(server.port(), "t");
+  const auto start = Clock::now();
+  EXPECT_THROW(store->wait({"never"}, std::chrono::milliseconds(300)), shardtrain::TimeoutError);
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 0.3 + 2.0);  // the deadline, plus a scheduling margin on a loaded 2-core machine
+  store->set("k", bytes_of("v"));  // reconnects after the abandoned request
+  EXPECT_EQ(text_of(store->get("k")), "v");
+}
+
+TEST(UnitRendezvousStore, WrongOrMissingTokenIsRefusedWithTheFix) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "the-job-token");
+  auto member = connect(server.port(), "the-job-token");
+  member->set("nccl/unique_id", bytes_of("secret"));
+  for (const std::string& token : {std::string("a-wrong-token"), std::string()}) {
+    try {
+      connect(server.port(), token);
+      ADD_FAILURE() << "a client with token '" << token << "' was let in";
+    } catch (const shardtrain::ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("refused this process"), std::string::npos) << what;
+      EXPECT_NE(what.find("wrong or missing rendezvous token"), std::string::npos) << what;
+      EXPECT_NE(what.find("--rdzv_token"), std::string::npos) << what;
+    }
+  }
+  EXPECT_EQ(server.refused_connections(), 2);
+  // The members are unaffected.
+  EXPECT_EQ(text_of(member->get("nccl/unique_id")), "secret");
+}
+
+TEST(UnitRendezvousStore, SilentAndGarbageConnectionsDoNotStopTheStore) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  const int silent = raw_connection(server.port());
+  const int garbage = raw_connection(server.port());
+  std::string request = "GET / HTTP/1.1\r\nHost: example\r\n\r\n";
+  request.resize(rdzv::kProofBytes, ' ');
+  ASSERT_EQ(::send(garbage, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  // The server's hello, then the refusal status, then the close.
+  Bytes reply(rdzv::kHelloBytes + 1);
+  rdzv::recv_all(garbage, reply.data(), reply.size(), Clock::now() + kTimeout, "the server");
+  EXPECT_EQ(reply.back(), 1);
+  auto store = connect(server.port(), "t");  // served while `silent` still holds its handshake slot
+  store->set("k", bytes_of("v"));
+  EXPECT_EQ(text_of(store->get("k")), "v");
+  ::close(silent);
+  ::close(garbage);
+}
+
+TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {
+  // An impostor on the port: it says hello, accepts any proof and answers with a made-up MAC.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  std::thread impostor([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    Bytes hello(rdzv::kMagic.begin(), rdzv::kMagic.end());
+    hello.resize(rdzv::kHelloBytes, 7);
+    const auto deadline = Clock::now() + kTimeout;
+    rdzv::send_all(fd, hello.data(), hello.size(), deadline, "client");
+    Bytes proof(rdzv::kProofBytes);
+    rdzv::recv_all(fd, proof.data(), proof.size(), deadline, "client");
+    Bytes accepted(1 + rdzv::kMacBytes, 0);
+    rdzv::send_all(fd, accepted.data(), accepted.size(), deadline, "client");
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::close(fd);
+  });
+  try {
+    connect(port, "the-job-token");
+    ADD_FAILURE() << "the client trusted a server that does not hold the token";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not hold this job's rendezvous token"), std::string::npos) << e.what();
+  }
+  impostor.join();
+  ::close(listener);
+}
+
+TEST(UnitRendezvousStore, ListensOnlyOnTheAddressItIsGiven) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  EXPECT_EQ(shardtrain::testing::listening_ipv4_address(server.port()), "0100007F");
+  EXPECT_EQ(server.bound_address(), "127.0.0.1:" + std::to_string(server.port()));
+  rdzv::RendezvousServer everywhere("0.0.0.0", 0, "t");  // what SHARDTRAIN_RDZV_BIND=0.0.0.0 asks for
+  EXPECT_EQ(shardtrain::testing::listening_ipv4_address(everywhere.port()), "00000000");
+}
+
+TEST(UnitRendezvousStore, TakenPortIsAnErrorNamingTheAddress) {
+  rdzv::RendezvousServer first("127.0.0.1", 0, "t");
+  try {
+    rdzv::RendezvousServer second("127.0.0.1", first.port(), "t");
+    ADD_FAILURE() << "two servers listen on one port";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Address already in use"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(first.port())), std::string::npos) << e.what();
+  }
+}
+
+TEST(UnitRendezvousStore, GeneratedTokensAreFreshHex) {
+  const std::string a = rdzv::generate_token();
+  const std::string b = rdzv::generate_token();
+  EXPECT_EQ(a.size(), 64u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos) << a;
+  EXPECT_NE(a, b);
+}
+
+}  // namespace
