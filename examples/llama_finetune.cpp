@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", options.save_every, "Save a checkpoint every N steps (0: only at the end)")
       ->capture_default_str();
   app.add_option("--keep-last", options.keep_last, "Keep at most N checkpoints (0: all)")->capture_default_str();
-  app.add_option("--resume", options.resume, "Resume from a checkpoint directory (its latest) or a step_N dir");
+  app.add_option("--resume", options.resume, "Resume from a run's output directory, a checkpoint directory (their latest), a step_N checkpoint, or `latest` (this run's --output-dir)");
   app.add_option("--metrics-out", options.metrics_out, "One JSON object per step (rank 0)");
   app.add_option("--eval-every", options.eval_every, "Evaluate every N steps (0: at start and end only)")
       ->capture_default_str();

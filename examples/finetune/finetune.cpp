@@ -11,6 +11,7 @@
 
 #include "finetune/progress.h"
 #include "shardtrain/accelerator.h"
+#include "shardtrain/checkpoint_location.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
@@ -144,6 +145,7 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
     models::GenerationOptions generation;
     generation.max_new_tokens = options.max_new_tokens;
     generation.stop_ids = {tokenizer.eos_id()};
+    generation.vocab_limit = tokenizer.vocab_size();
     generation.fixed_steps = true;  // every rank runs max_new_tokens forwards: they are collective
     for (int64_t i = 0; i < per_rank; ++i) {
       const int64_t index = i * world + rank;
@@ -284,6 +286,12 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   ST_CHECK(tokenizer->vocab_size() <= mc.vocab_size, "the tokenizer ", tokenizer_path, " has ",
            tokenizer->vocab_size(), " pieces but the model's vocab_size is ", mc.vocab_size,
            ": use the tokenizer that belongs to the model");
+  if (tokenizer->vocab_size() < mc.vocab_size) {
+    // Common: embeddings padded to a multiple of 64 or 128. Their extra rows
+    // are never trained, so generation leaves them out.
+    ST_LOG_INFO("the model's vocabulary ({}) is larger than the tokenizer's ({}): a padded embedding; generation never "
+                "produces ids {} and above", mc.vocab_size, tokenizer->vocab_size(), tokenizer->vocab_size());
+  }
   if (tokenizer->bos_id() != mc.bos_token_id || tokenizer->eos_id() != mc.eos_token_id) {
     // The data pipeline inserts the tokenizer's ids; generation stops at the config's EOS.
     ST_LOG_WARN("the tokenizer's BOS/EOS ids ({}/{}) differ from config.json's bos_token_id/eos_token_id ({}/{}); "
@@ -369,13 +377,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const fs::path output(options.output_dir);
   const std::string checkpoint_dir = (output / "checkpoints").string();
   if (!options.resume.empty()) {
-    fs::path resume(options.resume);
-    // Accept a checkpoint directory (uses its `latest`) or one step_N folder in it.
-    if (fs::exists(resume / "index.json")) {
-      accelerator.load_state(resume.parent_path().string(), resume.filename().string());
-    } else {
-      accelerator.load_state(resume.string());
-    }
+    const shardtrain::CheckpointLocation resume = shardtrain::find_checkpoint(options.resume, options.output_dir);
+    accelerator.load_state(resume.dir, resume.tag);
     summary.first_step = accelerator.last_step().step;
     if (verbose) std::cout << "resumed from " << options.resume << " at step " << summary.first_step << std::endl;
   }

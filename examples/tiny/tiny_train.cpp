@@ -58,6 +58,53 @@ at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& conf
   return (at::arange(config.seq_len, at::kLong) * stride + start).remainder(config.vocab);
 }
 
+namespace {
+
+/// One line of the metrics file. The engine run and the plain reference fill
+/// the same fields, so one tool (shardtrain plot, a diff) reads both.
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = -1, loss_scale = 1;
+  bool skipped = false;
+  int64_t non_finite_total = 0;
+  double lost_update_frac = -1, lost_update_frac_if_bf16 = -1;  ///< negative: not measured (null)
+  int64_t tokens = 0;
+  double seconds = 0;
+  shardtrain::MemoryReport memory;
+};
+
+std::ofstream open_metrics(const std::string& path) {
+  std::ofstream metrics(path);
+  ST_CHECK(metrics.good(), "cannot write the metrics file '", path, "'");
+  return metrics;
+}
+
+void write_metrics(std::ofstream& out, const StepMetrics& m) {
+  auto fraction = [](double value) { return value >= 0 ? nlohmann::json(value) : nlohmann::json(); };
+  nlohmann::json line = {{"step", m.step},
+                         {"loss", m.loss},
+                         {"lr", m.lr},
+                         {"grad_norm", m.grad_norm},
+                         {"loss_scale", m.loss_scale},
+                         {"skipped", m.skipped},
+                         {"non_finite_total", m.non_finite_total},
+                         {"lost_update_frac", fraction(m.lost_update_frac)},
+                         {"lost_update_frac_if_bf16", fraction(m.lost_update_frac_if_bf16)},
+                         {"tokens", m.tokens},
+                         {"tokens_per_s", m.tokens / m.seconds},
+                         {"step_time_s", m.seconds},
+                         {"mem",
+                          {{"params", m.memory.params},
+                           {"grads", m.memory.grads},
+                           {"master", m.memory.master},
+                           {"optimizer", m.memory.optimizer},
+                           {"gathered", m.memory.gathered_peak},
+                           {"peak_rss", m.memory.peak_rss}}}};
+  out << line.dump() << "\n" << std::flush;
+}
+
+}  // namespace
+
 TinyRunResult run_tiny(const TinyRunOptions& options) {
   shardtrain::AcceleratorOptions accelerator_options;
   accelerator_options.config = load(options);
@@ -87,10 +134,7 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
   const int rank = accelerator.process_index();
   const int world = accelerator.num_processes();
   std::ofstream metrics;
-  if (!options.metrics_out.empty() && accelerator.is_main_process()) {
-    metrics.open(options.metrics_out);
-    ST_CHECK(metrics.good(), "cannot write the metrics file '", options.metrics_out, "'");
-  }
+  if (!options.metrics_out.empty() && accelerator.is_main_process()) metrics = open_metrics(options.metrics_out);
   TinyRunResult result;
   result.plan = accelerator.precision_plan();
   int first_step = 0;
@@ -120,31 +164,20 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
     result.lost_update_fracs.push_back(info.lost_update_frac);
     result.lost_update_fracs_if_bf16.push_back(info.lost_update_frac_if_bf16);
     if (metrics.is_open()) {
-      const shardtrain::MemoryReport mem = accelerator.memory();
-      const int64_t tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
-      nlohmann::json line = {{"step", step + 1},
-                             {"loss", result.losses.back()},
-                             {"lr", info.lr},
-                             {"grad_norm", info.grad_norm},
-                             {"loss_scale", info.loss_scale},
-                             {"skipped", info.skipped},
-                             {"non_finite_total", info.non_finite_total},
-                             {"lost_update_frac", info.lost_update_frac >= 0 ? nlohmann::json(info.lost_update_frac)
-                                                                              : nlohmann::json()},
-                             {"lost_update_frac_if_bf16", info.lost_update_frac_if_bf16 >= 0
-                                                              ? nlohmann::json(info.lost_update_frac_if_bf16)
-                                                              : nlohmann::json()},
-                             {"tokens", tokens},
-                             {"tokens_per_s", tokens / seconds},
-                             {"step_time_s", seconds},
-                             {"mem",
-                              {{"params", mem.params},
-                               {"grads", mem.grads},
-                               {"master", mem.master},
-                               {"optimizer", mem.optimizer},
-                               {"gathered", mem.gathered_peak},
-                               {"peak_rss", mem.peak_rss}}}};
-      metrics << line.dump() << "\n" << std::flush;
+      StepMetrics record;
+      record.step = step + 1;
+      record.loss = result.losses.back();
+      record.lr = info.lr;
+      record.grad_norm = info.grad_norm;
+      record.loss_scale = info.loss_scale;
+      record.skipped = info.skipped;
+      record.non_finite_total = info.non_finite_total;
+      record.lost_update_frac = info.lost_update_frac;
+      record.lost_update_frac_if_bf16 = info.lost_update_frac_if_bf16;
+      record.tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
+      record.seconds = seconds;
+      record.memory = accelerator.memory();
+      write_metrics(metrics, record);
     }
     if (!options.save_dir.empty() && options.save_every > 0 && (step + 1) % options.save_every == 0) {
       accelerator.save_state(options.save_dir);
@@ -222,6 +255,29 @@ ReferenceSetup make_reference(const TinyRunOptions& options, int world_size) {
   return setup;
 }
 
+/// The plain loop's model state in the engine's terms: fp32 parameters and
+/// gradients, no separate master, torch's optimizer state, nothing gathered.
+shardtrain::MemoryReport reference_memory(ReferenceSetup& setup) {
+  shardtrain::MemoryReport memory;
+  for (const auto& p : setup.model->parameters()) {
+    memory.params += p.numel() * static_cast<int64_t>(p.element_size());
+    if (p.grad().defined()) memory.grads += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+  }
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; };
+  for (const auto& entry : setup.optimizer->state()) {
+    const torch::optim::OptimizerParamState* state = entry.second.get();
+    if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+      memory.optimizer += bytes(adam->exp_avg()) + bytes(adam->exp_avg_sq());
+    } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+      memory.optimizer += bytes(adamw->exp_avg()) + bytes(adamw->exp_avg_sq());
+    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+      memory.optimizer += bytes(sgd->momentum_buffer());
+    }
+  }
+  memory.peak_rss = shardtrain::peak_rss_bytes();
+  return memory;
+}
+
 void finish_reference(ReferenceSetup& setup, TinyRunResult& result) {
   for (const auto& item : setup.model->named_parameters()) {
     result.final_params.emplace_back(item.key(), item.value().detach().to(at::kFloat).clone());
@@ -233,7 +289,10 @@ void finish_reference(ReferenceSetup& setup, TinyRunResult& result) {
 TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) {
   ReferenceSetup setup = make_reference(options, world_size);
   TinyRunResult result;
+  std::ofstream metrics;
+  if (!options.metrics_out.empty()) metrics = open_metrics(options.metrics_out);
   for (int step = 0; step < options.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
     std::vector<at::Tensor> rows;
     for (int64_t micro = 0; micro < setup.accumulation; ++micro) {
       for (int r = 0; r < world_size; ++r) {
@@ -251,6 +310,17 @@ TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) 
     setup.optimizer->step();
     result.losses.push_back(loss.item<double>());
     result.grad_norms.push_back(norm);
+    if (metrics.is_open()) {
+      StepMetrics record;
+      record.step = step + 1;
+      record.loss = result.losses.back();
+      record.lr = setup.scheduler->lr_at(step);
+      record.grad_norm = norm;
+      record.tokens = tokens.numel();
+      record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      record.memory = reference_memory(setup);
+      write_metrics(metrics, record);
+    }
   }
   finish_reference(setup, result);
   return result;

@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint_location.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -175,7 +176,8 @@ std::string latest_tag(const std::string& dir) {
   const fs::path latest = fs::path(dir) / "latest";
   std::ifstream in(latest);
   ST_CHECK(in.good(), "no checkpoint in ", dir, ": ", latest.string(),
-           " does not exist (save_state writes it); pass the tag to load explicitly");
+           " does not exist (save_state writes it); pass the tag to load explicitly (",
+           describe_checkpoints_under(dir), ")");
   std::string tag;
   std::getline(in, tag);
   ST_CHECK(!tag.empty(), "checkpoint: ", latest.string(), " is empty");
@@ -326,7 +328,8 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
                     const std::string& tag_or_empty) {
   const std::string tag = tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty;
   const fs::path ckpt = fs::path(dir) / tag;
-  ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist");
+  ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (", describe_checkpoints_under(dir),
+           ")");
   const nlohmann::json index = read_json(ckpt / "index.json");
   const int format_version = index_integer_or<int>(index, "format_version", 0, ckpt.string());
   ST_CHECK(format_version == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ", format_version,

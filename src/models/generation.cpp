@@ -51,7 +51,9 @@ GenerationResult generate(const StepFunction& step, const std::vector<int64_t>& 
     ++result.forward_calls;
     ST_CHECK(logits.dim() == 3 && logits.size(0) == 1 && logits.size(1) == next_ids.size(1), "generate: the step ",
              "returned logits ", logits.sizes(), " for input ids ", next_ids.sizes(), " (expected [1, T, V])");
-    int64_t token = sampler.next(logits[0][logits.size(1) - 1]);
+    at::Tensor last = logits[0][logits.size(1) - 1];
+    if (options.vocab_limit > 0 && options.vocab_limit < last.size(0)) last = last.narrow(0, 0, options.vocab_limit);
+    int64_t token = sampler.next(last);
     if (options.agree_on_token) token = options.agree_on_token(token);
     if (!result.stopped) {
       result.tokens.push_back(token);

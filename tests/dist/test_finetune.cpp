@@ -248,4 +248,31 @@ TEST(DistFinetune, ProgramRunsUnderTheLauncherAndPrintsTheSummary) {
   fs::remove_all(dir);
 }
 
+
+TEST(DistFinetune, PaddedVocabularyTrainsAndGeneratesOnlyIdsTheTokenizerDecodes) {
+  // The bundled model with its embedding padded from the tokenizer's 384
+  // pieces to 1024 rows (a multiple of 128): most of the untrained rows'
+  // random logits would win a greedy pick that did not leave them out.
+  const fs::path dir = scratch("padded-vocab");
+  if (!shardtrain::testing::is_rank_process()) {
+    nlohmann::json config = nlohmann::json::parse(std::ifstream(kBundled + "/config.json"));
+    config["vocab_size"] = 1024;
+    std::ofstream(dir / "config.json") << config.dump(2);
+  }
+  run_on_ranks(
+      2,
+      [](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/out");
+        o.model_config = dir + "/config.json";
+        o.max_steps = 2;
+        o.no_export = true;
+        o.no_save = true;
+        const finetune::FinetuneSummary s = finetune::run_finetune(o);  // threw "cannot decode token id" before
+        EXPECT_EQ(s.eval_before.prompts, 6);
+        EXPECT_EQ(s.eval_after.prompts, 6);
+      },
+      with_env({{"FT_DIR", dir.string()}}));
+}
+
 }  // namespace

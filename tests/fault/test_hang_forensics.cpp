@@ -41,9 +41,11 @@ shardtrain::testing::MultiRankOptions forensic_options() {
   return options;
 }
 
-/// The longest an error may take: the collective timeout, Gloo's margin of
-/// 5 s in GlooWork, and the report's answer window (at most the timeout).
-double error_deadline_s() { return 2 * std::chrono::duration<double>(kCommTimeout).count() + 5.0 + 2.0; }
+/// The longest an error may take: the collective timeout (Gloo's own, or
+/// GlooWork's 5 s after it), then the report's two windows of at most the
+/// timeout each (collecting the logs, then waiting until every rank has read
+/// them), and 2 s for scheduling on a loaded 2-core machine.
+double error_deadline_s() { return 3 * std::chrono::duration<double>(kCommTimeout).count() + 5.0 + 2.0; }
 
 at::Tensor batch_of(int step, int rank, const tiny::TinyConfig& config) {
   return at::stack({tiny::synthetic_sample(0, 4 * step + 2 * rank, config),

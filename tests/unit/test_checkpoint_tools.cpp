@@ -21,6 +21,8 @@
 
 #include "build_config.h"
 #include "checkpoint/export.h"
+#include "shardtrain/checkpoint_location.h"
+#include "support/scratch_dir.h"
 #include "shardtrain/error.h"
 #include "shardtrain/safetensors.h"
 
@@ -328,6 +330,47 @@ TEST_F(UnitCheckpointTools, CliVerifyAndExportExitCodes) {
       << output;
   EXPECT_EQ(run_cli("checkpoint verify " + (dir_ / "nowhere").string(), output), 2) << output;
   EXPECT_NE(output.find("does not exist"), std::string::npos) << output;
+}
+
+
+// --resume as Trainer and Accelerate users write it: the run's output
+// directory, its checkpoints directory, one checkpoint, or `latest`; anything
+// else lists what is there.
+TEST(UnitCheckpointLocation, ResumeFindsTheCheckpointTheWayUsersPointAtIt) {
+  shardtrain::testing::ScratchDir scratch;
+  const fs::path run = scratch.file("run");
+  fs::create_directories(run / "checkpoints" / "step_5");
+  fs::create_directories(run / "checkpoints" / "step_10");
+  std::ofstream(run / "checkpoints" / "step_5" / "index.json") << "{}";
+  std::ofstream(run / "checkpoints" / "step_10" / "index.json") << "{}";
+  std::ofstream(run / "checkpoints" / "latest") << "step_10\n";
+  const std::string checkpoints = (run / "checkpoints").string();
+
+  auto output_dir = shardtrain::find_checkpoint(run.string(), "unused");
+  EXPECT_EQ(output_dir.dir, checkpoints);
+  EXPECT_EQ(output_dir.tag, "");
+  EXPECT_EQ(shardtrain::find_checkpoint(checkpoints, "unused").dir, checkpoints);
+  auto one = shardtrain::find_checkpoint((run / "checkpoints" / "step_5").string(), "unused");
+  EXPECT_EQ(one.dir, checkpoints);
+  EXPECT_EQ(one.tag, "step_5");
+  EXPECT_EQ(shardtrain::find_checkpoint("latest", run.string()).dir, checkpoints);
+
+  try {
+    shardtrain::find_checkpoint(scratch.file(""), "unused");
+    ADD_FAILURE() << "resumed from a directory without a checkpoint";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no checkpoint there"), std::string::npos) << e.what();
+  }
+  fs::remove(run / "checkpoints" / "latest");  // a run killed before its first `latest`
+  try {
+    shardtrain::find_checkpoint(run.string(), "unused");
+    ADD_FAILURE() << "resumed from a run without `latest`";
+  } catch (const shardtrain::ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("found: " + checkpoints + "/step_5, " + checkpoints + "/step_10"), std::string::npos) << what;
+  }
+  EXPECT_EQ(shardtrain::describe_checkpoints_under(scratch.file("nothing-here")),
+            "no checkpoint under " + scratch.file("nothing-here"));
 }
 
 }  // namespace

@@ -278,6 +278,26 @@ TEST(UnitGeneration, StopIdsFixedStepsAndAgreement) {
   EXPECT_THROW(sm::generate(scripted_step(favourites, 10, &calls), {}, options), shardtrain::Error);
 }
 
+TEST(UnitGeneration, PaddedVocabularyIdsAreNeverProduced) {
+  // A model whose embedding has 10 rows for a tokenizer of 8: its favourites
+  // 8 and 9 are ids the tokenizer cannot decode.
+  const std::vector<int64_t> favourites = {4, 9, 8, 5};
+  sm::GenerationOptions options;
+  options.max_new_tokens = 4;
+  options.vocab_limit = 8;
+  int calls = 0;
+  // Greedy over ids 0..7: where the favourite is out of range every allowed
+  // logit is 0, and argmax takes the first.
+  EXPECT_EQ(sm::generate(scripted_step(favourites, 10, &calls), {1}, options).tokens,
+            (std::vector<int64_t>{4, 0, 0, 5}));
+  options.temperature = 1.0;
+  options.seed = 3;
+  calls = 0;
+  for (int64_t token : sm::generate(scripted_step(favourites, 10, &calls), {1}, options).tokens) {
+    EXPECT_LT(token, 8);
+  }
+}
+
 std::string generate_bin() { return std::string(SHARDTRAIN_BIN_DIR) + "/generate"; }
 
 std::string join(const std::vector<int64_t>& ids) {

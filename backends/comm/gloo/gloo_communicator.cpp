@@ -47,7 +47,7 @@ class GlooWork final : public Work {
       if (finished) break;
       if (log_->peer_reported()) {
         const std::runtime_error abandoned(
-            "abandoned after a peer's timeout: another rank of this group reported a failed collective");
+            "abandoned: another rank of this group reported a failed collective (a timeout or a lost peer)");
         rethrow_collective_failure(description_, timeout_, abandoned, log_->report());
       }
     }

@@ -54,6 +54,10 @@ struct GenerationOptions {
   /// Run exactly max_new_tokens steps even after a stop id (the result still
   /// ends at the stop id): keeps ranks in lockstep without communication.
   bool fixed_steps = false;
+  /// > 0: ids at or above it are never produced. The rows a padded embedding
+  /// has beyond its tokenizer's vocabulary (sizes rounded up to 64 or 128)
+  /// are untrained and could not be decoded; pass the tokenizer's vocab_size().
+  int64_t vocab_limit = 0;
   /// Called with every sampled token; generation continues with what it
   /// returns. A distributed caller returns rank 0's token (a broadcast), so
   /// all ranks see the same sequence and stop at the same step.
