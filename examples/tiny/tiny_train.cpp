@@ -35,13 +35,6 @@ at::Tensor batch_of(uint64_t seed, const TinyConfig& config, int64_t step, int64
   return at::stack(rows);
 }
 
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& tokens) {
-  const int64_t V = logits.size(-1);
-  at::Tensor inputs = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V});
-  at::Tensor targets = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
-  return at::cross_entropy_loss(inputs, targets);
-}
-
 shardtrain::TrainingConfig load(const TinyRunOptions& options) {
   if (options.config) return *options.config;
   if (options.config_path) return shardtrain::load_config(*options.config_path);
@@ -50,6 +43,13 @@ shardtrain::TrainingConfig load(const TinyRunOptions& options) {
 }
 
 }  // namespace
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& tokens) {
+  const int64_t V = logits.size(-1);
+  at::Tensor inputs = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V});
+  at::Tensor targets = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
+  return at::cross_entropy_loss(inputs, targets);
+}
 
 at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& config) {
   const uint64_t h = mix(seed * 1000003ull + static_cast<uint64_t>(index));
@@ -60,46 +60,37 @@ at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& conf
 
 namespace {
 
-/// One line of the metrics file. The engine run and the plain reference fill
-/// the same fields, so one tool (shardtrain plot, a diff) reads both.
-struct StepMetrics {
-  int64_t step = 0;
-  double loss = 0, lr = 0, grad_norm = -1, loss_scale = 1;
-  bool skipped = false;
-  int64_t non_finite_total = 0;
-  double lost_update_frac = -1, lost_update_frac_if_bf16 = -1;  ///< negative: not measured (null)
-  int64_t tokens = 0;
-  double seconds = 0;
-  shardtrain::MemoryReport memory;
-};
-
 std::ofstream open_metrics(const std::string& path) {
   std::ofstream metrics(path);
   ST_CHECK(metrics.good(), "cannot write the metrics file '", path, "'");
   return metrics;
 }
 
-void write_metrics(std::ofstream& out, const StepMetrics& m) {
+/// One line of the metrics file. The engine run and the plain reference write
+/// the same fields (the reference's StepInfo holds only lr and grad_norm), so
+/// one tool (shardtrain plot, a diff) reads both.
+void write_metrics(std::ofstream& out, int64_t step, double loss, const shardtrain::StepInfo& info, int64_t tokens,
+                   double seconds, const shardtrain::MemoryReport& memory) {
   auto fraction = [](double value) { return value >= 0 ? nlohmann::json(value) : nlohmann::json(); };
-  nlohmann::json line = {{"step", m.step},
-                         {"loss", m.loss},
-                         {"lr", m.lr},
-                         {"grad_norm", m.grad_norm},
-                         {"loss_scale", m.loss_scale},
-                         {"skipped", m.skipped},
-                         {"non_finite_total", m.non_finite_total},
-                         {"lost_update_frac", fraction(m.lost_update_frac)},
-                         {"lost_update_frac_if_bf16", fraction(m.lost_update_frac_if_bf16)},
-                         {"tokens", m.tokens},
-                         {"tokens_per_s", m.tokens / m.seconds},
-                         {"step_time_s", m.seconds},
+  nlohmann::json line = {{"step", step},
+                         {"loss", loss},
+                         {"lr", info.lr},
+                         {"grad_norm", info.grad_norm},
+                         {"loss_scale", info.loss_scale},
+                         {"skipped", info.skipped},
+                         {"non_finite_total", info.non_finite_total},
+                         {"lost_update_frac", fraction(info.lost_update_frac)},
+                         {"lost_update_frac_if_bf16", fraction(info.lost_update_frac_if_bf16)},
+                         {"tokens", tokens},
+                         {"tokens_per_s", tokens / seconds},
+                         {"step_time_s", seconds},
                          {"mem",
-                          {{"params", m.memory.params},
-                           {"grads", m.memory.grads},
-                           {"master", m.memory.master},
-                           {"optimizer", m.memory.optimizer},
-                           {"gathered", m.memory.gathered_peak},
-                           {"peak_rss", m.memory.peak_rss}}}};
+                          {{"params", memory.params},
+                           {"grads", memory.grads},
+                           {"master", memory.master},
+                           {"optimizer", memory.optimizer},
+                           {"gathered", memory.gathered_peak},
+                           {"peak_rss", memory.peak_rss}}}};
   out << line.dump() << "\n" << std::flush;
 }
 
@@ -164,20 +155,8 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
     result.lost_update_fracs.push_back(info.lost_update_frac);
     result.lost_update_fracs_if_bf16.push_back(info.lost_update_frac_if_bf16);
     if (metrics.is_open()) {
-      StepMetrics record;
-      record.step = step + 1;
-      record.loss = result.losses.back();
-      record.lr = info.lr;
-      record.grad_norm = info.grad_norm;
-      record.loss_scale = info.loss_scale;
-      record.skipped = info.skipped;
-      record.non_finite_total = info.non_finite_total;
-      record.lost_update_frac = info.lost_update_frac;
-      record.lost_update_frac_if_bf16 = info.lost_update_frac_if_bf16;
-      record.tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
-      record.seconds = seconds;
-      record.memory = accelerator.memory();
-      write_metrics(metrics, record);
+      const int64_t tokens = static_cast<int64_t>(world) * options.micro_batch * accumulation * options.model.seq_len;
+      write_metrics(metrics, step + 1, result.losses.back(), info, tokens, seconds, accelerator.memory());
     }
     if (!options.save_dir.empty() && options.save_every > 0 && (step + 1) % options.save_every == 0) {
       accelerator.save_state(options.save_dir);
@@ -311,15 +290,12 @@ TinyRunResult run_tiny_reference(const TinyRunOptions& options, int world_size) 
     result.losses.push_back(loss.item<double>());
     result.grad_norms.push_back(norm);
     if (metrics.is_open()) {
-      StepMetrics record;
-      record.step = step + 1;
-      record.loss = result.losses.back();
-      record.lr = setup.scheduler->lr_at(step);
-      record.grad_norm = norm;
-      record.tokens = tokens.numel();
-      record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      record.memory = reference_memory(setup);
-      write_metrics(metrics, record);
+      shardtrain::StepInfo info;
+      info.lr = setup.scheduler->lr_at(step);
+      info.grad_norm = norm;
+      write_metrics(metrics, step + 1, result.losses.back(), info, tokens.numel(),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                    reference_memory(setup));
     }
   }
   finish_reference(setup, result);

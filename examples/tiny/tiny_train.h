@@ -59,6 +59,9 @@ struct TinyRunResult {
 /// token is predictable from context (attention has to find the stride).
 at::Tensor synthetic_sample(uint64_t seed, int64_t index, const TinyConfig& config);
 
+/// Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1].
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& tokens);
+
 /// The engine run (zero / fsdp per the config) on the current job.
 TinyRunResult run_tiny(const TinyRunOptions& options);
 

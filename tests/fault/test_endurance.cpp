@@ -68,8 +68,7 @@ TEST(SlowEndurance, TwoThousandStepsWithSavesKeepMemoryAndDescriptorsFlatAndEver
           at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 4 * step + 2 * ctx.rank(), config),
                                          tiny::synthetic_sample(0, 4 * step + 2 * ctx.rank() + 1, config)});
           at::Tensor logits = prepared(tokens);
-          at::Tensor loss = at::cross_entropy_loss(
-              logits.slice(1, 0, -1).reshape({-1, logits.size(-1)}).to(at::kFloat), tokens.slice(1, 1).reshape({-1}));
+          at::Tensor loss = tiny::next_token_loss(logits, tokens);
           accelerator.backward(loss);
           accelerator.step();
           accelerator.zero_grad();

@@ -58,9 +58,7 @@ struct TinyLoop {
     at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 4 * step + 2 * rank, model_config),
                                    tiny::synthetic_sample(0, 4 * step + 2 * rank + 1, model_config)});
     at::Tensor logits = (*prepared)(tokens);
-    at::Tensor loss = at::cross_entropy_loss(logits.slice(1, 0, -1).reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                             tokens.slice(1, 1).reshape({-1})) *
-                      loss_factor;
+    at::Tensor loss = tiny::next_token_loss(logits, tokens) * loss_factor;
     accelerator->backward(loss);
     accelerator->step();
     accelerator->zero_grad();
