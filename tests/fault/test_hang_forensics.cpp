@@ -22,6 +22,7 @@
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
+#include "support/contains.h"
 
 namespace {
 
@@ -32,7 +33,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kCommTimeout = std::chrono::milliseconds(3000);
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using shardtrain::testing::contains;
 
 shardtrain::testing::MultiRankOptions forensic_options() {
   shardtrain::testing::MultiRankOptions options;
@@ -52,10 +53,6 @@ at::Tensor batch_of(int step, int rank, const tiny::TinyConfig& config) {
                     tiny::synthetic_sample(0, 4 * step + 2 * rank + 1, config)});
 }
 
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& tokens) {
-  return at::cross_entropy_loss(logits.slice(1, 0, -1).reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                tokens.slice(1, 1).reshape({-1}));
-}
 
 /// The tiny model under ZeRO-3 on this rank.
 struct TinyJob {
@@ -91,7 +88,7 @@ TEST(FaultHangReport, RankThatSkipsAUnitForwardIsNamedWithTheUnits) {
           }
           return m->head(tiny::rms_norm(h, m->norm_f)).to(at::kFloat);
         });
-        accelerator->backward(next_token_loss(logits, tokens));
+        accelerator->backward(tiny::next_token_loss(logits, tokens));
         accelerator->step();
         accelerator->zero_grad();
       }
@@ -116,7 +113,7 @@ TEST(FaultHangReport, SaveStateOnRankZeroOnlyIsNamed) {
     auto& accelerator = job.accelerator;
     auto train_step = [&](int step) {
       at::Tensor tokens = batch_of(step, ctx.rank(), job.config);
-      accelerator->backward(next_token_loss((*job.prepared)(tokens), tokens));
+      accelerator->backward(tiny::next_token_loss((*job.prepared)(tokens), tokens));
       accelerator->step();
       accelerator->zero_grad();
     };

@@ -17,6 +17,7 @@
 
 #include "support/multirank.h"
 #include "support/scratch_dir.h"
+#include "support/contains.h"
 
 namespace {
 
@@ -77,7 +78,7 @@ std::string join(const std::vector<pid_t>& pids) {
   return out.str();
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using shardtrain::testing::contains;
 
 /// Waits (in the shell) until `file` has `lines` lines, at most ~10 s.
 std::string wait_for_lines(const std::string& file, int lines) {

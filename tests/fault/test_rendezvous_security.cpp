@@ -11,12 +11,13 @@
 #include "comm/rendezvous_store.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
+#include "support/contains.h"
 
 namespace {
 
 using shardtrain::testing::RankContext;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using shardtrain::testing::contains;
 
 TEST(FaultRendezvous, IntrudersAreRefusedAndTheJobGoesOn) {
   shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {

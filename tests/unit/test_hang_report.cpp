@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "comm/collective_log.h"
+#include "support/contains.h"
 
 namespace {
 
@@ -16,7 +17,7 @@ using shardtrain::comm::CollectiveScope;
 using shardtrain::comm::LoggedCollective;
 using shardtrain::comm::RankLogs;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using shardtrain::testing::contains;
 
 LoggedCollective entry(int64_t seq, const std::string& op, const std::string& context, int64_t numel = 64) {
   return {seq, op, "Float", numel, 2 * numel, context};

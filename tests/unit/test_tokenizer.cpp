@@ -27,6 +27,7 @@
 #include "shardtrain/models/llama.h"
 #include "shardtrain/tokenizer.h"
 #include "support/scratch_dir.h"
+#include "support/contains.h"
 
 namespace {
 
@@ -86,7 +87,7 @@ std::string read_bytes(const std::string& path) {
   return out.str();
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using shardtrain::testing::contains;
 
 std::unique_ptr<shardtrain::Tokenizer> bundled() {
   ScopedEnv no_override("SHARDTRAIN_SPM_SHIM", std::nullopt);
