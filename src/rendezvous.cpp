@@ -105,7 +105,71 @@ void validate(const DistEnv& env, const char* rank_var, const char* world_var, c
   }
 }
 
-DistEnv detect_launcher_env(const Lookup& lookup);
+/// Rank, world and rendezvous address from whichever launcher started this process.
+DistEnv detect_launcher_env(const Lookup& lookup) {
+  DistEnv env;
+  if (get(lookup, "RANK") || get(lookup, "WORLD_SIZE")) {
+    const char* fix =
+        "torchrun-style launches set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT together; use `shardtrain launch --num_processes N PROGRAM` to have them set.";
+    env.source = "torchrun";
+    env.rank = require_int(lookup, "RANK", "torchrun-style", fix);
+    env.world_size = require_int(lookup, "WORLD_SIZE", "torchrun-style", fix);
+    auto local_rank = get(lookup, "LOCAL_RANK");
+    auto local_world = get(lookup, "LOCAL_WORLD_SIZE");
+    if (local_rank && !local_world) {
+      ST_THROW(ConfigError, "LOCAL_RANK is set but LOCAL_WORLD_SIZE is not: set LOCAL_WORLD_SIZE to the "
+               "number of processes on this machine. ", fix);
+    }
+    if (local_world && !local_rank) {
+      ST_THROW(ConfigError, "LOCAL_WORLD_SIZE is set but LOCAL_RANK is not: set LOCAL_RANK to this "
+               "process's index on its machine. ", fix);
+    }
+    // Neither set: one machine holds every rank.
+    env.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank, fix) : env.rank;
+    env.local_world_size = local_world ? parse_int("LOCAL_WORLD_SIZE", *local_world, fix) : env.world_size;
+    validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    require_master(lookup, env, "the launcher");
+    return env;
+  }
+  if (get(lookup, "SLURM_PROCID")) {
+    const char* fix = "Run under srun (which sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID).";
+    env.source = "slurm";
+    env.rank = require_int(lookup, "SLURM_PROCID", "Slurm", fix);
+    env.world_size = require_int(lookup, "SLURM_NTASKS", "Slurm", fix);
+    env.local_rank = require_int(lookup, "SLURM_LOCALID", "Slurm", fix);
+    if (auto per_node = get(lookup, "SLURM_NTASKS_PER_NODE")) {
+      env.local_world_size = leading_count(*per_node);
+    } else if (auto tasks = get(lookup, "SLURM_TASKS_PER_NODE")) {
+      env.local_world_size = leading_count(*tasks);
+    } else if (auto nodes = get(lookup, "SLURM_NNODES")) {
+      int n = parse_int("SLURM_NNODES", *nodes, fix);
+      env.local_world_size = n > 0 ? env.world_size / n : -1;
+    } else {
+      ST_THROW(ConfigError, "Slurm launch without SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE or "
+               "SLURM_NNODES: cannot tell how many processes run per machine; pass --ntasks-per-node to sbatch/srun.");
+    }
+    validate(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
+    require_master(lookup, env, "Slurm");
+    return env;
+  }
+  if (get(lookup, "OMPI_COMM_WORLD_RANK")) {
+    const char* fix = "Run under Open MPI's mpirun, which sets the OMPI_COMM_WORLD_* variables.";
+    env.source = "openmpi";
+    env.rank = require_int(lookup, "OMPI_COMM_WORLD_RANK", "Open MPI", fix);
+    env.world_size = require_int(lookup, "OMPI_COMM_WORLD_SIZE", "Open MPI", fix);
+    env.local_rank = require_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI", fix);
+    auto local_world = get(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE");
+    env.local_world_size = local_world ? parse_int("OMPI_COMM_WORLD_LOCAL_SIZE", *local_world, fix) : env.world_size;
+    validate(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE");
+    require_master(lookup, env, "mpirun");
+    return env;
+  }
+  env.source = "single";
+  require_master(lookup, env, "a single process");
+  return env;
+}
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
@@ -187,75 +251,6 @@ DistEnv detect_dist_env(const Lookup& lookup) {
   if (auto bind = get(lookup, "SHARDTRAIN_RDZV_BIND")) env.rdzv_bind = *bind;
   return env;
 }
-
-namespace {
-
-DistEnv detect_launcher_env(const Lookup& lookup) {
-  DistEnv env;
-  if (get(lookup, "RANK") || get(lookup, "WORLD_SIZE")) {
-    const char* fix =
-        "torchrun-style launches set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
-        "MASTER_PORT together; use `shardtrain launch --num_processes N PROGRAM` to have them set.";
-    env.source = "torchrun";
-    env.rank = require_int(lookup, "RANK", "torchrun-style", fix);
-    env.world_size = require_int(lookup, "WORLD_SIZE", "torchrun-style", fix);
-    auto local_rank = get(lookup, "LOCAL_RANK");
-    auto local_world = get(lookup, "LOCAL_WORLD_SIZE");
-    if (local_rank && !local_world) {
-      ST_THROW(ConfigError, "LOCAL_RANK is set but LOCAL_WORLD_SIZE is not: set LOCAL_WORLD_SIZE to the "
-               "number of processes on this machine. ", fix);
-    }
-    if (local_world && !local_rank) {
-      ST_THROW(ConfigError, "LOCAL_WORLD_SIZE is set but LOCAL_RANK is not: set LOCAL_RANK to this "
-               "process's index on its machine. ", fix);
-    }
-    // Neither set: one machine holds every rank.
-    env.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank, fix) : env.rank;
-    env.local_world_size = local_world ? parse_int("LOCAL_WORLD_SIZE", *local_world, fix) : env.world_size;
-    validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-    require_master(lookup, env, "the launcher");
-    return env;
-  }
-  if (get(lookup, "SLURM_PROCID")) {
-    const char* fix = "Run under srun (which sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID).";
-    env.source = "slurm";
-    env.rank = require_int(lookup, "SLURM_PROCID", "Slurm", fix);
-    env.world_size = require_int(lookup, "SLURM_NTASKS", "Slurm", fix);
-    env.local_rank = require_int(lookup, "SLURM_LOCALID", "Slurm", fix);
-    if (auto per_node = get(lookup, "SLURM_NTASKS_PER_NODE")) {
-      env.local_world_size = leading_count(*per_node);
-    } else if (auto tasks = get(lookup, "SLURM_TASKS_PER_NODE")) {
-      env.local_world_size = leading_count(*tasks);
-    } else if (auto nodes = get(lookup, "SLURM_NNODES")) {
-      int n = parse_int("SLURM_NNODES", *nodes, fix);
-      env.local_world_size = n > 0 ? env.world_size / n : -1;
-    } else {
-      ST_THROW(ConfigError, "Slurm launch without SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE or "
-               "SLURM_NNODES: cannot tell how many processes run per machine; pass --ntasks-per-node to sbatch/srun.");
-    }
-    validate(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
-    require_master(lookup, env, "Slurm");
-    return env;
-  }
-  if (get(lookup, "OMPI_COMM_WORLD_RANK")) {
-    const char* fix = "Run under Open MPI's mpirun, which sets the OMPI_COMM_WORLD_* variables.";
-    env.source = "openmpi";
-    env.rank = require_int(lookup, "OMPI_COMM_WORLD_RANK", "Open MPI", fix);
-    env.world_size = require_int(lookup, "OMPI_COMM_WORLD_SIZE", "Open MPI", fix);
-    env.local_rank = require_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI", fix);
-    auto local_world = get(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE");
-    env.local_world_size = local_world ? parse_int("OMPI_COMM_WORLD_LOCAL_SIZE", *local_world, fix) : env.world_size;
-    validate(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-             "OMPI_COMM_WORLD_LOCAL_SIZE");
-    require_master(lookup, env, "mpirun");
-    return env;
-  }
-  env.source = "single";
-  require_master(lookup, env, "a single process");
-  return env;
-}
-
-}  // namespace
 
 std::chrono::milliseconds default_comm_timeout() {
   if (const char* text = std::getenv("SHARDTRAIN_COMM_TIMEOUT_S"); text && *text) {

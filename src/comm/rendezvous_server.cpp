@@ -241,7 +241,7 @@ void release_parked(std::vector<ParkedRequest>& parked, const std::map<std::stri
 
 void RendezvousServer::serve() {
   State& s = *state_;
-  auto refuse = [&](int fd, Connection& c, const std::string& reason) {
+  auto refuse = [&](Connection& c, const std::string& reason) {
     ++refused_;
     ST_LOG_WARN("rendezvous: refused the connection from {}: {}", c.peer, reason);
     Bytes frame = FrameWriter(1).field(reason).finish();
@@ -250,7 +250,6 @@ void RendezvousServer::serve() {
     c.out.insert(c.out.end(), frame.begin(), frame.end());
     c.close_after_flush = true;
     c.in.clear();
-    (void)fd;
   };
   std::vector<int> to_close;
   while (true) {
@@ -312,9 +311,9 @@ void RendezvousServer::serve() {
         Bytes client_nonce(c.in.begin() + kMagic.size(), c.in.begin() + kMagic.size() + kNonceBytes);
         Bytes mac(c.in.begin() + kMagic.size() + kNonceBytes, c.in.begin() + kProofBytes);
         if (!magic_ok) {
-          refuse(fd, c, "it does not speak shardtrain's rendezvous protocol");
+          refuse(c, "it does not speak shardtrain's rendezvous protocol");
         } else if (!same_mac(mac, handshake_mac(token_, "client", c.server_nonce, client_nonce))) {
-          refuse(fd, c,
+          refuse(c,
                  "wrong or missing rendezvous token: this job's processes must all carry the token its launcher "
                  "made (SHARDTRAIN_RDZV_TOKEN, or --rdzv_token on every machine)");
         } else {
@@ -351,7 +350,7 @@ void RendezvousServer::serve() {
         }
       }
       if (!drop && !c.authenticated && !c.close_after_flush && now > c.handshake_deadline) {
-        refuse(fd, c, "it did not complete the handshake within 10 s");
+        refuse(c, "it did not complete the handshake within 10 s");
       }
       if (drop) to_close.push_back(fd);
     }

@@ -91,6 +91,10 @@ GlooCommunicator::GlooCommunicator(compat::StorePtr store, int rank, int world_s
   collective_log()->attach_store(root_store_, store_prefix_, options.timeout);
 }
 
+void GlooCommunicator::fail_to_issue(const CollectiveEvent& event, const std::exception& failure) {
+  rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+}
+
 WorkPtr GlooCommunicator::wrap(compat::WorkHandle work, const CollectiveEvent& event,
                                std::function<void()> finalize) {
   return std::make_shared<GlooWork>(std::move(work), describe(event), options().timeout,
@@ -107,7 +111,7 @@ WorkPtr GlooCommunicator::do_all_gather(const at::Tensor& output, const at::Tens
   try {
     return wrap(group_->allgather(outputs, inputs), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 
@@ -154,7 +158,7 @@ WorkPtr GlooCommunicator::do_all_gather_coalesced(const std::vector<at::Tensor>&
   try {
     return wrap(group_->allgather_coalesced(output_lists, input_list), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 
@@ -183,7 +187,7 @@ WorkPtr GlooCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
     return wrap(group_->alltoall_base(wire_received, wire_in, receive_splits, send_splits), event,
                 std::move(finalize));
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 
@@ -214,7 +218,7 @@ WorkPtr GlooCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op,
   try {
     return wrap(group_->allreduce(tensors, reduce_options), event, std::move(finalize));
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 
@@ -244,7 +248,7 @@ WorkPtr GlooCommunicator::do_broadcast(const at::Tensor& tensor, int root,
   try {
     return wrap(group_->broadcast(tensors, broadcast_options), event, nullptr);
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 
@@ -254,7 +258,7 @@ void GlooCommunicator::do_barrier(const CollectiveEvent& event) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& failure) {
-    rethrow_collective_failure(describe(event), options().timeout, failure, collective_log()->report());
+    fail_to_issue(event, failure);
   }
 }
 

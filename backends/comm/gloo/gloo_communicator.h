@@ -45,6 +45,8 @@ class GlooCommunicator final : public Communicator {
 
  private:
   WorkPtr wrap(compat::WorkHandle work, const CollectiveEvent& event, std::function<void()> finalize);
+  /// Gloo refused `event` as it was issued: the backend's error, with the hang report.
+  [[noreturn]] void fail_to_issue(const CollectiveEvent& event, const std::exception& failure);
 
   compat::StorePtr root_store_;
   std::string hostname_;
