@@ -58,6 +58,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--no-packing", options.no_packing, "One example per row (padded) instead of packing");
   app.add_option("--micro-batch", options.micro_batch, "Rows per rank per micro-batch")->capture_default_str();
+  app.add_option("--gradient-accumulation-steps", options.gradient_accumulation_steps,
+                 "Micro-batches per optimizer step (0: the config's, else 1)")
+      ->capture_default_str();
+  app.add_option("--loss-normalization", options.loss_normalization,
+                 "global_tokens: mean over the global batch's loss tokens, the same at any world size and "
+                 "accumulation split (the Trainer's); per_rank_mean: mean of each rank's micro-batch means")
+      ->check(CLI::IsMember({"global_tokens", "per_rank_mean"}))
+      ->capture_default_str();
   app.add_option("--max-steps", options.max_steps, "Optimizer steps")->capture_default_str();
   app.add_option("--lr", options.lr, "Peak learning rate")->capture_default_str();
   app.add_option("--weight-decay", options.weight_decay, "AdamW weight decay")->capture_default_str();
@@ -75,6 +83,10 @@ int main(int argc, char** argv) {
   app.add_option("--keep-last", options.keep_last, "Keep at most N checkpoints (0: all)")->capture_default_str();
   app.add_option("--resume", options.resume, "Resume from a run's output directory, a checkpoint directory (their latest), a step_N checkpoint, or `latest` (this run's --output-dir)");
   app.add_option("--metrics-out", options.metrics_out, "One JSON object per step (rank 0)");
+  app.add_option("--report_to,--report-to", options.report_to,
+                 "Where metrics go, as the Trainer's: jsonl (OUTPUT_DIR/metrics.jsonl unless --metrics-out), none, "
+                 "all; tensorboard, wandb, ... are not built in and fall back to jsonl with a warning")
+      ->capture_default_str();
   app.add_option("--eval-every", options.eval_every, "Evaluate every N steps (0: at start and end only)")
       ->capture_default_str();
   app.add_option("--eval-samples", options.eval_samples, "Eval prompts for exact match (0: all)")
@@ -113,14 +125,15 @@ int main(int argc, char** argv) {
     if (options.eval_data.empty() && !no_eval) options.eval_data = bundled + "/data/eval.jsonl";
   }
   if (no_eval) options.eval_data.clear();
-  if (!plot.empty() && options.metrics_out.empty()) {
-    std::cerr << program << ": --plot draws the metrics file: give --metrics-out FILE too" << std::endl;
+  if (!plot.empty() && options.metrics_out.empty() && options.report_to == "none") {
+    std::cerr << program << ": --plot draws the metrics file: give --metrics-out FILE or --report_to jsonl too"
+              << std::endl;
     return 2;
   }
   try {
     finetune::FinetuneSummary summary = finetune::run_finetune(options);
-    if (!plot.empty() && summary.main_process) {
-      shardtrain::plot_metrics({{options.metrics_out, program}}, plot);
+    if (!plot.empty() && summary.main_process && !summary.metrics_file.empty()) {
+      shardtrain::plot_metrics({{summary.metrics_file, program}}, plot);
       std::cout << "curves: " << plot << std::endl;
     }
     if (!summary_json.empty() && summary.main_process) {

@@ -287,16 +287,30 @@ DistributedSampler& Accelerator::prepare_sampler(int64_t dataset_size, uint64_t 
 void Accelerator::begin_forward() { engine().begin_forward(); }
 at::Tensor Accelerator::end_forward(at::Tensor output) { return engine().end_forward(std::move(output)); }
 
-void Accelerator::backward(const at::Tensor& loss) {
+void Accelerator::backward(const at::Tensor& loss) { backward(loss, LossNormalization::kPerRankMean); }
+
+void Accelerator::backward(const at::Tensor& loss, LossNormalization normalization) {
   comm::CollectiveScope scope("backward()");
   State& s = *state_;
   if (s.micro_in_window == s.accumulation) {  // step() was not called: start a new window anyway
     s.micro_in_window = 0;
   }
   const bool sync = s.micro_in_window + 1 == s.accumulation;
-  at::Tensor scaled = s.accumulation == 1 ? loss : loss / static_cast<double>(s.accumulation);
-  engine().backward(scaled, sync);
+  // The engine divides the summed gradients by the world size (gradient
+  // predivide x postdivide); a global-token loss is already a share of the
+  // global mean, so it is multiplied back here (exact for powers of two).
+  const double factor = normalization == LossNormalization::kGlobalTokens
+                            ? static_cast<double>(num_processes())
+                            : 1.0 / static_cast<double>(s.accumulation);
+  engine().backward(factor == 1.0 ? loss : loss * factor, sync);
   ++s.micro_in_window;
+}
+
+int64_t Accelerator::sum_over_processes(int64_t local_count) {
+  comm::CollectiveScope scope("sum_over_processes()");
+  // fp64 carries every count below 2^53 exactly; Gloo reduces it on every backend.
+  const at::Tensor total = reduce(at::full({1}, static_cast<double>(local_count), at::kDouble), "sum");
+  return static_cast<int64_t>(total.item<double>());
 }
 
 bool Accelerator::sync_gradients() const { return state_->micro_in_window == state_->accumulation; }

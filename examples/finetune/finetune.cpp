@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -240,11 +241,47 @@ nlohmann::json summary_to_json(const FinetuneSummary& summary) {
               {"eval_loss_after", finite_or_null(summary.eval_after.loss)}};
 }
 
+std::string resolve_metrics_file(const std::string& report_to, const std::string& metrics_out,
+                                 const std::string& output_dir, std::vector<std::string>& warnings) {
+  // The Trainer's integrations (transformers.integrations.get_available_reporting_integrations).
+  static const std::set<std::string> kTrainerIntegrations = {
+      "azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow",
+      "neptune",  "swanlab", "tensorboard", "trackio", "wandb"};
+  bool jsonl = false;
+  std::stringstream list(report_to);
+  for (std::string name; std::getline(list, name, ',');) {
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (name.empty() || name == "none") continue;
+    if (name == "jsonl" || name == "all") {
+      jsonl = true;
+    } else if (kTrainerIntegrations.count(name) != 0) {
+      jsonl = true;
+      warnings.push_back("--report_to " + name + ": not built in" +
+                         (name == "tensorboard"
+                              ? std::string(" (no maintained C++ TensorBoard event writer is packaged for Debian)")
+                              : std::string()) +
+                         "; the metrics go to the JSONL file instead, which `shardtrain plot` draws");
+    } else {
+      ST_THROW(shardtrain::ConfigError, "--report_to '", name,
+               "' is not one of jsonl, none, all, or a Transformers integration such as tensorboard");
+    }
+  }
+  if (!metrics_out.empty()) return metrics_out;
+  return jsonl ? (fs::path(output_dir) / "metrics.jsonl").string() : std::string();
+}
+
 FinetuneSummary run_finetune(const FinetuneOptions& options) {
   ST_CHECK(options.max_steps > 0, "--max-steps must be positive");
   ST_CHECK(options.seq_len >= 8, "--seq-len must be at least 8");
   ST_CHECK(options.micro_batch > 0, "--micro-batch must be positive");
   ST_CHECK(!options.data.empty(), "no training data: pass --data FILE.jsonl");
+  ST_CHECK_T(shardtrain::ConfigError,
+             options.loss_normalization == "global_tokens" || options.loss_normalization == "per_rank_mean",
+             "--loss-normalization '", options.loss_normalization, "' is not one of global_tokens, per_rank_mean");
+  ST_CHECK_T(shardtrain::ConfigError, options.gradient_accumulation_steps >= 0,
+             "--gradient-accumulation-steps must be positive (0: the config's), got ",
+             options.gradient_accumulation_steps);
 
   shardtrain::AcceleratorOptions accelerator_options;
   if (!options.config_path.empty()) accelerator_options.config_path = options.config_path;
@@ -262,6 +299,9 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     config.fsdp.activation_checkpointing = true;
     config.gradient_checkpointing = true;
     accelerator_options.config = config;
+  }
+  if (options.gradient_accumulation_steps > 0) {
+    accelerator_options.gradient_accumulation_steps = options.gradient_accumulation_steps;
   }
   accelerator_options.communicator = options.communicator;
   accelerator_options.checkpoint_total_limit = options.keep_last;
@@ -386,10 +426,18 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const int world = accelerator.num_processes();
   const bool config_clips = accelerator.config().gradient_clipping.value_or(0.0) > 0;
   const int64_t accumulation = accelerator.gradient_accumulation_steps();
+  const bool global_tokens = options.loss_normalization == "global_tokens";
   std::ofstream metrics;
-  if (!options.metrics_out.empty() && main_process) {
-    metrics.open(options.metrics_out, summary.first_step > 0 ? std::ios::app : std::ios::trunc);
-    ST_CHECK(metrics.good(), "cannot write the metrics file '", options.metrics_out, "'");
+  std::vector<std::string> report_warnings;
+  summary.metrics_file = resolve_metrics_file(options.report_to, options.metrics_out, options.output_dir,
+                                              report_warnings);
+  if (main_process) {
+    for (const std::string& warning : report_warnings) ST_LOG_WARN("{}", warning);
+  }
+  if (!summary.metrics_file.empty() && main_process) {
+    fs::create_directories(fs::absolute(summary.metrics_file).parent_path());
+    metrics.open(summary.metrics_file, summary.first_step > 0 ? std::ios::app : std::ios::trunc);
+    ST_CHECK(metrics.good(), "cannot write the metrics file '", summary.metrics_file, "'");
   }
 
   if (summary.first_step == 0 && (eval.rows.num_rows() > 0 || !eval.examples.empty())) {
@@ -447,17 +495,35 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   int64_t train_tokens = 0;  // token positions (rows x seq_len) this rank computed
   for (int64_t step = summary.first_step; step < options.max_steps; ++step) {
     const auto start = Clock::now();
-    double loss_sum = 0;
-    int64_t step_tokens = 0;
+    // The window's batches come first, as the Trainer's get_batch_samples:
+    // a global-token loss needs the window's loss-token count before the
+    // first backward.
+    std::vector<models::InstructionBatch> window;
+    int64_t step_tokens = 0, window_loss_tokens = 0;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      models::InstructionBatch batch =
-          models::make_batch(train.rows, next_rows(options.micro_batch)).to(device);
-      at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
-      at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
-      accelerator.backward(loss);
-      loss_sum += loss.item<double>();
-      step_tokens += batch.input_ids.numel();
+      window.push_back(models::make_batch(train.rows, next_rows(options.micro_batch)).to(device));
+      step_tokens += window.back().input_ids.numel();
+      window_loss_tokens += models::count_loss_tokens(window.back().labels);
     }
+    const int64_t global_loss_tokens = global_tokens ? accelerator.sum_over_processes(window_loss_tokens) : 0;
+    // Global tokens: the summed token losses of this rank's window; per-rank
+    // mean: the sum of its micro-batch means.
+    double loss_sum = 0;
+    for (const models::InstructionBatch& batch : window) {
+      at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
+      if (global_tokens) {
+        at::Tensor summed = models::causal_lm_loss_sum(logits, batch.labels);
+        // A window without loss tokens has a zero loss, not 0/0.
+        accelerator.backward(summed / static_cast<double>(std::max<int64_t>(1, global_loss_tokens)),
+                             shardtrain::LossNormalization::kGlobalTokens);
+        loss_sum += summed.item<double>();
+      } else {
+        at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
+        accelerator.backward(loss);
+        loss_sum += loss.item<double>();
+      }
+    }
+    window.clear();
     // As the Transformers Trainer: a DeepSpeed config's gradient_clipping is
     // applied by step(); otherwise --max-grad-norm is applied here.
     if (!config_clips && options.max_grad_norm > 0 && accelerator.sync_gradients()) {
@@ -466,7 +532,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     accelerator.step();
     accelerator.zero_grad();
     const double step_loss =
-        accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean").item<double>();
+        global_tokens
+            ? accelerator.reduce(at::full({1}, loss_sum, at::kDouble), "sum").item<double>() /
+                  static_cast<double>(std::max<int64_t>(1, global_loss_tokens))
+            : accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean").item<double>();
     const double seconds = seconds_since(start);
     // The first --throughput-skip-steps steps (cuBLAS set-up, the caching
     // allocator's first allocations) stay out of tokens/s and MFU.

@@ -27,6 +27,14 @@ struct FinetuneOptions {
   std::string activation_checkpointing = "none";
   bool no_packing = false;
   int64_t micro_batch = 8;
+  /// 0: the config's gradient_accumulation_steps (Accelerate's --gradient_accumulation_steps otherwise).
+  int64_t gradient_accumulation_steps = 0;
+  /// global_tokens: each step's loss is the mean over every loss token of the
+  /// global batch (all ranks, all micro-batches), as the Transformers Trainer
+  /// computes it since its gradient-accumulation fix, so a step does not
+  /// depend on the world size or the accumulation split. per_rank_mean: each
+  /// rank's micro-batch mean, averaged (Accelerate's plain loop; DeepSpeed).
+  std::string loss_normalization = "global_tokens";
   int64_t max_steps = 600;
   double lr = 1e-3;
   double weight_decay = 0.0;
@@ -39,6 +47,7 @@ struct FinetuneOptions {
   int keep_last = 2;
   std::string resume;
   std::string metrics_out;
+  std::string report_to = "none";  ///< see resolve_metrics_file
   int64_t eval_every = 0;
   int64_t eval_samples = 200;
   int64_t max_new_tokens = 16;
@@ -85,8 +94,19 @@ struct FinetuneSummary {
   double peak_flops = 0;               ///< per rank, what MFU is measured against
   std::string peak_source;             ///< where peak_flops came from
   std::string checkpoint_dir, export_dir;
+  std::string metrics_file;  ///< the per-step JSONL rank 0 wrote ("" when none)
   shardtrain::PrecisionPlan plan;
 };
+
+/// Where the per-step metrics go, from the Trainer's --report_to list
+/// ("jsonl,tensorboard", "none", "all") and --metrics-out. jsonl (and "all")
+/// writes OUTPUT_DIR/metrics.jsonl unless --metrics-out names a file; an
+/// explicit --metrics-out is always written. The Trainer's other
+/// integrations (tensorboard, wandb, ...) are not built in: each adds a
+/// warning to `warnings` saying why and falls back to the JSONL file, so no
+/// run loses its metrics. Anything else is a ConfigError. Returns the file ("" for none).
+std::string resolve_metrics_file(const std::string& report_to, const std::string& metrics_out,
+                                 const std::string& output_dir, std::vector<std::string>& warnings);
 
 /// Mean of `values`; NaN when empty.
 double mean_of(const std::vector<double>& values);

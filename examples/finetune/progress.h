@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -48,9 +49,12 @@ inline std::string format_bytes(double bytes) {
 /// so logs stay readable.
 class ProgressBar {
  public:
-  ProgressBar(int64_t total, int64_t first, bool enabled, int64_t every)
+  /// `interactive` unset: whether stdout is a terminal. `out`: where it prints (tests pass a stream).
+  ProgressBar(int64_t total, int64_t first, bool enabled, int64_t every, std::optional<bool> interactive = {},
+              std::ostream& out = std::cout)
       : total_(total), first_(first), enabled_(enabled), every_(std::max<int64_t>(1, every)),
-        interactive_(isatty(STDOUT_FILENO) == 1), start_(std::chrono::steady_clock::now()) {}
+        interactive_(interactive.value_or(isatty(STDOUT_FILENO) == 1)), out_(out),
+        start_(std::chrono::steady_clock::now()) {}
 
   void update(int64_t step, double loss, double lr, double tokens_per_s) {
     if (!enabled_) return;
@@ -69,15 +73,15 @@ class ProgressBar {
                   format_duration(elapsed).c_str(), format_duration(eta).c_str());
     line << numbers;
     if (interactive_) {
-      std::cout << "\r" << line.str() << "\x1b[K" << (last ? "\n" : "") << std::flush;
+      out_ << "\r" << line.str() << "\x1b[K" << (last ? "\n" : "") << std::flush;
     } else {
-      std::cout << line.str() << std::endl;
+      out_ << line.str() << std::endl;
     }
   }
 
   /// Ends the redrawn line before other output.
   void interrupt() {
-    if (enabled_ && interactive_) std::cout << std::endl;
+    if (enabled_ && interactive_) out_ << std::endl;
   }
 
  private:
@@ -85,6 +89,7 @@ class ProgressBar {
   bool enabled_;
   int64_t every_;
   bool interactive_;
+  std::ostream& out_;
   std::chrono::steady_clock::time_point start_;
 };
 

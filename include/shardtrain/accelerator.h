@@ -74,6 +74,23 @@ struct AcceleratorOptions {
   comm::CommunicatorPtr communicator;
 };
 
+/// What the loss given to Accelerator::backward is a mean over.
+enum class LossNormalization {
+  /// This rank's mean over its micro-batch (Accelerate's convention):
+  /// backward divides it by the accumulation steps and the engine averages
+  /// gradients over ranks, so every micro-batch of every rank weighs the
+  /// same whatever its number of loss tokens. A step's update then depends
+  /// on how the global batch is split over ranks and accumulation steps.
+  kPerRankMean,
+  /// This micro-batch's summed token losses divided by the loss tokens of the
+  /// whole accumulation window on all ranks (sum_over_processes), as the
+  /// Transformers Trainer's num_items_in_batch: backward multiplies it by the
+  /// world size (undoing the engine's mean over ranks) and does not divide by
+  /// the accumulation steps, so the update is the mean over the global
+  /// batch's tokens, the same at any world size and accumulation split.
+  kGlobalTokens,
+};
+
 /// Facts about the run that "auto" config values and the precision plan need.
 struct RunInfo {
   std::optional<int64_t> hidden_size;       ///< H for reduce_bucket_size = H^2 etc.
@@ -208,6 +225,12 @@ class Accelerator {
   // ---- training step
   /// Backward with loss scaling (fp16) and division by the accumulation steps.
   void backward(const at::Tensor& loss);
+  /// Backward of a loss normalised as `normalization` says (see LossNormalization).
+  void backward(const at::Tensor& loss, LossNormalization normalization);
+  /// Sum over all processes of `local_count` (collective): the global number
+  /// of loss tokens of an accumulation window, the denominator of
+  /// LossNormalization::kGlobalTokens.
+  int64_t sum_over_processes(int64_t local_count);
   /// True when the next step() applies the optimizer (end of an accumulation window).
   bool sync_gradients() const;
   int64_t gradient_accumulation_steps() const;

@@ -116,7 +116,7 @@ struct ZeroConfig {
   bool allgather_partitions = true;
   int64_t allgather_bucket_size = kDefaultAllgatherBucketSize;
   std::optional<bool> overlap_comm;                   ///< default: true for stage 3, else false
-  int64_t sub_group_size = kDefaultSubGroupSize;
+  int64_t sub_group_size = kDefaultSubGroupSize;      ///< elements per optimizer step slice; 0: one per parameter
   std::optional<int64_t> stage3_prefetch_bucket_size;        ///< default 5e7; "auto" = 0.9*H*H
   std::optional<int64_t> stage3_param_persistence_threshold; ///< default 1e5; "auto" = 10*H
   int64_t stage3_max_live_parameters = kDefaultMaxLiveParameters;
@@ -233,11 +233,17 @@ struct AutoContext {
   std::optional<int64_t> total_steps;        ///< optimizer steps of the run
   std::optional<int64_t> warmup_steps;       ///< the run's warmup (scheduler warmup_num_steps "auto"); else 0
   std::optional<double> max_grad_norm;       ///< the run's clipping norm (gradient_clipping "auto"); else 1.0
+  /// For `shardtrain config check` without the run's facts: what only the
+  /// run, its data loader or its model supplies (micro batch, "auto" steps,
+  /// warmup, clipping, hidden-size buckets) stays unset, and "auto" keys stay
+  /// recorded, instead of failing or taking defaults. Runs leave it false.
+  bool leave_run_values_auto = false;
 };
 
 /// Reads a config file: `.yaml`/`.yml` as Accelerate YAML, `.json` as DeepSpeed
 /// JSON (other extensions: sniffed from the content). Relative
-/// deepspeed_config_file paths resolve against the YAML's directory.
+/// deepspeed_config_file paths resolve against the working directory, as
+/// Accelerate's do, then against the YAML's directory.
 TrainingConfig load_config(const std::string& path);
 
 /// Parses from text; `format` is "yaml" or "json". `base_dir` resolves

@@ -31,6 +31,37 @@ struct ConvertFlags {
   std::string output;
 };
 
+/// What `config check` leaves to the run, one "key: auto (from ...)" line
+/// each: the values the file does not determine and no flag gave.
+std::vector<std::string> left_to_the_run(const TrainingConfig& resolved) {
+  std::vector<std::string> lines;
+  auto add = [&](bool unset, const std::string& key, const std::string& source) {
+    if (unset) lines.push_back(key + ": auto (" + source + ")");
+  };
+  const bool no_micro = !resolved.train_micro_batch_size_per_gpu;
+  add(no_micro, "train_micro_batch_size_per_gpu", "from the data loader: its batch size; --micro-batch fills it");
+  add(!resolved.gradient_accumulation_steps, "gradient_accumulation_steps",
+      "from the run: its gradient_accumulation_steps, 1 unless set");
+  add(!resolved.train_batch_size, "train_batch_size",
+      "from the data loader: micro batch x gradient accumulation x world size");
+  add(!resolved.gradient_clipping, "gradient_clipping", "from the run: its max_grad_norm, 1.0 unless set");
+  const ZeroConfig& zero = resolved.zero;
+  add(!zero.reduce_bucket_size, "zero_optimization.reduce_bucket_size",
+      "from the model: hidden_size^2; --hidden-size fills it");
+  add(!zero.stage3_prefetch_bucket_size, "zero_optimization.stage3_prefetch_bucket_size",
+      "from the model: 0.9 x hidden_size^2; --hidden-size fills it");
+  add(!zero.stage3_param_persistence_threshold, "zero_optimization.stage3_param_persistence_threshold",
+      "from the model: 10 x hidden_size; --hidden-size fills it");
+  const SchedulerConfig& scheduler = resolved.scheduler;
+  if (scheduler.specified) {
+    add(!scheduler.warmup_num_steps, "scheduler.params.warmup_num_steps",
+        "from the run: its warmup steps; --warmup-steps fills it");
+    add(!scheduler.total_num_steps, "scheduler.params.total_num_steps",
+        "from the run: its optimizer steps; --steps fills it");
+  }
+  return lines;
+}
+
 /// Runs a subcommand body; a ConfigError is the user's to fix, so it is
 /// reported as such with exit code 2 instead of escaping as a crash.
 template <typename Body>
@@ -64,6 +95,8 @@ void register_check(CLI::App& config, int& exit_code) {
     run_reporting_config_errors("check", exit_code, [&] {
       const TrainingConfig config = load_config(flags->file);
       AutoContext context;
+      // Flags fill values in; whatever else the run decides is shown as auto.
+      context.leave_run_values_auto = true;
       context.world_size = world_size->count() > 0 ? flags->world_size : config.num_processes;
       if (micro_batch->count() > 0) context.micro_batch_size = flags->micro_batch;
       if (hidden_size->count() > 0) context.hidden_size = flags->hidden_size;
@@ -75,6 +108,7 @@ void register_check(CLI::App& config, int& exit_code) {
       std::cout << "# resolved for world size " << context.world_size << " from";
       for (const auto& source : resolved.sources) std::cout << " " << source;
       std::cout << "\n";
+      for (const auto& line : left_to_the_run(resolved)) std::cout << "# " << line << "\n";
       // The precision plan as comments, so the output stays loadable YAML.
       // Per-parameter rows hold for any model; totals need --num-params.
       const PrecisionPlan plan = plan_precision(resolved, flags->num_params, context.world_size,

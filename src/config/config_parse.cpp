@@ -304,6 +304,8 @@ class Section {
 
   void read(const Node& map) {
     for (const auto& [key, value] : map.members) {
+      // "_comment", "_note": JSON has no comments, so configs carry them as keys.
+      if (!key.empty() && key[0] == '_') continue;
       const Entry* entry = find(key);
       Field field{source_, key_prefix_ + key, path_prefix_ + key, value};
       if (entry == nullptr) {
@@ -316,8 +318,11 @@ class Section {
         case Entry::kHandle: entry->handler(field); break;
         case Entry::kAccept: break;
         case Entry::kNotImplemented:
-          state_.warn(field.key + " is recognised but not implemented by shardtrain; it is ignored (" +
-                      field.where() + ")");
+          // `wall_clock_breakdown: false` asks for nothing shardtrain lacks.
+          if (!switched_off(value)) {
+            state_.warn(field.key + " is recognised but not implemented by shardtrain; it is ignored (" +
+                        field.where() + ")");
+          }
           break;
         case Entry::kDeprecated:
           state_.warn(field.key + " is deprecated; use " + key_prefix_ + entry->replacement + " (" + field.where() +
@@ -329,6 +334,17 @@ class Section {
   }
 
  private:
+  /// A feature switch left off: false, "false", "none", 0.
+  static bool switched_off(const Node& value) {
+    if (value.kind == Kind::kBool) return !value.boolean;
+    if (value.kind == Kind::kInteger) return value.integer == 0;
+    if (value.kind == Kind::kString) {
+      const std::string lower = lowercase(value.text);
+      return lower == "false" || lower == "none" || lower == "no";
+    }
+    return false;
+  }
+
   struct Entry {
     std::string key;
     enum Kind { kHandle, kAccept, kNotImplemented, kDeprecated } kind;
@@ -402,7 +418,8 @@ MixedPrecision read_mixed_precision(const Field& field) {
   // PyYAML reads an unquoted `no` as False; files written through it say false.
   if (field.node.kind == Kind::kBool && !field.node.boolean) return MixedPrecision::kNo;
   if (field.node.is_scalar() && lowercase(field.node.text) == "fp8") {
-    field.fail(field.key + ": fp8 is not supported by shardtrain; use one of no, fp16, bf16");
+    field.fail(field.key + ": fp8 is recognised but not implemented by shardtrain (it has no FP8 GEMMs); use bf16, "
+               "or one of no, fp16");
   }
   return choose<MixedPrecision>(
       field, {{"no", MixedPrecision::kNo}, {"fp16", MixedPrecision::kFp16}, {"bf16", MixedPrecision::kBf16}},
@@ -677,6 +694,15 @@ void read_offload(ParseState& state, const Field& block, bool optimizer_offload)
 void read_zero_optimization(ParseState& state, const Field& block) {
   ZeroConfig& zero = state.config.zero;
   const std::string stage_expectation = "an integer 0-3";
+  if (block.node.kind == Kind::kBool) {
+    // DeepSpeed's oldest format (read_zero_config_deprecated): true is stage 1.
+    zero.stage = block.node.boolean ? 1 : 0;
+    state.set_explicit(Field{block.source, "zero_optimization.stage", "zero_optimization.stage", block.node});
+    state.warn("zero_optimization: " + block.node.text + " is deprecated (DeepSpeed reads it as stage " +
+               std::to_string(zero.stage) + "); use zero_optimization: {stage: " + std::to_string(zero.stage) +
+               "} (" + block.where() + ")");
+    return;
+  }
   if (block.node.kind != Kind::kMap && block.numeric()) {
     // DeepSpeed's first configs wrote the stage alone: "zero_optimization": 2.
     Field stage{block.source, "zero_optimization.stage", "zero_optimization.stage", block.node};
@@ -687,8 +713,30 @@ void read_zero_optimization(ParseState& state, const Field& block) {
     return;
   }
   require_map(block, "{stage: 3}");
-  auto positive = [](const Field& f) { return f.integer_at_least(1, "a positive integer"); };
   auto non_negative = [](const Field& f) { return f.integer_at_least(0, "an integer >= 0"); };
+  auto prefetch_bucket = [&](const Field& f) {
+    assign(state, f, zero.stage3_prefetch_bucket_size, [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
+  };
+  auto persistence_threshold = [&](const Field& f) {
+    assign(state, f, zero.stage3_param_persistence_threshold,
+           [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
+  };
+  auto max_live_parameters = [&](const Field& f) {
+    assign(state, f, zero.stage3_max_live_parameters, [&] { return non_negative(f); });
+  };
+  auto max_reuse_distance = [&](const Field& f) {
+    assign(state, f, zero.stage3_max_reuse_distance, [&] { return non_negative(f); });
+  };
+  auto gather_16bit_on_save = [&](const Field& f) {
+    assign(state, f, zero.stage3_gather_16bit_weights_on_model_save, [&] { return f.boolean(); });
+  };
+  // The "auto" and explicit-value bookkeeping keys on DeepSpeed's stage3_ path.
+  auto as_prefixed = [](std::function<void(const Field&)> handler) {
+    return [handler](const Field& f) {
+      const std::string name = f.path.substr(f.path.rfind('.') + 1);
+      handler(Field{f.source, f.key, "zero_optimization.stage3_" + name, f.node});
+    };
+  };
   Section section(state, block.source, "zero_optimization.");
   section
       .on("stage",
@@ -701,35 +749,32 @@ void read_zero_optimization(ParseState& state, const Field& block) {
       .on("reduce_scatter", [&](const Field& f) { assign(state, f, zero.reduce_scatter, [&] { return f.boolean(); }); })
       .on("reduce_bucket_size",
           [&](const Field& f) {
+            // DeepSpeed's Field(ge=0); 0 reduces each gradient as it is ready, as 1 does.
             assign(state, f, zero.reduce_bucket_size,
-                   [&] { return f.integer_at_least(1, "a positive integer or \"auto\""); });
+                   [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
           })
       .on("allgather_partitions",
           [&](const Field& f) { assign(state, f, zero.allgather_partitions, [&] { return f.boolean(); }); })
       .on("allgather_bucket_size",
-          [&](const Field& f) { assign(state, f, zero.allgather_bucket_size, [&] { return positive(f); }); })
+          [&](const Field& f) { assign(state, f, zero.allgather_bucket_size, [&] { return non_negative(f); }); })
       .on("overlap_comm", [&](const Field& f) { assign(state, f, zero.overlap_comm, [&] { return f.boolean(); }); })
       .on("round_robin_gradients",
           [&](const Field& f) { assign(state, f, zero.round_robin_gradients, [&] { return f.boolean(); }); })
-      .on("sub_group_size", [&](const Field& f) { assign(state, f, zero.sub_group_size, [&] { return positive(f); }); })
-      .on("stage3_prefetch_bucket_size",
-          [&](const Field& f) {
-            assign(state, f, zero.stage3_prefetch_bucket_size,
-                   [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
-          })
-      .on("stage3_param_persistence_threshold",
-          [&](const Field& f) {
-            assign(state, f, zero.stage3_param_persistence_threshold,
-                   [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
-          })
-      .on("stage3_max_live_parameters",
-          [&](const Field& f) { assign(state, f, zero.stage3_max_live_parameters, [&] { return non_negative(f); }); })
-      .on("stage3_max_reuse_distance",
-          [&](const Field& f) { assign(state, f, zero.stage3_max_reuse_distance, [&] { return non_negative(f); }); })
-      .on("stage3_gather_16bit_weights_on_model_save",
-          [&](const Field& f) {
-            assign(state, f, zero.stage3_gather_16bit_weights_on_model_save, [&] { return f.boolean(); });
-          })
+      // DeepSpeed's Field(ge=0): 0 is one sub-group per parameter.
+      .on("sub_group_size",
+          [&](const Field& f) { assign(state, f, zero.sub_group_size, [&] { return non_negative(f); }); })
+      .on("stage3_prefetch_bucket_size", prefetch_bucket)
+      .on("stage3_param_persistence_threshold", persistence_threshold)
+      .on("stage3_max_live_parameters", max_live_parameters)
+      .on("stage3_max_reuse_distance", max_reuse_distance)
+      .on("stage3_gather_16bit_weights_on_model_save", gather_16bit_on_save)
+      // DeepSpeed's field names, which its model accepts besides the stage3_
+      // aliases (populate_by_name); read as the prefixed keys.
+      .on("prefetch_bucket_size", as_prefixed(prefetch_bucket))
+      .on("param_persistence_threshold", as_prefixed(persistence_threshold))
+      .on("max_live_parameters", as_prefixed(max_live_parameters))
+      .on("max_reuse_distance", as_prefixed(max_reuse_distance))
+      .on("gather_16bit_weights_on_model_save", as_prefixed(gather_16bit_on_save))
       .on("offload_optimizer", [&](const Field& f) { read_offload(state, f, true); })
       .on("offload_param", [&](const Field& f) { read_offload(state, f, false); })
       .deprecated("cpu_offload", "offload_optimizer: {device: cpu}",
@@ -757,6 +802,8 @@ void read_zero_optimization(ParseState& state, const Field& block) {
                         "load_from_fp32_weights", "elastic_checkpoint", "pipeline_loading_checkpoint", "zenflow",
                         "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
                         "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+                        "model_persistence_threshold", "module_granularity_threshold",
+                        "use_all_reduce_for_fetch_params", "allgather_sequential",
                         "memory_efficient_linear", "override_module_apply", "leaf_module",
                         "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
                         "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
@@ -830,7 +877,9 @@ void add_deepspeed_keys(Section& section, ParseState& state) {
       .on("scheduler", [&](const Field& f) { read_scheduler(state, f); })
       .on("fp16", [&](const Field& f) { read_fp16(state, f); })
       .on("bf16", [&](const Field& f) { read_bf16(state, f, "bf16"); })
-      .deprecated("bfloat16", "bf16", [&](const Field& f) { read_bf16(state, f, "bfloat16"); })
+      // DeepSpeed keeps the old section name "for backwards compatibility"
+      // (precision_config.py) and says nothing, so neither does this reader.
+      .on("bfloat16", [&](const Field& f) { read_bf16(state, f, "bfloat16"); })
       .on("zero_optimization", [&](const Field& f) { read_zero_optimization(state, f); })
       .on("gradient_checkpointing",
           [&](const Field& f) { assign(state, f, config.gradient_checkpointing, [&] { return f.boolean(); }); })
@@ -856,6 +905,21 @@ void add_deepspeed_keys(Section& section, ParseState& state) {
       // DeepSpeed's guards for optimizers it did not test or would swap for its
       // CPU Adam; shardtrain only has its own three optimizers, so they say nothing.
       .accept({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
+      // DeepSpeed's AutoTP (TPTrainingConfig): tensor parallelism is not
+      // implemented, so a size above 1 fails as parallelism_config's does.
+      .on("tensor_parallel",
+          [&](const Field& f) {
+            require_map(f, "{autotp_size: 1}");
+            if (const Node* size = f.node.find("autotp_size")) {
+              const Field autotp{f.source, f.key + ".autotp_size", f.path + ".autotp_size", *size};
+              const int64_t value = autotp.integer_at_least(0, "an integer >= 0");
+              if (value > 1) {
+                autotp.fail(autotp.key + ": " + std::to_string(value) +
+                            " asks for tensor parallelism (DeepSpeed AutoTP), which shardtrain recognises but does "
+                            "not implement; remove the tensor_parallel block (shardtrain shards data-parallel only)");
+              }
+            }
+          })
       .not_implemented({"wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
                         "memory_breakdown", "dump_state", "sparse_gradients", "disable_allgather", "aio", "amp",
                         "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
@@ -928,6 +992,15 @@ void read_fsdp_config(ParseState& state, const Field& block) {
                   [&](const Field& f) { fsdp.backward_prefetch = read_backward_prefetch(f); })
       .on("fsdp_forward_prefetch", [&](const Field& f) { fsdp.forward_prefetch = f.boolean(); })
       .on("fsdp_offload_params", [&](const Field& f) { fsdp.offload_params = f.boolean(); })
+      // Some FSDP2 configs spell it after fully_shard's CPUOffloadPolicy;
+      // Accelerate itself would ignore the key, so the reading is said aloud.
+      .on("fsdp_cpu_offload",
+          [&](const Field& f) {
+            fsdp.offload_params = f.boolean();
+            state.warn(f.key + " is not Accelerate's key (Accelerate would ignore it); read as " +
+                       "fsdp_config.fsdp_offload_params: " + (fsdp.offload_params ? "true" : "false") + " (" +
+                       f.where() + ")");
+          })
       .on("fsdp_sync_module_states",
           [&](const Field& f) { fsdp.sync_module_states = f.boolean(); })
       .on("fsdp_cpu_ram_efficient_loading", [&](const Field& f) { fsdp.cpu_ram_efficient_loading = f.boolean(); })
@@ -962,7 +1035,8 @@ PluginSetting<T> plugin_setting(const Field& field, T value) {
 void read_deepspeed_plugin(ParseState& state, const Field& block) {
   require_map(block, "{zero_stage: 3, deepspeed_config_file: ds_config.json}");
   PluginValues& plugin = state.plugin;
-  plugin.present = true;
+  // Older `accelerate config` files carry an empty block whatever the type.
+  plugin.present = !block.node.members.empty();
   Section section(state, block.source, "deepspeed_config.");
   section
       .on("deepspeed_config_file",
@@ -1009,6 +1083,51 @@ void read_deepspeed_plugin(ParseState& state, const Field& block) {
   section.read(block.node);
 }
 
+/// Accelerate's parallelism_config (FSDP2's device mesh). shardtrain is data
+/// parallel only: tensor, context or sequence parallelism fails, and the
+/// data-parallel mesh sizes are warned about and left to fsdp_config.
+void read_parallelism_config(ParseState& state, const Field& block) {
+  require_map(block, "{parallelism_config_tp_size: 1}");
+  const std::string prefix = "parallelism_config_";
+  auto refuse_above_one = [&](const char* feature) {
+    return [&state, feature](const Field& f) {
+      const int64_t size = f.integer_at_least(1, "an integer >= 1");
+      if (size > 1) {
+        f.fail(f.key + ": " + std::to_string(size) + " asks for " + feature +
+               ", which shardtrain recognises but does not implement; set it to 1 (shardtrain shards data-parallel "
+               "only, FSDP or ZeRO over all processes)");
+      }
+    };
+  };
+  auto warn_above_one = [&state](const Field& f) {
+    if (f.integer_at_least(1, "an integer >= 1") > 1) {
+      state.warn(f.key + ": " + f.node.text + " is recognised but not implemented by shardtrain; it is ignored, " +
+                 "and the sharding follows fsdp_config (fsdp_sharding_strategy or fsdp_reshard_after_forward; " +
+                 "HYBRID_SHARD for replicated shard groups) (" + f.where() + ")");
+    }
+  };
+  Section section(state, block.source, "parallelism_config.");
+  for (const std::string& name : {prefix, std::string()}) {
+    section.on(name + "tp_size", refuse_above_one("tensor parallelism"))
+        .on(name + "cp_size", refuse_above_one("context parallelism"))
+        .on(name + "sp_size", refuse_above_one("sequence parallelism"))
+        .on(name + "dp_replicate_size", warn_above_one)
+        .on(name + "dp_shard_size", warn_above_one);
+  }
+  // How the parallelisms above would run; inert while their sizes are 1.
+  section.accept_prefix(prefix + "cp_").accept_prefix(prefix + "sp_").accept_prefix("cp_").accept_prefix("sp_");
+  section.read(block.node);
+}
+
+/// A plugin block for a feature shardtrain does not have: warned when it
+/// holds settings. Older `accelerate config` files carry them empty.
+void warn_not_implemented_if_set(ParseState& state, const Field& f) {
+  const bool empty = f.node.kind == Kind::kMap && f.node.members.empty();
+  if (!empty) {
+    state.warn(f.key + " is recognised but not implemented by shardtrain; it is ignored (" + f.where() + ")");
+  }
+}
+
 void add_accelerate_keys(Section& section, ParseState& state) {
   TrainingConfig& config = state.config;
   section
@@ -1052,9 +1171,17 @@ void add_accelerate_keys(Section& section, ParseState& state) {
       .on("deepspeed_config", [&](const Field& f) { read_deepspeed_plugin(state, f); })
       // Written by `accelerate config`; they choose devices, TPUs, compilers
       // or launch details that a shardtrain run does not take from the config.
+      .on("parallelism_config", [&](const Field& f) { read_parallelism_config(state, f); })
+      .on("fp8_config", [&](const Field& f) { warn_not_implemented_if_set(state, f); })
+      .on("megatron_lm_config", [&](const Field& f) { warn_not_implemented_if_set(state, f); })
       .accept({"use_cpu", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids", "rdzv_backend",
-               "same_network", "dynamo_config", "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config",
-               "parallelism_config", "commands", "command_file", "use_mps_device"})
+               "same_network", "dynamo_config", "ipex_config", "mpirun_config", "commands", "command_file",
+               "use_mps_device"})
+      // Accelerate's SageMakerConfig: how `accelerate launch` submits a
+      // SageMaker job, which a shardtrain run started on the machine ignores.
+      .accept({"ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name",
+               "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file",
+               "sagemaker_metrics_file", "additional_args"})
       .accept_prefix("tpu_");
 }
 
@@ -1085,23 +1212,25 @@ std::string format_of(const std::string& path, const std::string& text) {
   return first != std::string::npos && text[first] == '{' ? "json" : "yaml";
 }
 
-Node parse_document(const std::string& text, const std::string& format, const std::string& source) {
-  if (format == "yaml") return config_detail::parse_yaml_document(text, source);
+Node parse_document(const std::string& text, const std::string& format, const std::string& source,
+                    std::vector<std::string>& warnings) {
+  if (format == "yaml") return config_detail::parse_yaml_document(text, source, warnings);
   if (format == "json") return config_detail::parse_json_document(text, source);
   ST_THROW(ConfigError, "config format ", format, " is not one of yaml, json");
 }
 
-/// A referenced DeepSpeed JSON: the YAML's directory first (so a config
-/// folder can move as a whole), then the working directory (as accelerate).
+/// A referenced DeepSpeed JSON: relative to the working directory first, as
+/// Accelerate opens it, then next to the YAML (so a config folder can move as
+/// a whole).
 std::string locate_deepspeed_file(const PluginSetting<std::string>& setting, const std::string& base_dir) {
   const fs::path given(setting.value);
   std::vector<fs::path> candidates;
   if (given.is_absolute()) {
     candidates.push_back(given);
   } else {
-    candidates.push_back((fs::path(base_dir) / given).lexically_normal());
-    const fs::path from_working_directory = fs::absolute(given).lexically_normal();
-    if (from_working_directory != candidates.front()) candidates.push_back(from_working_directory);
+    candidates.push_back(fs::absolute(given).lexically_normal());
+    const fs::path next_to_yaml = (fs::path(base_dir) / given).lexically_normal();
+    if (next_to_yaml != candidates.front()) candidates.push_back(next_to_yaml);
   }
   std::error_code ignored;
   for (const auto& candidate : candidates) {
@@ -1115,7 +1244,7 @@ std::string locate_deepspeed_file(const PluginSetting<std::string>& setting, con
 
 void read_deepspeed_file(ParseState& state, const std::string& path) {
   const std::string text = read_text_file(path, "DeepSpeed config file");
-  const Node root = parse_document(text, format_of(path, text), path);
+  const Node root = parse_document(text, format_of(path, text), path, state.config.warnings);
   if (root.kind != Kind::kMap) {
     ST_THROW(ConfigError, path, ": expected a JSON object of DeepSpeed keys at the top level, got ", describe(root));
   }
@@ -1319,11 +1448,9 @@ void check_combinations(ParseState& state) {
 
   // An fsdp_config next to another distributed_type is kept without a word:
   // every resolved dump carries one, and convert_config reads it.
-  if (config.distributed_type == DistributedType::kFsdp && fsdp.auto_wrap_policy == AutoWrapPolicy::kTransformerBased &&
-      fsdp.transformer_layer_cls_to_wrap.empty()) {
-    state.warn("fsdp_config.fsdp_auto_wrap_policy is TRANSFORMER_BASED_WRAP but "
-               "fsdp_transformer_layer_cls_to_wrap names no class (e.g. LlamaDecoderLayer); no layer matches");
-  }
+  // TRANSFORMER_BASED_WRAP without class names is what Accelerate's own
+  // templates ship: it falls back to the model's _no_split_modules, and the
+  // FSDP engine likewise wraps every shardtrain::Unit the model marks.
 
   if (config.distributed_type != DistributedType::kDeepSpeed) return;
   for (const bool optimizer_offload : {true, false}) {
@@ -1360,6 +1487,17 @@ TrainingConfig read_config(const Node& root, const std::string& format, const st
     state.warn(source + " contains no settings (it is empty or only comments); the defaults are used");
   } else if (root.kind != Kind::kMap) {
     ST_THROW(ConfigError, source, ": expected a mapping of config keys at the top level, got ", describe(root));
+  }
+
+  // A Hugging Face model config.json passed where a training config goes:
+  // every key would be "unknown", which hides what went wrong.
+  if (root.kind == Kind::kMap && (root.find("model_type") != nullptr || root.find("architectures") != nullptr) &&
+      root.find("zero_optimization") == nullptr && root.find("distributed_type") == nullptr) {
+    const Node* type = root.find("model_type");
+    ST_THROW(ConfigError, source, " is a model's config.json (",
+             type != nullptr && type->is_scalar() ? "model_type " + type->text : std::string("it has architectures"),
+             "), not a training config: pass it as the model's config (llama_finetune --model-config FILE) and give "
+             "an Accelerate YAML or DeepSpeed JSON as the training config");
   }
 
   bool accelerate_shaped = false;
@@ -1431,10 +1569,12 @@ TrainingConfig read_config(const Node& root, const std::string& format, const st
 TrainingConfig load_with_overrides(const std::string& path, const Overrides& overrides) {
   const std::string text = read_text_file(path, "config file");
   const std::string format = format_of(path, text);
-  const Node root = parse_document(text, format, path);
+  std::vector<std::string> document_warnings;
+  const Node root = parse_document(text, format, path, document_warnings);
   const std::string base_dir = fs::absolute(path).parent_path().string();
   // The main file comes first in `sources`, before the DeepSpeed JSON it names.
   TrainingConfig config = read_config(root, format, path, base_dir, overrides);
+  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
   config.sources.insert(config.sources.begin(), path);
   return config;
 }
@@ -1453,8 +1593,11 @@ TrainingConfig load_config(const std::string& path) { return load_with_overrides
 TrainingConfig parse_config(const std::string& text, const std::string& format, const std::string& base_dir) {
   const std::string normalized = lowercase(format);
   const std::string source = "(" + normalized + " text)";
-  const Node root = parse_document(text, normalized, source);
-  return read_config(root, normalized, source, base_dir, Overrides{});
+  std::vector<std::string> document_warnings;
+  const Node root = parse_document(text, normalized, source, document_warnings);
+  TrainingConfig config = read_config(root, normalized, source, base_dir, Overrides{});
+  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
+  return config;
 }
 
 std::optional<TrainingConfig> config_from_environment() {

@@ -61,7 +61,7 @@ void resolve_batch_triple(TrainingConfig& config, const AutoContext& context) {
   } else if (total) {
     accumulation = 1;
     micro = derive(*total, world, "train_micro_batch_size_per_gpu", "world size");
-  } else {
+  } else if (!context.leave_run_values_auto) {
     ST_THROW(ConfigError,
              "train_micro_batch_size_per_gpu is \"auto\" (or unset) and the run gave no micro batch size: set it "
              "(or train_batch_size) in the config, or pass the data loader's batch size "
@@ -73,19 +73,22 @@ void resolve_zero(TrainingConfig& config, const AutoContext& context) {
   ZeroConfig& zero = config.zero;
   const std::optional<int64_t>& hidden = context.hidden_size;
   if (hidden && *hidden < 1) ST_THROW(ConfigError, "the model's hidden size must be at least 1, got ", *hidden);
+  // Without the model an "auto" bucket stays "auto" (config check); a run
+  // without a hidden size takes DeepSpeed's defaults below.
+  auto from_model = [&](const std::string& key) { return !hidden && context.leave_run_values_auto && config.is_auto(key); };
   // Transformers' trainer_config_finalize: only an "auto" follows the model;
   // an absent key keeps DeepSpeed's fixed default.
-  if (!zero.reduce_bucket_size) {
+  if (!zero.reduce_bucket_size && !from_model(config_detail::kReduceBucketKey)) {
     zero.reduce_bucket_size = config.is_auto(config_detail::kReduceBucketKey) && hidden
                                   ? *hidden * *hidden
                                   : config_detail::kDeepSpeedReduceBucketSize;
   }
-  if (!zero.stage3_prefetch_bucket_size) {
+  if (!zero.stage3_prefetch_bucket_size && !from_model(config_detail::kPrefetchBucketKey)) {
     zero.stage3_prefetch_bucket_size = config.is_auto(config_detail::kPrefetchBucketKey) && hidden
                                            ? (9 * *hidden * *hidden) / 10
                                            : config_detail::kDeepSpeedPrefetchBucketSize;
   }
-  if (!zero.stage3_param_persistence_threshold) {
+  if (!zero.stage3_param_persistence_threshold && !from_model(config_detail::kPersistenceKey)) {
     zero.stage3_param_persistence_threshold = config.is_auto(config_detail::kPersistenceKey) && hidden
                                                   ? 10 * *hidden
                                                   : config_detail::kDeepSpeedParamPersistenceThreshold;
@@ -116,19 +119,21 @@ void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
   SchedulerConfig& scheduler = config.scheduler;
   if (!scheduler.warmup_min_lr) scheduler.warmup_min_lr = 0.0;
   if (!scheduler.warmup_max_lr) scheduler.warmup_max_lr = config.optimizer.lr;
-  if (!scheduler.warmup_num_steps) {
+  const bool run_gives_warmup = config.is_auto(config_detail::kWarmupStepsKey) && !context.warmup_steps;
+  if (!scheduler.warmup_num_steps && !(run_gives_warmup && context.leave_run_values_auto)) {
     // "auto" is the run's warmup (Transformers: warmup_steps / warmup_ratio,
     // 0 unless asked); an absent key is DeepSpeed's default for its schedulers.
     scheduler.warmup_num_steps = config.is_auto(config_detail::kWarmupStepsKey)
                                      ? context.warmup_steps.value_or(0)
                                      : config_detail::default_warmup_steps(scheduler.type);
   }
-  if (*scheduler.warmup_num_steps < 0) {
+  if (scheduler.warmup_num_steps && *scheduler.warmup_num_steps < 0) {
     ST_THROW(ConfigError, "scheduler.params.warmup_num_steps must be an integer >= 0, got ",
              *scheduler.warmup_num_steps);
   }
   if (!scheduler.total_num_steps) scheduler.total_num_steps = context.total_steps;
   if (scheduler.specified && config_detail::scheduler_needs_total_steps(scheduler.type)) {
+    if (!scheduler.total_num_steps && context.leave_run_values_auto) return;
     if (!scheduler.total_num_steps) {
       ST_THROW(ConfigError, "scheduler ", scheduler.type,
                " needs scheduler.params.total_num_steps, which is \"auto\" (or unset) and the run length is "
@@ -139,7 +144,7 @@ void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
       ST_THROW(ConfigError, "scheduler.params.total_num_steps must be an integer >= 1, got ",
                *scheduler.total_num_steps);
     }
-    if (*scheduler.warmup_num_steps > *scheduler.total_num_steps) {
+    if (scheduler.warmup_num_steps && *scheduler.warmup_num_steps > *scheduler.total_num_steps) {
       config.warnings.push_back("scheduler.params.warmup_num_steps " + std::to_string(*scheduler.warmup_num_steps) +
                                 " is larger than total_num_steps " + std::to_string(*scheduler.total_num_steps) +
                                 "; the run ends during warmup");
@@ -203,7 +208,8 @@ TrainingConfig resolve_auto(TrainingConfig config, const AutoContext& context) {
   // The run's world is what train_batch_size was checked against; a printed
   // resolved config then reads back and resolves to the same numbers.
   config.num_processes = context.world_size;
-  if (!config.gradient_clipping) {
+  const bool run_gives_clipping = config.is_auto(config_detail::kGradientClippingKey) && !context.max_grad_norm;
+  if (!config.gradient_clipping && !(run_gives_clipping && context.leave_run_values_auto)) {
     // Accelerate's "auto" is 1.0 (Transformers: max_grad_norm, default 1.0);
     // an absent key means no clipping.
     config.gradient_clipping = config.is_auto(config_detail::kGradientClippingKey)
@@ -214,7 +220,8 @@ TrainingConfig resolve_auto(TrainingConfig config, const AutoContext& context) {
   resolve_optimizer(config.optimizer);
   resolve_scheduler(config, context);
   resolve_fsdp_dtypes(config);
-  config.auto_keys.clear();
+  // Kept for config check, whose printout then says "auto" where the run decides.
+  if (!context.leave_run_values_auto) config.auto_keys.clear();
   check_values(config);
   return config;
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -238,7 +239,8 @@ Node scalar_from_yaml(const YAML::Node& yaml) {
   return node;
 }
 
-Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallback_line) {
+Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallback_line,
+                    std::vector<std::string>& warnings) {
   const int line = yaml.Mark().is_null() ? fallback_line : yaml.Mark().line + 1;
   switch (yaml.Type()) {
     case YAML::NodeType::Undefined:
@@ -255,25 +257,32 @@ Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallb
     case YAML::NodeType::Sequence: {
       Node node = Node::list();
       node.line = line;
-      for (const auto& item : yaml) node.push(node_from_yaml(item, source, line));
+      for (const auto& item : yaml) node.push(node_from_yaml(item, source, line, warnings));
       return node;
     }
     case YAML::NodeType::Map: {
       Node node = Node::map();
       node.line = line;
-      std::set<std::string> seen;
+      std::map<std::string, int> key_lines;
       for (const auto& member : yaml) {
         const int key_line = member.first.Mark().line + 1;
         if (!member.first.IsScalar()) {
           ST_THROW(ConfigError, source, ":", key_line, ": a mapping key must be a plain name");
         }
         const std::string key = member.first.Scalar();
-        if (!seen.insert(key).second) {
-          const Node* first = node.find(key);
-          ST_THROW(ConfigError, source, ":", key_line, ": duplicate key '", key, "' (first given at line ",
-                   first != nullptr ? first->line : 0, "); keep one of them");
+        Node value = node_from_yaml(member.second, source, key_line, warnings);
+        if (!key_lines.emplace(key, key_line).second) {
+          // PyYAML, and so Accelerate, keeps the last value in the first
+          // one's place; so does this reader, saying which lines collided.
+          auto first = std::find_if(node.members.begin(), node.members.end(),
+                                    [&](const auto& entry) { return entry.first == key; });
+          warnings.push_back(source + ":" + std::to_string(key_line) + ": duplicate key '" + key +
+                             "' (first given at line " + std::to_string(key_lines[key]) + "): the value at line " +
+                             std::to_string(key_line) + " is used, as PyYAML and Accelerate read it; delete the other");
+          first->second = std::move(value);
+          continue;
         }
-        node.add(key, node_from_yaml(member.second, source, key_line));
+        node.add(key, std::move(value));
       }
       return node;
     }
@@ -283,7 +292,7 @@ Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallb
 
 }  // namespace
 
-Node parse_yaml_document(const std::string& text, const std::string& source) {
+Node parse_yaml_document(const std::string& text, const std::string& source, std::vector<std::string>& warnings) {
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -293,7 +302,7 @@ Node parse_yaml_document(const std::string& text, const std::string& source) {
   } catch (const YAML::Exception& e) {
     ST_THROW(ConfigError, source, ": malformed YAML: ", e.what());
   }
-  return node_from_yaml(root, source, 1);
+  return node_from_yaml(root, source, 1, warnings);
 }
 
 // ---------------------------------------------------------------- JSON in

@@ -23,7 +23,7 @@ struct Node {
   double number = 0.0;  ///< also set for kInteger
   /// A scalar as the file wrote it; for kString the string itself.
   std::string text;
-  /// Map members in file order (duplicates are rejected by the parsers).
+  /// Map members in file order, each key once (see the parsers for duplicates).
   std::vector<std::pair<std::string, Node>> members;
   std::vector<Node> items;
   /// 1-based line in the source file; 0 where the parser does not report
@@ -47,8 +47,10 @@ struct Node {
   bool is_scalar() const { return kind != Kind::kMap && kind != Kind::kList; }
 };
 
-/// Throws ConfigError "<source>: malformed YAML at line L, column C: ..." on syntax errors.
-Node parse_yaml_document(const std::string& text, const std::string& source);
+/// Throws ConfigError "<source>: malformed YAML at line L, column C: ..." on
+/// syntax errors. A duplicate key keeps its last value, as PyYAML does, and
+/// adds a warning naming both lines to `warnings`.
+Node parse_yaml_document(const std::string& text, const std::string& source, std::vector<std::string>& warnings);
 /// Throws ConfigError "<source>: malformed JSON at line L, column C: ..." on
 /// syntax errors and on duplicate keys (DeepSpeed rejects those too).
 /// Comments are allowed: DeepSpeed reads its config with hjson.

@@ -81,7 +81,7 @@ struct ShardingOptions {
   comm::CommunicatorPtr replicate_group;
   bool overlap_comm = true;
   int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;  ///< gradient elements per reduction
-  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices
+  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices (0: one per parameter)
   int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< forward prefetch window, elements (0 = none)
   int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
   BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;

@@ -9,6 +9,7 @@
 #include <optional>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -19,6 +20,40 @@
 #include "kernels/kernels.h"
 
 namespace shardtrain::engine {
+namespace {
+
+/// The [begin, end) slices the fused step walks the flat partition of
+/// `total` elements in. sub_group_size > 0: slices of that many elements.
+/// 0: DeepSpeed's meaning (stage3.py closes a sub-group after every
+/// parameter once it reaches 0 elements), one slice per parameter run this
+/// rank owns. The step is elementwise, so the slicing changes peak temporary
+/// memory and kernel launches, never the result.
+std::vector<std::pair<int64_t, int64_t>> step_slices(const std::vector<UnitState>& units, int rank,
+                                                      int64_t sub_group_size, int64_t total) {
+  std::vector<std::pair<int64_t, int64_t>> slices;
+  if (sub_group_size > 0) {
+    for (int64_t begin = 0; begin < total; begin += sub_group_size) {
+      slices.emplace_back(begin, std::min(total, begin + sub_group_size));
+    }
+    return slices;
+  }
+  std::vector<int64_t> starts{0};
+  for (const UnitState& u : units) {
+    if (!u.trainable || !u.layout) continue;
+    for (const OwnedSegment& segment : u.layout->segments_of_rank(rank)) {
+      if (segment.length > 0) starts.push_back(u.shard_offset + segment.shard_offset);
+    }
+  }
+  std::sort(starts.begin(), starts.end());
+  starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
+  for (size_t i = 0; i < starts.size() && starts[i] < total; ++i) {
+    const int64_t end = i + 1 < starts.size() ? std::min(total, starts[i + 1]) : total;
+    if (end > starts[i]) slices.emplace_back(starts[i], end);
+  }
+  return slices;
+}
+
+}  // namespace
 
 void ShardedEngine::State::create_custom_optimizer() {
   if (options.optimizer.custom_factory) {
@@ -115,9 +150,8 @@ StepResult ShardedEngine::step(double lr) {
       audit.sample_period = o.audit_sample_period;
       audit_ptr = &audit;
     }
-    const int64_t group = std::max<int64_t>(1, s.options.sub_group_size);
-    for (int64_t begin = 0; begin < total; begin += group) {
-      const int64_t len = std::min(group, total - begin);
+    for (const auto& [begin, end] : step_slices(s.units, s.comm->rank(), s.options.sub_group_size, total)) {
+      const int64_t len = end - begin;
       at::Tensor param = stepped.narrow(0, begin, len);
       at::Tensor g = grad.narrow(0, begin, len);
       at::Tensor lp = separate_lp ? lp_out.narrow(0, begin, len) : at::Tensor();

@@ -563,14 +563,32 @@ at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& input_ids, KVC
   return logits.to(at_least_fp32(logits.scalar_type()));
 }
 
-at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index) {
+namespace {
+
+at::Tensor next_token_cross_entropy(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index,
+                                    at::Reduction::Reduction reduction) {
   ST_CHECK(logits.dim() == 3 && input_ids.dim() == 2 && logits.size(0) == input_ids.size(0) &&
                logits.size(1) == input_ids.size(1),
            "causal_lm_loss: logits ", logits.sizes(), " do not match input_ids ", input_ids.sizes());
   const int64_t V = logits.size(2), T = logits.size(1);
   at::Tensor shifted = logits.slice(1, 0, T - 1).to(at_least_fp32(logits.scalar_type())).reshape({-1, V});
   at::Tensor targets = input_ids.slice(1, 1).reshape({-1}).to(at::kLong);
-  return at::cross_entropy_loss(shifted, targets, /*weight=*/{}, at::Reduction::Mean, ignore_index);
+  return at::cross_entropy_loss(shifted, targets, /*weight=*/{}, reduction, ignore_index);
+}
+
+}  // namespace
+
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index) {
+  return next_token_cross_entropy(logits, input_ids, ignore_index, at::Reduction::Mean);
+}
+
+at::Tensor causal_lm_loss_sum(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index) {
+  return next_token_cross_entropy(logits, input_ids, ignore_index, at::Reduction::Sum);
+}
+
+int64_t count_loss_tokens(const at::Tensor& labels, int64_t ignore_index) {
+  ST_CHECK(labels.dim() == 2, "count_loss_tokens: labels must be [batch, seq], got ", labels.sizes());
+  return labels.slice(1, 1).ne(ignore_index).sum().item<int64_t>();
 }
 
 // ---- Hugging Face weights ---------------------------------------------------

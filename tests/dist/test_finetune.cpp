@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,6 +71,13 @@ std::vector<double> read_losses(const fs::path& path) {
   std::vector<double> losses;
   for (double v; in >> v;) losses.push_back(v);
   return losses;
+}
+
+std::vector<std::string> read_lines(const fs::path& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
 }
 
 MultiRankOptions with_env(std::map<std::string, std::string> env) {
@@ -236,7 +244,8 @@ TEST(DistFinetune, ProgramRunsUnderTheLauncherAndPrintsTheSummary) {
       bin + "/shardtrain launch --num_processes 2 --main_process_port " +
           std::to_string(shardtrain::testing::pick_free_port()) + " " + bin + "/mistral_finetune --config " +
           kSource + "/configs/llama/fsdp_standard_bf16.yaml --max-steps 3 --warmup 1 --micro-batch 2 " +
-          "--eval-samples 2 --max-new-tokens 3 --output-dir " + (dir / "out").string() + " 2>&1",
+          "--eval-samples 2 --max-new-tokens 3 --report_to jsonl,tensorboard --output-dir " + (dir / "out").string() +
+          " 2>&1",
       std::chrono::seconds(240));
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (const char* expected : {"fine-tune summary", "train loss (first -> last step)", "eval exact match",
@@ -245,6 +254,10 @@ TEST(DistFinetune, ProgramRunsUnderTheLauncherAndPrintsTheSummary) {
     EXPECT_NE(result.output.find(expected), std::string::npos) << expected << "\n" << result.output;
   }
   EXPECT_TRUE(fs::exists(dir / "out/hf/model.safetensors"));
+  // --report_to as the Trainer's: jsonl lands in the output directory, and
+  // tensorboard, not built in, says so and is not lost.
+  EXPECT_EQ(read_lines(dir / "out/metrics.jsonl").size(), 3u);
+  EXPECT_NE(result.output.find("--report_to tensorboard: not built in"), std::string::npos) << result.output;
   fs::remove_all(dir);
 }
 
@@ -273,6 +286,70 @@ TEST(DistFinetune, PaddedVocabularyTrainsAndGeneratesOnlyIdsTheTokenizerDecodes)
         EXPECT_EQ(s.eval_after.prompts, 6);
       },
       with_env({{"FT_DIR", dir.string()}}));
+}
+
+/// One fp32 run of 10 steps on the bundled data, its per-step losses written
+/// to FT_DIR/NAME.txt by rank 0.
+void run_loss_split(RankContext& ctx, const std::string& name, int64_t micro_batch, int64_t accumulation,
+                    const std::string& normalization) {
+  const std::string dir = std::getenv("FT_DIR");
+  finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_fp32.json", dir + "/" + name);
+  o.micro_batch = micro_batch;
+  o.gradient_accumulation_steps = accumulation;
+  o.loss_normalization = normalization;
+  o.max_steps = 10;
+  o.load_dtype = "fp32";
+  o.eval_data.clear();
+  o.no_export = true;
+  o.no_save = true;
+  const finetune::FinetuneSummary s = finetune::run_finetune(o);
+  if (ctx.rank() == 0) write_losses(dir + "/" + name + ".txt", s.losses);
+}
+
+double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
+  }
+  return worst;
+}
+
+TEST(DistFinetune, GlobalTokenLossGivesTheSameStepsAtAnyWorldSizeAndAccumulationSplit) {
+  // One global batch of 16 packed rows per step, split three ways. The rows'
+  // loss-token counts differ (prompt tokens are masked), so only a mean over
+  // the global batch's tokens makes the three the same computation.
+  const fs::path dir = scratch("loss-split");
+  const auto env = with_env({{"FT_DIR", dir.string()}});
+  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8", 8, 1, "global_tokens"); }, env);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16", 16, 1, "global_tokens"); }, env);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb8_acc2", 8, 2, "global_tokens"); }, env);
+  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8_rank_mean", 8, 1, "per_rank_mean"); }, env);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16_rank_mean", 16, 1, "per_rank_mean"); }, env);
+  const auto w2 = read_losses(dir / "w2_mb8.txt"), w1 = read_losses(dir / "w1_mb16.txt"),
+             acc = read_losses(dir / "w1_mb8_acc2.txt");
+  ASSERT_EQ(w1.size(), 10u);
+  // The three differ only in fp32 rounding: the same products summed in
+  // another order (the batch split inside the GEMMs, the gradient sum over
+  // ranks or over micro-batches, the loss sum). Each reordered fp32 sum moves
+  // its result by a few units of 2^-24 = 6e-8 relative; ten AdamW steps at
+  // lr 2e-3 carry such a gradient difference into the weights scaled by
+  // lr/|w| << 1, so the losses stay within the 1e-6, which is about
+  // 16 ulps of fp32.
+  std::cout << "global tokens, max relative loss difference over 10 steps: world 2 x 8 vs world 1 x 16 "
+            << max_relative_difference(w2, w1) << ", world 1 x 8 x acc 2 vs world 1 x 16 "
+            << max_relative_difference(acc, w1) << std::endl;
+  EXPECT_LT(max_relative_difference(w2, w1), 1e-6);
+  EXPECT_LT(max_relative_difference(acc, w1), 1e-6);
+  // The per-rank mean weighs each rank's tokens by 1/(its own count): the
+  // same samples give other updates at another world size (and its step
+  // loss, a mean of rank means, is not the mean over the batch's tokens).
+  const auto w2_mean = read_losses(dir / "w2_mb8_rank_mean.txt"), w1_mean = read_losses(dir / "w1_mb16_rank_mean.txt");
+  ASSERT_EQ(w1_mean.size(), 10u);
+  std::cout << "per-rank mean, the same: world 2 x 8 vs world 1 x 16 " << max_relative_difference(w2_mean, w1_mean)
+            << std::endl;
+  EXPECT_GT(max_relative_difference(w2_mean, w1_mean), 1e-5);
+  fs::remove_all(dir);
 }
 
 }  // namespace

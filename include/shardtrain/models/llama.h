@@ -263,6 +263,15 @@ TORCH_MODULE(LlamaForCausalLM);
 /// (targets equal to ignore_index are skipped), computed in fp32.
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index = -100);
 
+/// The same cross entropy summed over the counted targets instead of averaged:
+/// the numerator of a loss normalised over a global token count
+/// (Accelerator::backward with LossNormalization::kGlobalTokens).
+at::Tensor causal_lm_loss_sum(const at::Tensor& logits, const at::Tensor& input_ids, int64_t ignore_index = -100);
+
+/// How many targets causal_lm_loss counts in `labels`: positions 1.. that are
+/// not ignore_index.
+int64_t count_loss_tokens(const at::Tensor& labels, int64_t ignore_index = -100);
+
 /// FLOPs of one trained token (forward + backward), PaLM's estimate:
 /// 6 x (matmul parameters) + 12 x layers x hidden x sequence (attention
 /// scores); recomputation is not counted. `num_params`: all parameters.
