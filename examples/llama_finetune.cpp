@@ -125,12 +125,15 @@ int main(int argc, char** argv) {
     if (options.eval_data.empty() && !no_eval) options.eval_data = bundled + "/data/eval.jsonl";
   }
   if (no_eval) options.eval_data.clear();
-  if (!plot.empty() && options.metrics_out.empty() && options.report_to == "none") {
-    std::cerr << program << ": --plot draws the metrics file: give --metrics-out FILE or --report_to jsonl too"
-              << std::endl;
-    return 2;
-  }
   try {
+    std::vector<std::string> unused_warnings;  // run_finetune says them on rank 0
+    if (!plot.empty() &&
+        finetune::resolve_metrics_file(options.report_to, options.metrics_out, options.output_dir, unused_warnings)
+            .empty()) {
+      std::cerr << program << ": --plot draws the metrics file: give --metrics-out FILE or --report_to jsonl too"
+                << std::endl;
+      return 2;
+    }
     finetune::FinetuneSummary summary = finetune::run_finetune(options);
     if (!plot.empty() && summary.main_process && !summary.metrics_file.empty()) {
       shardtrain::plot_metrics({{summary.metrics_file, program}}, plot);

@@ -1,3 +1,6 @@
+// The Accelerator: connects the ranks, resolves the config, builds the chosen
+// engine around the model, and runs the training step, the metric collectives
+// and the checkpoints through it.
 #include "shardtrain/accelerator.h"
 
 #include <filesystem>

@@ -5,10 +5,13 @@
 #include "kernels/kernels.h"
 #include "build_config.h"  // SHARDTRAIN_WITH_CUDA_KERNELS
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/element_math.h"
 #include "shardtrain/error.h"
 
 #if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
@@ -93,6 +96,10 @@ math::AuditSpec audit_spec(const at::Tensor& reference, UpdateAudit* audit) {
 }
 
 }  // namespace
+
+int64_t audit_pattern_elements(int64_t sample_period) {
+  return math::kAuditGranule * std::max<int64_t>(1, sample_period);
+}
 
 bool has_kernels_for(c10::DeviceType device) {
   if (device == c10::DeviceType::CPU) return true;

@@ -27,6 +27,12 @@ struct UpdateAudit {
   int64_t sample_period = 1;
 };
 
+/// Elements after which the audit's sampling pattern repeats (granule x
+/// sample_period). Sampling counts from each call's first element, so a step
+/// split into calls that start at multiples of this audits the same elements
+/// as one call over the whole partition.
+int64_t audit_pattern_elements(int64_t sample_period);
+
 /// One Adam(W) step in place on the fp32 `master`, `exp_avg`, `exp_avg_sq`:
 ///   g = grad * grad_scale                 (+ wd*master in Adam mode)
 ///   master *= 1 - lr*wd                   (AdamW mode)

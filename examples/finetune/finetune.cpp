@@ -1,3 +1,6 @@
+// The fine-tune job behind llama_finetune / mistral_finetune: model, tokenizer
+// and data, the training loop with evaluation and generation, checkpoints,
+// the Hugging Face export and the summary.
 #include "finetune/finetune.h"
 
 #include <algorithm>
@@ -279,6 +282,9 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   ST_CHECK_T(shardtrain::ConfigError,
              options.loss_normalization == "global_tokens" || options.loss_normalization == "per_rank_mean",
              "--loss-normalization '", options.loss_normalization, "' is not one of global_tokens, per_rank_mean");
+  std::vector<std::string> report_warnings;  // said once the logger knows the rank
+  const std::string metrics_file =
+      resolve_metrics_file(options.report_to, options.metrics_out, options.output_dir, report_warnings);
   ST_CHECK_T(shardtrain::ConfigError, options.gradient_accumulation_steps >= 0,
              "--gradient-accumulation-steps must be positive (0: the config's), got ",
              options.gradient_accumulation_steps);
@@ -428,9 +434,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const int64_t accumulation = accelerator.gradient_accumulation_steps();
   const bool global_tokens = options.loss_normalization == "global_tokens";
   std::ofstream metrics;
-  std::vector<std::string> report_warnings;
-  summary.metrics_file = resolve_metrics_file(options.report_to, options.metrics_out, options.output_dir,
-                                              report_warnings);
+  summary.metrics_file = metrics_file;
   if (main_process) {
     for (const std::string& warning : report_warnings) ST_LOG_WARN("{}", warning);
   }

@@ -52,8 +52,14 @@ std::vector<std::string> left_to_the_run(const TrainingConfig& resolved) {
       "from the model: 0.9 x hidden_size^2; --hidden-size fills it");
   add(!zero.stage3_param_persistence_threshold, "zero_optimization.stage3_param_persistence_threshold",
       "from the model: 10 x hidden_size; --hidden-size fills it");
+  const OptimizerConfig& optimizer = resolved.optimizer;
+  add(!optimizer.lr, "optimizer.params.lr", "from the run: its learning rate");
+  add(!optimizer.betas, "optimizer.params.betas", "from the run: its Adam betas, [0.9, 0.999] unless set");
+  add(!optimizer.eps, "optimizer.params.eps", "from the run: its Adam epsilon, 1e-8 unless set");
+  add(!optimizer.weight_decay, "optimizer.params.weight_decay", "from the run: its weight decay");
   const SchedulerConfig& scheduler = resolved.scheduler;
   if (scheduler.specified) {
+    add(!scheduler.warmup_max_lr, "scheduler.params.warmup_max_lr", "from the run: its learning rate");
     add(!scheduler.warmup_num_steps, "scheduler.params.warmup_num_steps",
         "from the run: its warmup steps; --warmup-steps fills it");
     add(!scheduler.total_num_steps, "scheduler.params.total_num_steps",

@@ -830,6 +830,27 @@ void read_precision_audit(ParseState& state, const Field& block) {
   section.read(block.node);
 }
 
+/// DeepSpeed's AutoTP block (TPTrainingConfig). Tensor parallelism is not
+/// implemented: autotp_size above 1 fails as parallelism_config's tp_size
+/// does; its other fields only matter then.
+void read_tensor_parallel(ParseState& state, const Field& block) {
+  require_map(block, "{autotp_size: 1}");
+  Section section(state, block.source, "tensor_parallel.");
+  section
+      .on("autotp_size",
+          [&](const Field& f) {
+            const int64_t size = f.integer_at_least(0, "an integer >= 0");
+            if (size > 1) {
+              f.fail(f.key + ": " + std::to_string(size) +
+                     " asks for tensor parallelism (DeepSpeed AutoTP), which shardtrain recognises but does not "
+                     "implement; remove the tensor_parallel block (shardtrain shards data-parallel only)");
+            }
+          })
+      .accept({"dtype", "tp_overlap_comm", "tensor_parallel", "tp", "injection_policy_tuple", "partition_config",
+               "preset_model", "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject"});
+  section.read(block.node);
+}
+
 /// DeepSpeed's top-level keys, plus the non-DeepSpeed extras shardtrain
 /// honours in any file (gradient_checkpointing, zero3_init_flag, strict,
 /// precision_audit).
@@ -907,19 +928,7 @@ void add_deepspeed_keys(Section& section, ParseState& state) {
       .accept({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
       // DeepSpeed's AutoTP (TPTrainingConfig): tensor parallelism is not
       // implemented, so a size above 1 fails as parallelism_config's does.
-      .on("tensor_parallel",
-          [&](const Field& f) {
-            require_map(f, "{autotp_size: 1}");
-            if (const Node* size = f.node.find("autotp_size")) {
-              const Field autotp{f.source, f.key + ".autotp_size", f.path + ".autotp_size", *size};
-              const int64_t value = autotp.integer_at_least(0, "an integer >= 0");
-              if (value > 1) {
-                autotp.fail(autotp.key + ": " + std::to_string(value) +
-                            " asks for tensor parallelism (DeepSpeed AutoTP), which shardtrain recognises but does "
-                            "not implement; remove the tensor_parallel block (shardtrain shards data-parallel only)");
-              }
-            }
-          })
+      .on("tensor_parallel", [&](const Field& f) { read_tensor_parallel(state, f); })
       .not_implemented({"wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
                         "memory_breakdown", "dump_state", "sparse_gradients", "disable_allgather", "aio", "amp",
                         "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",

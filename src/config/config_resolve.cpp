@@ -75,20 +75,22 @@ void resolve_zero(TrainingConfig& config, const AutoContext& context) {
   if (hidden && *hidden < 1) ST_THROW(ConfigError, "the model's hidden size must be at least 1, got ", *hidden);
   // Without the model an "auto" bucket stays "auto" (config check); a run
   // without a hidden size takes DeepSpeed's defaults below.
-  auto from_model = [&](const std::string& key) { return !hidden && context.leave_run_values_auto && config.is_auto(key); };
+  auto left_to_the_model = [&](const std::string& key) {
+    return !hidden && context.leave_run_values_auto && config.is_auto(key);
+  };
   // Transformers' trainer_config_finalize: only an "auto" follows the model;
   // an absent key keeps DeepSpeed's fixed default.
-  if (!zero.reduce_bucket_size && !from_model(config_detail::kReduceBucketKey)) {
+  if (!zero.reduce_bucket_size && !left_to_the_model(config_detail::kReduceBucketKey)) {
     zero.reduce_bucket_size = config.is_auto(config_detail::kReduceBucketKey) && hidden
                                   ? *hidden * *hidden
                                   : config_detail::kDeepSpeedReduceBucketSize;
   }
-  if (!zero.stage3_prefetch_bucket_size && !from_model(config_detail::kPrefetchBucketKey)) {
+  if (!zero.stage3_prefetch_bucket_size && !left_to_the_model(config_detail::kPrefetchBucketKey)) {
     zero.stage3_prefetch_bucket_size = config.is_auto(config_detail::kPrefetchBucketKey) && hidden
                                            ? (9 * *hidden * *hidden) / 10
                                            : config_detail::kDeepSpeedPrefetchBucketSize;
   }
-  if (!zero.stage3_param_persistence_threshold && !from_model(config_detail::kPersistenceKey)) {
+  if (!zero.stage3_param_persistence_threshold && !left_to_the_model(config_detail::kPersistenceKey)) {
     zero.stage3_param_persistence_threshold = config.is_auto(config_detail::kPersistenceKey) && hidden
                                                   ? 10 * *hidden
                                                   : config_detail::kDeepSpeedParamPersistenceThreshold;
@@ -96,12 +98,20 @@ void resolve_zero(TrainingConfig& config, const AutoContext& context) {
   if (!zero.overlap_comm) zero.overlap_comm = zero.stage == 3;
 }
 
-void resolve_optimizer(OptimizerConfig& optimizer) {
-  if (!optimizer.lr) optimizer.lr = 1e-3;
-  if (!optimizer.betas) optimizer.betas = std::array<double, 2>{0.9, 0.999};
-  if (!optimizer.eps) optimizer.eps = 1e-8;
+void resolve_optimizer(TrainingConfig& config, const AutoContext& context) {
+  OptimizerConfig& optimizer = config.optimizer;
+  // An "auto" hyperparameter is the run's (Transformers: learning_rate,
+  // adam_beta1/2, adam_epsilon, weight_decay): config check leaves it so.
+  auto from_the_run = [&](const char* name) {
+    return context.leave_run_values_auto && config.is_auto(std::string("optimizer.params.") + name);
+  };
+  if (!optimizer.lr && !from_the_run("lr")) optimizer.lr = 1e-3;
+  if (!optimizer.betas && !from_the_run("betas")) optimizer.betas = std::array<double, 2>{0.9, 0.999};
+  if (!optimizer.eps && !from_the_run("eps")) optimizer.eps = 1e-8;
   // torch.optim.AdamW's default decay; DeepSpeed's FusedAdam and SGD default to none.
-  if (!optimizer.weight_decay) optimizer.weight_decay = optimizer.type == "AdamW" ? 0.01 : 0.0;
+  if (!optimizer.weight_decay && !from_the_run("weight_decay")) {
+    optimizer.weight_decay = optimizer.type == "AdamW" ? 0.01 : 0.0;
+  }
   // DeepSpeed's "Adam" is AdamW unless adam_w_mode says otherwise
   // (ADAM_W_MODE_DEFAULT = True); its "AdamW" always decouples the decay.
   if (optimizer.type == "AdamW") {
@@ -217,7 +227,7 @@ TrainingConfig resolve_auto(TrainingConfig config, const AutoContext& context) {
                                    : 0.0;
   }
   resolve_zero(config, context);
-  resolve_optimizer(config.optimizer);
+  resolve_optimizer(config, context);
   resolve_scheduler(config, context);
   resolve_fsdp_dtypes(config);
   // Kept for config check, whose printout then says "auto" where the run decides.

@@ -1,3 +1,6 @@
+// The document tree of config files: YAML (yaml-cpp) and JSON (nlohmann) read
+// into config_detail::Node with line numbers, written back out as YAML or
+// JSON, and the text helpers the config readers share.
 #include "config/config_tree.h"
 
 #include <algorithm>

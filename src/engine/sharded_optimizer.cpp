@@ -22,35 +22,18 @@
 namespace shardtrain::engine {
 namespace {
 
-/// The [begin, end) slices the fused step walks the flat partition of
-/// `total` elements in. sub_group_size > 0: slices of that many elements.
-/// 0: DeepSpeed's meaning (stage3.py closes a sub-group after every
-/// parameter once it reaches 0 elements), one slice per parameter run this
-/// rank owns. The step is elementwise, so the slicing changes peak temporary
-/// memory and kernel launches, never the result.
-std::vector<std::pair<int64_t, int64_t>> step_slices(const std::vector<UnitState>& units, int rank,
-                                                      int64_t sub_group_size, int64_t total) {
-  std::vector<std::pair<int64_t, int64_t>> slices;
-  if (sub_group_size > 0) {
-    for (int64_t begin = 0; begin < total; begin += sub_group_size) {
-      slices.emplace_back(begin, std::min(total, begin + sub_group_size));
-    }
-    return slices;
-  }
-  std::vector<int64_t> starts{0};
+/// Where each parameter run of this rank (`rank` in the layouts: the shard
+/// group's, 0 when unsharded) begins in its flat partition: the sub-groups
+/// of sub_group_size 0.
+std::vector<int64_t> parameter_run_starts(const std::vector<UnitState>& units, int rank) {
+  std::vector<int64_t> starts;
   for (const UnitState& u : units) {
     if (!u.trainable || !u.layout) continue;
     for (const OwnedSegment& segment : u.layout->segments_of_rank(rank)) {
       if (segment.length > 0) starts.push_back(u.shard_offset + segment.shard_offset);
     }
   }
-  std::sort(starts.begin(), starts.end());
-  starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
-  for (size_t i = 0; i < starts.size() && starts[i] < total; ++i) {
-    const int64_t end = i + 1 < starts.size() ? std::min(total, starts[i + 1]) : total;
-    if (end > starts[i]) slices.emplace_back(starts[i], end);
-  }
-  return slices;
+  return starts;
 }
 
 }  // namespace
@@ -150,7 +133,14 @@ StepResult ShardedEngine::step(double lr) {
       audit.sample_period = o.audit_sample_period;
       audit_ptr = &audit;
     }
-    for (const auto& [begin, end] : step_slices(s.units, s.comm->rank(), s.options.sub_group_size, total)) {
+    // The step is elementwise, so the slicing changes temporary memory and
+    // kernel launches, never the result; aligned to the audit's sampling
+    // pattern it does not change the audit either.
+    const int64_t alignment = audit_ptr != nullptr ? kernels::audit_pattern_elements(o.audit_sample_period) : 1;
+    const auto slices = optimizer_step_slices(
+        s.options.sub_group_size == 0 ? parameter_run_starts(s.units, s.layout_rank()) : std::vector<int64_t>{},
+        s.options.sub_group_size, total, alignment);
+    for (const auto& [begin, end] : slices) {
       const int64_t len = end - begin;
       at::Tensor param = stepped.narrow(0, begin, len);
       at::Tensor g = grad.narrow(0, begin, len);

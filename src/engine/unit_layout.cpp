@@ -102,4 +102,26 @@ void UnitLayout::pack_shard(const std::vector<at::Tensor>& values, int rank, con
   }
 }
 
+std::vector<std::pair<int64_t, int64_t>> optimizer_step_slices(std::vector<int64_t> parameter_starts,
+                                                               int64_t sub_group_size, int64_t total,
+                                                               int64_t alignment) {
+  ST_CHECK(sub_group_size >= 0 && alignment >= 1 && total >= 0, "optimizer_step_slices: sub_group_size ",
+           sub_group_size, ", alignment ", alignment, ", total ", total);
+  std::vector<int64_t> starts{0};
+  if (sub_group_size > 0) {
+    const int64_t size = (sub_group_size + alignment - 1) / alignment * alignment;
+    for (int64_t begin = size; begin < total; begin += size) starts.push_back(begin);
+  } else {
+    for (const int64_t start : parameter_starts) starts.push_back(start / alignment * alignment);
+  }
+  std::sort(starts.begin(), starts.end());
+  starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
+  std::vector<std::pair<int64_t, int64_t>> slices;
+  for (size_t i = 0; i < starts.size() && starts[i] < total; ++i) {
+    const int64_t end = i + 1 < starts.size() ? std::min(total, starts[i + 1]) : total;
+    slices.emplace_back(starts[i], end);
+  }
+  return slices;
+}
+
 }  // namespace shardtrain::engine

@@ -24,6 +24,7 @@
 // the concatenation (segments_of_rank), a reduce-scatter with uneven counts.
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -94,5 +95,17 @@ class UnitLayout {
   std::vector<int64_t> chunk_offsets_;
   std::vector<int64_t> chunk_sizes_;
 };
+
+/// The [begin, end) slices the optimizer steps a rank's flat partition of
+/// `total` elements in (DeepSpeed's sub_group_size). `sub_group_size` > 0:
+/// slices of that many elements; 0: DeepSpeed's meaning (stage3.py closes a
+/// sub-group after every parameter), a slice from each of
+/// `parameter_starts` (the partition offsets where a parameter's run
+/// begins). Every slice starts at a multiple of `alignment`, so an audit
+/// that samples by element index inside a slice samples the same elements
+/// as one slice over the whole partition. The slices tile [0, total).
+std::vector<std::pair<int64_t, int64_t>> optimizer_step_slices(std::vector<int64_t> parameter_starts,
+                                                               int64_t sub_group_size, int64_t total,
+                                                               int64_t alignment = 1);
 
 }  // namespace shardtrain::engine

@@ -1,3 +1,5 @@
+// The Llama / Mistral decoder with Hugging Face parameter names, its losses
+// and FLOP estimate, and loading Hugging Face weights into it.
 #include "shardtrain/models/llama.h"
 
 #include <algorithm>

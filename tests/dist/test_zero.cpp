@@ -247,21 +247,25 @@ TEST(DistZeroSubGroups, SubGroupSizeZeroStepsPerParameterWithTheSameNumbers) {
   // DeepSpeed's sub_group_size: 0 (one sub-group per parameter), 7 elements
   // (slices that cut through parameters) and the default (one slice): the
   // fused step is elementwise, so every slicing gives the same bits.
+  // Stage 0 keeps every state unsharded on every rank; 1 and 3 shard it.
   run_on_ranks(2, [](RankContext& ctx) {
-    std::vector<std::vector<double>> losses;
-    std::vector<std::vector<std::pair<std::string, at::Tensor>>> params;
-    for (int64_t sub_group_size : {int64_t{0}, int64_t{7}, shardtrain::ZeroConfig::kDefaultSubGroupSize}) {
-      auto config = zero_config(3, shardtrain::MixedPrecision::kBf16);
-      config.zero.sub_group_size = sub_group_size;
-      auto run = tiny::run_tiny(tiny_options(config, ctx, 4));
-      losses.push_back(run.losses);
-      params.push_back(run.final_params);
-    }
-    for (size_t variant = 1; variant < losses.size(); ++variant) {
-      EXPECT_EQ(losses[variant], losses[0]) << "variant " << variant;
-      ASSERT_EQ(params[variant].size(), params[0].size());
-      for (size_t i = 0; i < params[0].size(); ++i) {
-        EXPECT_TRUE(at::equal(params[variant][i].second, params[0][i].second)) << params[0][i].first;
+    for (int stage : {0, 1, 3}) {
+      std::vector<std::vector<double>> losses;
+      std::vector<std::vector<std::pair<std::string, at::Tensor>>> params;
+      for (int64_t sub_group_size : {int64_t{0}, int64_t{7}, shardtrain::ZeroConfig::kDefaultSubGroupSize}) {
+        auto config = zero_config(stage, shardtrain::MixedPrecision::kBf16);
+        config.zero.sub_group_size = sub_group_size;
+        auto run = tiny::run_tiny(tiny_options(config, ctx, 4));
+        losses.push_back(run.losses);
+        params.push_back(run.final_params);
+      }
+      for (size_t variant = 1; variant < losses.size(); ++variant) {
+        EXPECT_EQ(losses[variant], losses[0]) << "stage " << stage << ", variant " << variant;
+        ASSERT_EQ(params[variant].size(), params[0].size());
+        for (size_t i = 0; i < params[0].size(); ++i) {
+          EXPECT_TRUE(at::equal(params[variant][i].second, params[0][i].second))
+              << "stage " << stage << ": " << params[0][i].first;
+        }
       }
     }
   });

@@ -1100,7 +1100,9 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
                            "# zero_optimization.reduce_bucket_size: auto (from the model"}) {
     EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
   }
-  EXPECT_NE(output.find("train_micro_batch_size_per_gpu: auto\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("\ntrain_micro_batch_size_per_gpu: auto\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("# optimizer.params.lr: auto (from the run"), std::string::npos) << output;
+  EXPECT_NE(output.find("\n    lr: auto\n"), std::string::npos) << output;  // not a made-up 1e-3
   // The printout reads back as a config.
   ScratchDir dir;
   const auto [again_status, again] = run_cli("config check " + dir.write("resolved.yaml", output));
@@ -1110,6 +1112,6 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
   EXPECT_EQ(filled_status, 0) << filled;
   EXPECT_EQ(filled.find("auto (from the data loader"), std::string::npos) << filled;
   EXPECT_EQ(filled.find("auto (from the model"), std::string::npos) << filled;
-  EXPECT_NE(filled.find("train_batch_size: 8"), std::string::npos) << filled;  // 4 x 1 x 2
-  EXPECT_NE(filled.find("reduce_bucket_size: 64"), std::string::npos) << filled;  // 8^2
+  EXPECT_NE(filled.find("train_batch_size: 8\n"), std::string::npos) << filled;  // 4 x 1 x 2
+  EXPECT_NE(filled.find("reduce_bucket_size: 64\n"), std::string::npos) << filled;  // 8^2
 }

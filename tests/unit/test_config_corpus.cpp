@@ -25,9 +25,9 @@ namespace fs = std::filesystem;
 const fs::path kSourceDir = SHARDTRAIN_SOURCE_DIR;
 
 struct Expectation {
-  std::string outcome;  ///< loads | warns | fails
-  std::string text;     ///< what the warning or the error must contain
-  int line = 0;         ///< in EXPECTED, for messages
+  std::string outcome;             ///< loads | warns | fails
+  std::vector<std::string> texts;  ///< the error's text, or each warning's (one line of EXPECTED each)
+  int line = 0;                    ///< in EXPECTED, for messages
 };
 
 /// EXPECTED: `path<TAB>outcome<TAB>text`, paths from the repository root, `#` comments.
@@ -46,14 +46,17 @@ std::map<std::string, Expectation> read_expectations(const fs::path& manifest) {
       ADD_FAILURE() << manifest << ":" << number << ": expected PATH<TAB>OUTCOME[<TAB>TEXT], got '" << line << "'";
       continue;
     }
-    Expectation expectation{columns[1], columns.size() > 2 ? columns[2] : "", number};
-    const bool known = expectation.outcome == "loads" || expectation.outcome == "warns" || expectation.outcome == "fails";
-    EXPECT_TRUE(known) << manifest << ":" << number << ": outcome '" << expectation.outcome
-                       << "' is not one of loads, warns, fails";
-    EXPECT_TRUE(expectation.outcome == "loads" || !expectation.text.empty())
+    const std::string& outcome = columns[1];
+    const std::string text = columns.size() > 2 ? columns[2] : "";
+    EXPECT_TRUE(outcome == "loads" || outcome == "warns" || outcome == "fails")
+        << manifest << ":" << number << ": outcome '" << outcome << "' is not one of loads, warns, fails";
+    EXPECT_TRUE(outcome == "loads" || !text.empty())
         << manifest << ":" << number << ": a warning or failure needs the text it names";
-    EXPECT_TRUE(expectations.emplace(columns[0], expectation).second)
+    const auto [entry, added] = expectations.emplace(columns[0], Expectation{outcome, {}, number});
+    // Only warnings may take several lines: one per warning the file gives.
+    EXPECT_TRUE(added || (outcome == "warns" && entry->second.outcome == "warns"))
         << manifest << ":" << number << ": " << columns[0] << " is listed twice";
+    if (!text.empty()) entry->second.texts.push_back(text);
   }
   return expectations;
 }
@@ -104,20 +107,20 @@ TEST(UnitConfigCorpus, ConfigCheckOfEveryShippedAndCollectedFileHasItsRecordedOu
     if (expected.outcome == "fails") {
       EXPECT_EQ(result.exit_code, 2) << result.output;
       EXPECT_NE(result.output.find("error: "), std::string::npos) << result.output;
-      EXPECT_NE(result.output.find(expected.text), std::string::npos)
-          << "the error does not name '" << expected.text << "':\n" << result.output;
+      EXPECT_NE(result.output.find(expected.texts.at(0)), std::string::npos)
+          << "the error does not name '" << expected.texts.at(0) << "':\n" << result.output;
       continue;
     }
     EXPECT_EQ(result.exit_code, 0) << result.output;
     // A loadable file prints a config that reads back (comments included).
     EXPECT_NE(result.output.find("distributed_type: "), std::string::npos) << result.output;
-    if (expected.outcome == "loads") {
-      EXPECT_TRUE(warnings.empty()) << "unexpected warnings:\n" << result.output;
-    } else {
+    // Exactly the listed warnings: as many, and each named by one of them.
+    EXPECT_EQ(warnings.size(), expected.texts.size()) << "warnings other than those listed:\n" << result.output;
+    for (const std::string& text : expected.texts) {
       const bool named = std::any_of(warnings.begin(), warnings.end(), [&](const std::string& warning) {
-        return warning.find(expected.text) != std::string::npos;
+        return warning.find(text) != std::string::npos;
       });
-      EXPECT_TRUE(named) << "no warning names '" << expected.text << "':\n" << result.output;
+      EXPECT_TRUE(named) << "no warning names '" << text << "':\n" << result.output;
     }
   }
   // A line for a file that is gone is a stale expectation.

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "compat/autograd_hooks.h"
@@ -96,6 +97,28 @@ TEST(UnitUnitLayout, PerParamPiecesAreOnePerParameterAndFlatIsOne) {
   const UnitLayout flat(UnitLayout::Kind::kFlat, {12, 7, 0}, 3);
   ASSERT_EQ(flat.pieces().size(), 1u);
   EXPECT_EQ(flat.pieces()[0].chunk, 7);  // ceil(19 / 3)
+}
+
+TEST(UnitUnitLayout, OptimizerStepSlicesTileThePartitionPerParameterOrBySize) {
+  using Slices = std::vector<std::pair<int64_t, int64_t>>;
+  using shardtrain::engine::optimizer_step_slices;
+  // sub_group_size 0 (DeepSpeed: one sub-group per parameter): a slice from
+  // each parameter run's start, in any order, duplicates once, to the end.
+  EXPECT_EQ(optimizer_step_slices({12, 0, 5, 12}, 0, 20), (Slices{{0, 5}, {5, 12}, {12, 20}}));
+  // A rank's runs from a real layout: rank 1 of 3 owns [4, 8) of parameter 0
+  // at shard offset 0 and [3, 6) of parameter 1 at shard offset 4.
+  const UnitLayout layout(UnitLayout::Kind::kPerParam, {12, 7}, 3);
+  std::vector<int64_t> starts;
+  for (const auto& segment : layout.segments_of_rank(1)) starts.push_back(segment.shard_offset);
+  EXPECT_EQ(optimizer_step_slices(starts, 0, layout.shard_numel()), (Slices{{0, 4}, {4, 7}}));
+  // A size: fixed slices, the last one short.
+  EXPECT_EQ(optimizer_step_slices({}, 8, 20), (Slices{{0, 8}, {8, 16}, {16, 20}}));
+  EXPECT_EQ(optimizer_step_slices({}, 1000, 20), (Slices{{0, 20}}));
+  EXPECT_TRUE(optimizer_step_slices({3}, 0, 0).empty());
+  // Aligned to an audit's sampling pattern of 16 elements: starts round down
+  // (parameters) or sizes round up, so each slice samples as the whole does.
+  EXPECT_EQ(optimizer_step_slices({5, 20, 40}, 0, 50, 16), (Slices{{0, 16}, {16, 32}, {32, 50}}));
+  EXPECT_EQ(optimizer_step_slices({}, 7, 40, 16), (Slices{{0, 16}, {16, 32}, {32, 40}}));
 }
 
 // The engine reduces the tensor autograd produced. A tensor hook that keeps
