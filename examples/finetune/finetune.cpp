@@ -27,6 +27,7 @@
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/tokenizer.h"
 #include "shardtrain/weight_loading.h"
+#include "step_metrics.h"
 
 namespace finetune {
 namespace {
@@ -186,8 +187,6 @@ std::string number(double value, const char* format = "%.4f") {
   return text;
 }
 
-/// A metrics-file fraction: null where the step did not measure it (-1).
-nlohmann::json fraction_or_null(double x) { return x >= 0 ? nlohmann::json(x) : nlohmann::json(); }
 
 }  // namespace
 
@@ -509,7 +508,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
       step_tokens += window.back().input_ids.numel();
       window_loss_tokens += models::count_loss_tokens(window.back().labels);
     }
-    const int64_t global_loss_tokens = global_tokens ? accelerator.sum_over_processes(window_loss_tokens) : 0;
+    // A window without loss tokens has a zero loss, not 0/0.
+    const double global_loss_tokens =
+        global_tokens ? static_cast<double>(std::max<int64_t>(1, accelerator.sum_over_processes(window_loss_tokens)))
+                      : 0.0;
     // Global tokens: the summed token losses of this rank's window; per-rank
     // mean: the sum of its micro-batch means.
     double loss_sum = 0;
@@ -517,9 +519,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
       at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
       if (global_tokens) {
         at::Tensor summed = models::causal_lm_loss_sum(logits, batch.labels);
-        // A window without loss tokens has a zero loss, not 0/0.
-        accelerator.backward(summed / static_cast<double>(std::max<int64_t>(1, global_loss_tokens)),
-                             shardtrain::LossNormalization::kGlobalTokens);
+        accelerator.backward(summed / global_loss_tokens, shardtrain::LossNormalization::kGlobalTokens);
         loss_sum += summed.item<double>();
       } else {
         at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
@@ -537,8 +537,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     accelerator.zero_grad();
     const double step_loss =
         global_tokens
-            ? accelerator.reduce(at::full({1}, loss_sum, at::kDouble), "sum").item<double>() /
-                  static_cast<double>(std::max<int64_t>(1, global_loss_tokens))
+            ? accelerator.reduce(at::full({1}, loss_sum, at::kDouble), "sum").item<double>() / global_loss_tokens
             : accelerator.reduce(at::full({1}, loss_sum / accumulation, at::kDouble), "mean").item<double>();
     const double seconds = seconds_since(start);
     // The first --throughput-skip-steps steps (cuBLAS set-up, the caching
@@ -559,23 +558,12 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     progress.update(step + 1, step_loss, info.lr, step_tokens / seconds);
     if (metrics.is_open()) {
       const shardtrain::MemoryReport mem = accelerator.memory();
-      metrics << json{{"step", step + 1},
-                      {"loss", step_loss},
-                      {"lr", info.lr},
-                      {"grad_norm", info.grad_norm},
-                      {"loss_scale", info.loss_scale},
-                      {"skipped", info.skipped},
-                      {"non_finite_total", info.non_finite_total},
-                      // null when the step was not audited (precision_audit off, fp16 overflow)
-                      {"lost_update_frac", fraction_or_null(info.lost_update_frac)},
-                      {"lost_update_frac_if_bf16", fraction_or_null(info.lost_update_frac_if_bf16)},
-                      {"tokens_rank0", step_tokens},
-                      {"tokens_per_s_rank0", step_tokens / seconds},
-                      {"step_time_s", seconds},
-                      {"peak_rss", mem.peak_rss}}
-                     .dump()
-              << "\n"
-              << std::flush;
+      json line = examples::step_metrics(step + 1, step_loss, info);
+      line["tokens_rank0"] = step_tokens;
+      line["tokens_per_s_rank0"] = step_tokens / seconds;
+      line["step_time_s"] = seconds;
+      line["peak_rss"] = mem.peak_rss;
+      metrics << line.dump() << "\n" << std::flush;
     }
     const bool last = step + 1 == options.max_steps;
     if (options.save_every > 0 && (step + 1) % options.save_every == 0 && !last) {

@@ -12,6 +12,7 @@
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
+#include "step_metrics.h"
 
 namespace tiny {
 namespace {
@@ -71,26 +72,13 @@ std::ofstream open_metrics(const std::string& path) {
 /// one tool (shardtrain plot, a diff) reads both.
 void write_metrics(std::ofstream& out, int64_t step, double loss, const shardtrain::StepInfo& info, int64_t tokens,
                    double seconds, const shardtrain::MemoryReport& memory) {
-  auto fraction = [](double value) { return value >= 0 ? nlohmann::json(value) : nlohmann::json(); };
-  nlohmann::json line = {{"step", step},
-                         {"loss", loss},
-                         {"lr", info.lr},
-                         {"grad_norm", info.grad_norm},
-                         {"loss_scale", info.loss_scale},
-                         {"skipped", info.skipped},
-                         {"non_finite_total", info.non_finite_total},
-                         {"lost_update_frac", fraction(info.lost_update_frac)},
-                         {"lost_update_frac_if_bf16", fraction(info.lost_update_frac_if_bf16)},
-                         {"tokens", tokens},
-                         {"tokens_per_s", tokens / seconds},
-                         {"step_time_s", seconds},
-                         {"mem",
-                          {{"params", memory.params},
-                           {"grads", memory.grads},
-                           {"master", memory.master},
-                           {"optimizer", memory.optimizer},
-                           {"gathered", memory.gathered_peak},
-                           {"peak_rss", memory.peak_rss}}}};
+  nlohmann::json line = examples::step_metrics(step, loss, info);
+  line["tokens"] = tokens;
+  line["tokens_per_s"] = tokens / seconds;
+  line["step_time_s"] = seconds;
+  line["mem"] = {{"params", memory.params},       {"grads", memory.grads},
+                 {"master", memory.master},       {"optimizer", memory.optimizer},
+                 {"gathered", memory.gathered_peak}, {"peak_rss", memory.peak_rss}};
   out << line.dump() << "\n" << std::flush;
 }
 

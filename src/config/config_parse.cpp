@@ -334,8 +334,10 @@ class Section {
   }
 
  private:
-  /// A feature switch left off: false, "false", "none", 0.
+  /// A feature switch left off: false, "false", "none", 0, or an empty block
+  /// (older `accelerate config` files carry fp8_config: {} and the like).
   static bool switched_off(const Node& value) {
+    if (value.kind == Kind::kMap) return value.members.empty();
     if (value.kind == Kind::kBool) return !value.boolean;
     if (value.kind == Kind::kInteger) return value.integer == 0;
     if (value.kind == Kind::kString) {
@@ -730,12 +732,10 @@ void read_zero_optimization(ParseState& state, const Field& block) {
   auto gather_16bit_on_save = [&](const Field& f) {
     assign(state, f, zero.stage3_gather_16bit_weights_on_model_save, [&] { return f.boolean(); });
   };
-  // The "auto" and explicit-value bookkeeping keys on DeepSpeed's stage3_ path.
-  auto as_prefixed = [](std::function<void(const Field&)> handler) {
-    return [handler](const Field& f) {
-      const std::string name = f.path.substr(f.path.rfind('.') + 1);
-      handler(Field{f.source, f.key, "zero_optimization.stage3_" + name, f.node});
-    };
+  // Another spelling of `key`: its "auto" and explicit-value bookkeeping
+  // keys on that one path, so two spellings in one config collide as one key.
+  auto read_as = [](const std::string& key, std::function<void(const Field&)> handler) {
+    return [key, handler](const Field& f) { handler(Field{f.source, f.key, "zero_optimization." + key, f.node}); };
   };
   Section section(state, block.source, "zero_optimization.");
   section
@@ -770,11 +770,12 @@ void read_zero_optimization(ParseState& state, const Field& block) {
       .on("stage3_gather_16bit_weights_on_model_save", gather_16bit_on_save)
       // DeepSpeed's field names, which its model accepts besides the stage3_
       // aliases (populate_by_name); read as the prefixed keys.
-      .on("prefetch_bucket_size", as_prefixed(prefetch_bucket))
-      .on("param_persistence_threshold", as_prefixed(persistence_threshold))
-      .on("max_live_parameters", as_prefixed(max_live_parameters))
-      .on("max_reuse_distance", as_prefixed(max_reuse_distance))
-      .on("gather_16bit_weights_on_model_save", as_prefixed(gather_16bit_on_save))
+      .on("prefetch_bucket_size", read_as("stage3_prefetch_bucket_size", prefetch_bucket))
+      .on("param_persistence_threshold", read_as("stage3_param_persistence_threshold", persistence_threshold))
+      .on("max_live_parameters", read_as("stage3_max_live_parameters", max_live_parameters))
+      .on("max_reuse_distance", read_as("stage3_max_reuse_distance", max_reuse_distance))
+      .on("gather_16bit_weights_on_model_save",
+          read_as("stage3_gather_16bit_weights_on_model_save", gather_16bit_on_save))
       .on("offload_optimizer", [&](const Field& f) { read_offload(state, f, true); })
       .on("offload_param", [&](const Field& f) { read_offload(state, f, false); })
       .deprecated("cpu_offload", "offload_optimizer: {device: cpu}",
@@ -792,12 +793,7 @@ void read_zero_optimization(ParseState& state, const Field& block) {
       .deprecated("cpu_offload_use_pin_memory", "offload_optimizer.pin_memory",
                   [&](const Field& f) { assign(state, f, state.optimizer_pin_memory, [&] { return f.boolean(); }); })
       .deprecated("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-                  [&](const Field& f) {
-                    Field renamed{f.source, f.key, "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                                  f.node};
-                    assign(state, renamed, zero.stage3_gather_16bit_weights_on_model_save,
-                           [&] { return f.boolean(); });
-                  })
+                  read_as("stage3_gather_16bit_weights_on_model_save", gather_16bit_on_save))
       .not_implemented({"use_multi_rank_bucket_allreduce", "ignore_unused_parameters", "legacy_stage1",
                         "load_from_fp32_weights", "elastic_checkpoint", "pipeline_loading_checkpoint", "zenflow",
                         "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
@@ -830,6 +826,15 @@ void read_precision_audit(ParseState& state, const Field& block) {
   section.read(block.node);
 }
 
+/// A parallelism degree above 1 for a kind shardtrain does not implement:
+/// fails naming it and `fix`.
+void refuse_parallelism(const Field& f, int64_t size, const std::string& kind, const std::string& fix) {
+  if (size > 1) {
+    f.fail(f.key + ": " + std::to_string(size) + " asks for " + kind +
+           ", which shardtrain recognises but does not implement; " + fix);
+  }
+}
+
 /// DeepSpeed's AutoTP block (TPTrainingConfig). Tensor parallelism is not
 /// implemented: autotp_size above 1 fails as parallelism_config's tp_size
 /// does; its other fields only matter then.
@@ -839,12 +844,8 @@ void read_tensor_parallel(ParseState& state, const Field& block) {
   section
       .on("autotp_size",
           [&](const Field& f) {
-            const int64_t size = f.integer_at_least(0, "an integer >= 0");
-            if (size > 1) {
-              f.fail(f.key + ": " + std::to_string(size) +
-                     " asks for tensor parallelism (DeepSpeed AutoTP), which shardtrain recognises but does not "
-                     "implement; remove the tensor_parallel block (shardtrain shards data-parallel only)");
-            }
+            refuse_parallelism(f, f.integer_at_least(0, "an integer >= 0"), "tensor parallelism (DeepSpeed AutoTP)",
+                               "remove the tensor_parallel block (shardtrain shards data-parallel only)");
           })
       .accept({"dtype", "tp_overlap_comm", "tensor_parallel", "tp", "injection_policy_tuple", "partition_config",
                "preset_model", "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject"});
@@ -1098,14 +1099,10 @@ void read_deepspeed_plugin(ParseState& state, const Field& block) {
 void read_parallelism_config(ParseState& state, const Field& block) {
   require_map(block, "{parallelism_config_tp_size: 1}");
   const std::string prefix = "parallelism_config_";
-  auto refuse_above_one = [&](const char* feature) {
-    return [&state, feature](const Field& f) {
-      const int64_t size = f.integer_at_least(1, "an integer >= 1");
-      if (size > 1) {
-        f.fail(f.key + ": " + std::to_string(size) + " asks for " + feature +
-               ", which shardtrain recognises but does not implement; set it to 1 (shardtrain shards data-parallel "
-               "only, FSDP or ZeRO over all processes)");
-      }
+  auto refuse_above_one = [](const char* kind) {
+    return [kind](const Field& f) {
+      refuse_parallelism(f, f.integer_at_least(1, "an integer >= 1"), kind,
+                         "set it to 1 (shardtrain shards data-parallel only, FSDP or ZeRO over all processes)");
     };
   };
   auto warn_above_one = [&state](const Field& f) {
@@ -1126,15 +1123,6 @@ void read_parallelism_config(ParseState& state, const Field& block) {
   // How the parallelisms above would run; inert while their sizes are 1.
   section.accept_prefix(prefix + "cp_").accept_prefix(prefix + "sp_").accept_prefix("cp_").accept_prefix("sp_");
   section.read(block.node);
-}
-
-/// A plugin block for a feature shardtrain does not have: warned when it
-/// holds settings. Older `accelerate config` files carry them empty.
-void warn_not_implemented_if_set(ParseState& state, const Field& f) {
-  const bool empty = f.node.kind == Kind::kMap && f.node.members.empty();
-  if (!empty) {
-    state.warn(f.key + " is recognised but not implemented by shardtrain; it is ignored (" + f.where() + ")");
-  }
 }
 
 void add_accelerate_keys(Section& section, ParseState& state) {
@@ -1181,8 +1169,7 @@ void add_accelerate_keys(Section& section, ParseState& state) {
       // Written by `accelerate config`; they choose devices, TPUs, compilers
       // or launch details that a shardtrain run does not take from the config.
       .on("parallelism_config", [&](const Field& f) { read_parallelism_config(state, f); })
-      .on("fp8_config", [&](const Field& f) { warn_not_implemented_if_set(state, f); })
-      .on("megatron_lm_config", [&](const Field& f) { warn_not_implemented_if_set(state, f); })
+      .not_implemented({"fp8_config", "megatron_lm_config"})
       .accept({"use_cpu", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids", "rdzv_backend",
                "same_network", "dynamo_config", "ipex_config", "mpirun_config", "commands", "command_file",
                "use_mps_device"})
@@ -1575,15 +1562,23 @@ TrainingConfig read_config(const Node& root, const std::string& format, const st
   return std::move(state.config);
 }
 
+/// parse_document + read_config; what the document itself warned about
+/// (duplicate keys) comes first in the warnings.
+TrainingConfig read_text(const std::string& text, const std::string& format, const std::string& source,
+                         const std::string& base_dir, const Overrides& overrides) {
+  std::vector<std::string> document_warnings;
+  const Node root = parse_document(text, format, source, document_warnings);
+  TrainingConfig config = read_config(root, format, source, base_dir, overrides);
+  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
+  return config;
+}
+
 TrainingConfig load_with_overrides(const std::string& path, const Overrides& overrides) {
   const std::string text = read_text_file(path, "config file");
   const std::string format = format_of(path, text);
-  std::vector<std::string> document_warnings;
-  const Node root = parse_document(text, format, path, document_warnings);
   const std::string base_dir = fs::absolute(path).parent_path().string();
   // The main file comes first in `sources`, before the DeepSpeed JSON it names.
-  TrainingConfig config = read_config(root, format, path, base_dir, overrides);
-  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
+  TrainingConfig config = read_text(text, format, path, base_dir, overrides);
   config.sources.insert(config.sources.begin(), path);
   return config;
 }
@@ -1602,11 +1597,7 @@ TrainingConfig load_config(const std::string& path) { return load_with_overrides
 TrainingConfig parse_config(const std::string& text, const std::string& format, const std::string& base_dir) {
   const std::string normalized = lowercase(format);
   const std::string source = "(" + normalized + " text)";
-  std::vector<std::string> document_warnings;
-  const Node root = parse_document(text, normalized, source, document_warnings);
-  TrainingConfig config = read_config(root, normalized, source, base_dir, Overrides{});
-  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
-  return config;
+  return read_text(text, normalized, source, base_dir, Overrides{});
 }
 
 std::optional<TrainingConfig> config_from_environment() {
