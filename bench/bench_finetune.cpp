@@ -12,6 +12,7 @@
 // (or --peak-tflops). Peak RSS is this process's high-water mark
 // during the run (reset before each run through /proc/self/clear_refs).
 
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>

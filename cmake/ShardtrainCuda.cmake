@@ -23,26 +23,9 @@ if(NOT _st_cuda_mode STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # Must be decided before enable_language(CUDA): afterwards the cache already
-    # holds nvcc's own default (52 with CUDA <= 11, 75 with CUDA 13), which
-    # cannot be told apart from a user's choice. Ampere (80), Hopper (90) and
-    # Blackwell (100) are what GPU users of this project run; architectures
-    # this nvcc does not know are left out. -DCMAKE_CUDA_ARCHITECTURES or the
-    # CUDAARCHS environment variable override it.
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-      execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --list-gpu-arch
-        OUTPUT_VARIABLE _st_nvcc_archs ERROR_QUIET RESULT_VARIABLE _st_nvcc_list_failed)
-      set(_st_archs "")
-      foreach(_st_arch 80 90 100)
-        if(NOT _st_nvcc_list_failed AND _st_nvcc_archs MATCHES "compute_${_st_arch}([^0-9]|$)")
-          list(APPEND _st_archs ${_st_arch})
-        endif()
-      endforeach()
-      if(NOT _st_archs)
-        set(_st_archs 80)  # an nvcc without --list-gpu-arch (CUDA < 11) still knows 80 from 11.0
-      endif()
-      set(CMAKE_CUDA_ARCHITECTURES "${_st_archs}" CACHE STRING "CUDA architectures to compile the kernels for")
-    endif()
+    # The architectures come from TORCH_CUDA_ARCH_LIST (cmake/ShardtrainFindTorch.cmake):
+    # torch's CMake config turns CMAKE_CUDA_ARCHITECTURES off and adds its own
+    # -gencode flags to every CUDA compile.
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(SHARDTRAIN_WITH_CUDA_KERNELS ON)

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cctype>
 
-#include "compat/torch_cuda.h"
+#include "torch_cuda.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain {
@@ -17,11 +17,9 @@ std::string lower(std::string s) {
 }
 
 c10::Device cuda_device(int index) {
-  const int count = compat::cuda_device_count();
-  ST_CHECK_T(ConfigError, count > 0, "--device cuda: this process sees no GPU (",
-             compat::torch_has_cuda() ? "no device, no driver, or CUDA_VISIBLE_DEVICES hides them"
-                                      : "this LibTorch was built without CUDA; build against a CUDA LibTorch",
-             "); use --device cpu");
+  const int count = torch_cuda::cuda_device_count();
+  ST_CHECK_T(ConfigError, count > 0, "--device cuda: this process sees no GPU (no device, no driver, or "
+             "CUDA_VISIBLE_DEVICES hides them); use --device cpu");
   ST_CHECK_T(ConfigError, index >= 0 && index < count, "--device: GPU ", index, " does not exist; this process sees ",
              count, " (one process per GPU: launch at most ", count, " processes per machine)");
   return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
@@ -38,7 +36,7 @@ c10::Device resolve_device(const std::string& name, int local_rank) {
                "--device '", name, "': expected cuda:N with N a GPU index");
     return cuda_device(std::stoi(digits));
   }
-  if (name == "auto") return compat::cuda_device_count() > 0 ? cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
+  if (name == "auto") return torch_cuda::cuda_device_count() > 0 ? cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
   ST_THROW(ConfigError, "--device '", name, "' is not one of cpu, cuda, cuda:N, auto");
 }
 
@@ -46,7 +44,7 @@ std::string backend_for(const c10::Device& device) { return device.is_cuda() ? "
 
 std::string device_name(const c10::Device& device) {
   if (!device.is_cuda()) return "cpu";
-  return compat::cuda_device_name(device.index());
+  return torch_cuda::cuda_device_name(device.index());
 }
 
 std::optional<double> known_peak_tflops(const std::string& gpu_name, const std::string& dtype) {
@@ -62,7 +60,7 @@ std::optional<double> known_peak_tflops(const std::string& gpu_name, const std::
 DeviceMemory device_memory(const c10::Device& device) {
   DeviceMemory out;
   if (!device.is_cuda()) return out;
-  const compat::CudaMemoryStats stats = compat::cuda_memory_stats(device.index());
+  const torch_cuda::CudaMemoryStats stats = torch_cuda::cuda_memory_stats(device.index());
   out.allocated = stats.allocated;
   out.peak_allocated = stats.peak_allocated;
   out.reserved = stats.reserved;
@@ -71,7 +69,7 @@ DeviceMemory device_memory(const c10::Device& device) {
 }
 
 void reset_device_peak_memory(const c10::Device& device) {
-  if (device.is_cuda()) compat::reset_cuda_peak_memory(device.index());
+  if (device.is_cuda()) torch_cuda::reset_cuda_peak_memory(device.index());
 }
 
 }  // namespace shardtrain

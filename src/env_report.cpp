@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/nccl_factory.h"
-#include "compat/torch_compat.h"
+#include <torch/version.h>
 #include "kernels/cpu/cpu_gemm_choice.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/version.h"
@@ -80,8 +80,7 @@ EnvReport collect_env_report(bool measure_gemm) {
   EnvReport report;
   auto add = [&](std::string k, std::string v) { report.rows.emplace_back(std::move(k), std::move(v)); };
   add("shardtrain", SHARDTRAIN_VERSION_STRING);
-  add("LibTorch", compat::torch_version_string());
-  add("LibTorch CUDA", compat::torch_has_cuda() ? "yes" : "no (CPU build)");
+  add("LibTorch", TORCH_VERSION);
   add("NCCL backend", comm::nccl_version_string().empty() ? "not compiled"
                                                           : "compiled, NCCL " + comm::nccl_version_string());
   add("NCCL usable", comm::nccl_usable() ? "yes" : "no: " + comm::nccl_unavailable_reason());

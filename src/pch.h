@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 #include "build_config.h"
-#if defined(SHARDTRAIN_WITH_GLOO)
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <spdlog/spdlog.h>
 #include <chrono>

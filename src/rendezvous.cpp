@@ -8,7 +8,7 @@
 
 #include "build_config.h"  // SHARDTRAIN_WITH_GLOO
 #if defined(SHARDTRAIN_WITH_GLOO)
-#include "comm/gloo/gloo_communicator.h"
+#include "comm/gloo_factory.h"
 #endif
 #include "comm/single_process_communicator.h"
 #include "comm/nccl_factory.h"
@@ -16,7 +16,8 @@
 #include "comm/rendezvous_server.h"
 #include "comm/rendezvous_store.h"
 #include "comm/work_util.h"
-#include "compat/torch_compat.h"
+#include "comm/c10d.h"
+#include "torch_cuda.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
@@ -177,7 +178,7 @@ bool is_loopback(const std::string& host) {
 
 /// rank 0 hosts the store; every rank connects, authenticates and waits until
 /// all world_size ranks have arrived.
-compat::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
   namespace rdzv = comm::rendezvous;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   if (!env.rdzv_token.empty()) {
@@ -280,9 +281,9 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
   if (backend == "auto") {
     if (comm::nccl_usable()) {
       backend = "nccl";
-    } else if (compat::cuda_device_count() > 0) {
+    } else if (torch_cuda::cuda_device_count() > 0) {
       // Silently training a GPU node's job over Gloo on the CPU is never what was meant.
-      ST_THROW(ConfigError, "backend 'auto': this process sees ", compat::cuda_device_count(),
+      ST_THROW(ConfigError, "backend 'auto': this process sees ", torch_cuda::cuda_device_count(),
                " GPU(s) but cannot use NCCL (", comm::nccl_unavailable_reason(),
                "). Build shardtrain with NCCL (cmake -DSHARDTRAIN_CUDA=ON, with NCCL's headers and library "
                "installed, e.g. Debian's libnccl-dev or the nvidia-nccl wheel), or choose backend 'gloo' "
@@ -306,7 +307,7 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
              "only, and this job has ", env.world_size, " ranks. Train on GPUs (backend nccl), or rebuild with "
              "the gloo headers of this LibTorch (libgloo-dev for Debian's)");
 #endif
-  compat::StorePtr store;
+  comm::StorePtr store;
   if (env.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
@@ -322,8 +323,8 @@ comm::CommunicatorPtr init_distributed(const DistEnv& env, const InitOptions& op
 #if defined(SHARDTRAIN_WITH_GLOO)
   std::string device_host = is_loopback(env.master_addr) ? "127.0.0.1" : "";
   if (env.world_size == 1) device_host = "127.0.0.1";
-  auto communicator = std::make_shared<comm::GlooCommunicator>(
-      store, env.rank, env.world_size, std::move(global_ranks), comm_options, device_host, "shardtrain/");
+  auto communicator = comm::make_gloo_communicator(store, env.rank, env.world_size, std::move(global_ranks),
+                                                   comm_options, device_host, "shardtrain/");
 #else
   auto communicator = std::make_shared<comm::SingleProcessCommunicator>(at::Device(at::kCPU), comm_options);
 #endif

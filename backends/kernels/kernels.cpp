@@ -15,7 +15,7 @@
 #include "shardtrain/error.h"
 
 #if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
-#include "compat/torch_cuda.h"
+#include "torch_cuda.h"
 #include "kernels/cuda/cuda_kernels.h"
 #endif
 
@@ -62,7 +62,7 @@ void check_float32(const at::Tensor& t, const char* name) {
 template <class Launch>
 void on_cuda(const at::Tensor& t, const char* what, Launch&& launch) {
   const c10::DeviceGuard guard(t.device());
-  auto stream = static_cast<cudaStream_t>(compat::current_cuda_stream(t.device().index()));
+  auto stream = static_cast<cudaStream_t>(torch_cuda::current_cuda_stream(t.device().index()));
   const cudaError_t status = launch(stream);
   ST_CHECK(status == cudaSuccess, what, " on ", t.device(), " failed to launch: ", cudaGetErrorString(status),
            " (", t.numel(), " elements)");

@@ -13,6 +13,7 @@
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "step_metrics.h"
+#include "tiny/reference_adam.h"
 
 namespace tiny {
 namespace {
@@ -165,7 +166,8 @@ TinyRunResult run_tiny(const TinyRunOptions& options) {
 namespace {
 
 /// What both references build before their loops: the model at the engine
-/// run's starting values, torch's optimizer and the schedule.
+/// run's starting values, the optimizer (torch's SGD, the engines' Adam
+/// arithmetic) and the schedule.
 struct ReferenceSetup {
   shardtrain::TrainingConfig config;
   int64_t accumulation = 1;
@@ -200,14 +202,12 @@ ReferenceSetup make_reference(const TinyRunOptions& options, int world_size) {
   std::string type = oc.type;
   if (type == "Adam" && oc.adam_w_mode.value_or(false)) type = "AdamW";
   auto params = setup.model->parameters();
-  if (type == "AdamW") {
-    setup.optimizer = std::make_unique<torch::optim::AdamW>(
+  if (type == "AdamW" || type == "Adam") {
+    // The engines' per-element Adam arithmetic (reference_adam.h says why).
+    const bool decoupled = type == "AdamW";
+    setup.optimizer = std::make_unique<ReferenceAdam>(
         params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
-                    .weight_decay(oc.weight_decay.value_or(0.01)));
-  } else if (type == "Adam") {
-    setup.optimizer = std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
-                    .weight_decay(oc.weight_decay.value_or(0.0)));
+                    .weight_decay(oc.weight_decay.value_or(decoupled ? 0.01 : 0.0)), decoupled);
   } else {
     setup.optimizer = std::make_unique<torch::optim::SGD>(
         params, torch::optim::SGDOptions(lr).momentum(oc.momentum).weight_decay(oc.weight_decay.value_or(0.0))

@@ -219,7 +219,7 @@ std::vector<LoggedCollective> CollectiveLog::snapshot() const {
   return entries;
 }
 
-void CollectiveLog::attach_store(compat::StorePtr store, std::string key_prefix, std::chrono::milliseconds timeout) {
+void CollectiveLog::attach_store(comm::StorePtr store, std::string key_prefix, std::chrono::milliseconds timeout) {
   store_ = std::move(store);
   key_prefix_ = std::move(key_prefix) + "hang/";
   // Long enough for peers blocked in a collective to notice (they look every

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "compat/torch_compat.h"
+#include "comm/c10d.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::comm {
@@ -68,7 +68,7 @@ class CollectiveLog {
   /// The store the ranks exchange logs through, under `key_prefix` (the
   /// group's own, so sub-groups do not mix). Without one, reports hold only
   /// this rank's log.
-  void attach_store(compat::StorePtr store, std::string key_prefix, std::chrono::milliseconds timeout);
+  void attach_store(comm::StorePtr store, std::string key_prefix, std::chrono::milliseconds timeout);
   /// Whether any rank of the group has posted a failure report (one store
   /// round trip; false without a store or when the store cannot answer).
   bool peer_reported();
@@ -88,7 +88,7 @@ class CollectiveLog {
   std::vector<CollectiveEvent> events_;
   std::vector<std::string> contexts_;
   int64_t next_seq_ = 0;
-  compat::StorePtr store_;
+  comm::StorePtr store_;
   std::string key_prefix_;
   std::chrono::milliseconds window_{0};
   std::mutex report_mutex_;

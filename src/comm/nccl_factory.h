@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "compat/torch_compat.h"
+#include "comm/c10d.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::comm {
@@ -16,8 +16,11 @@ bool nccl_usable();
 std::string nccl_unavailable_reason();
 /// NCCL version compiled against, e.g. "2.28.3"; empty without NCCL.
 std::string nccl_version_string();
+/// Version of the libnccl this process loaded (ncclGetVersion; needs no GPU),
+/// e.g. "2.28.9"; empty without NCCL.
+std::string nccl_loaded_version_string();
 
-CommunicatorPtr make_nccl_communicator(compat::StorePtr store, int rank, int world_size,
+CommunicatorPtr make_nccl_communicator(comm::StorePtr store, int rank, int world_size,
                                        std::vector<int> global_ranks, CommOptions options,
                                        int device_index);
 

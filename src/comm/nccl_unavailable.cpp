@@ -14,8 +14,9 @@ std::string nccl_unavailable_reason() {
 }
 
 std::string nccl_version_string() { return {}; }
+std::string nccl_loaded_version_string() { return {}; }
 
-CommunicatorPtr make_nccl_communicator(compat::StorePtr, int, int, std::vector<int>, CommOptions, int) {
+CommunicatorPtr make_nccl_communicator(comm::StorePtr, int, int, std::vector<int>, CommOptions, int) {
   ST_THROW(ConfigError, "cannot create an NCCL communicator: ", nccl_unavailable_reason());
 }
 

@@ -81,6 +81,25 @@ WorkPtr then_work(WorkPtr inner, std::function<void()> then) {
   return std::make_shared<ThenWork>(std::move(inner), std::move(then));
 }
 
+WorkSlice wait_slice(const WorkHandle& work, std::chrono::milliseconds slice) {
+  WorkSlice result;
+  try {
+    result.completed = work->wait(slice);
+    return result;
+  } catch (const std::exception&) {
+    if (!work->isCompleted()) return result;  // the slice ran out first
+  }
+  // Finished, whatever the slice said: an unbounded wait on a completed work
+  // returns at once, or rethrows the work's own failure.
+  result.completed = true;
+  try {
+    work->wait();
+  } catch (const std::exception&) {
+    result.error = std::current_exception();
+  }
+  return result;
+}
+
 void rethrow_collective_failure(const std::string& description, std::chrono::milliseconds timeout,
                                 const std::exception& failure, const std::string& hang_report) {
   const std::string said = backend_message(failure);

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <vector>
 
+#include "comm/c10d.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::comm {
@@ -21,6 +22,21 @@ WorkPtr then_work(WorkPtr inner, std::function<void()> then);
 /// wait() waits them in order, so a failure surfaces from the first
 /// collective that failed.
 WorkPtr all_of_work(std::vector<WorkPtr> works);
+
+/// What one bounded wait on a c10d work found.
+struct WorkSlice {
+  bool completed = false;      ///< the work has finished (with `error` or successfully)
+  std::exception_ptr error;    ///< the work's own failure, when it finished with one
+};
+
+/// Waits at most `slice` for `work`. A slice that runs out is not a failure:
+/// c10d's Work::wait(timeout) throws when the slice ends, and the work may
+/// complete in that same instant, so a throw is judged by the work's own
+/// state — completed means its real outcome (success or its error) is read
+/// again from the work; not completed means only "not yet". Judging the throw
+/// itself turned a collective that finished just as a slice ended into a
+/// timeout (FaultCheckpointCrash on a loaded machine).
+WorkSlice wait_slice(const WorkHandle& work, std::chrono::milliseconds slice);
 
 /// The backend's message without the C++ backtrace c10::Error appends.
 std::string backend_message(const std::exception& failure);

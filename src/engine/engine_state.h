@@ -25,7 +25,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "comm/work_util.h"
-#include "compat/autograd_hooks.h"
+#include "engine/grad_ready_hook.h"
 #include "engine/loss_scaler.h"
 #include "engine/sharded_engine.h"
 #include "engine/unit_layout.h"
@@ -134,7 +134,7 @@ struct ShardedEngine::State {
   std::vector<at::Tensor> custom_leaves;
   std::vector<BufferState> buffers;
   /// on_grad_accumulated's hooks on the trainable parameters; removed with the engine.
-  std::vector<std::unique_ptr<compat::PostAccumulateGradHook>> grad_hooks;
+  std::vector<std::unique_ptr<GradReadyHook>> grad_hooks;
   // Set-up accounting (MemoryStats::load_peak).
   int64_t load_held = 0;       // the module's parameter storage not yet replaced by shards
   int64_t load_transient = 0;  // value copies and loading chunks of the unit being set up

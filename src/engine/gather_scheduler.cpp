@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "compat/storage.h"
+#include "engine/storage_resize.h"
 #include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -87,7 +87,7 @@ std::string UnitState::label() const {
 void ShardedEngine::State::start_gather(UnitState& u) {
   if (u.gathered || u.gather_work || u.views_shard) return;
   comm::CollectiveScope scope("gather " + u.label());
-  compat::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
+  engine::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
   add_gathered(full_bytes(u));
   if (!options.shard_params) {
     u.gather_buffer = u.lp_shard;  // complete on every rank already; only its dtype differs

@@ -11,7 +11,7 @@
 
 #include <ATen/ATen.h>
 
-#include "compat/storage.h"
+#include "engine/storage_resize.h"
 #include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -182,7 +182,7 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
     }
     // A unit with released parameters: its buffer owns no memory; make its
     // byte size say so too (this rank holds only its shard until it is gathered).
-    if (u.loads_released) compat::resize_storage_bytes(u.full, 0);
+    if (u.loads_released) engine::resize_storage_bytes(u.full, 0);
     values.clear();
     load_transient = 0;
     load_held -= u.original_storage_bytes;  // the module's own storage is replaced (as far as the engine holds it)
@@ -200,7 +200,7 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
       for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
         ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), options.name, ": trainable parameter '",
                  u.names[k], "' must be a leaf that requires grad");
-        grad_hooks.push_back(std::make_unique<compat::PostAccumulateGradHook>(
+        grad_hooks.push_back(std::make_unique<GradReadyHook>(
             u.params[k], [state, state_index, k]() { state->on_grad_accumulated(state_index, k); }));
       }
     }

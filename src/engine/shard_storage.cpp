@@ -11,7 +11,7 @@
 
 #include <ATen/ATen.h>
 
-#include "compat/storage.h"
+#include "engine/storage_resize.h"
 #include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -107,7 +107,7 @@ void ShardedEngine::State::allocate_partitions() {
 
 void ShardedEngine::State::release(UnitState& u) {
   if (!u.gathered || u.views_shard) return;
-  compat::resize_storage_bytes(u.full, 0);
+  engine::resize_storage_bytes(u.full, 0);
   add_gathered(-full_bytes(u));
   u.gathered = false;
 }

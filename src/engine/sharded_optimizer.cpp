@@ -13,7 +13,7 @@
 
 #include <ATen/ATen.h>
 
-#include "compat/storage.h"
+#include "engine/storage_resize.h"
 #include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"

@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include "compat/storage.h"
+#include "engine/storage_resize.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain {
@@ -24,7 +24,7 @@ int64_t release_storage(const at::Tensor& tensor) {
            own, " bytes) views a storage of ", held,
            " bytes shared with other tensors; freeing it would destroy their values. Release parameters right "
            "after constructing their module, before prepare() or any view is taken");
-  compat::resize_storage_bytes(tensor, 0);
+  engine::resize_storage_bytes(tensor, 0);
   return held;
 }
 

@@ -232,19 +232,11 @@ std::string to_string(ActivationCheckpointing mode) {
 }
 
 at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
-#if TORCH_VERSION_MAJOR >= 2
-  // LibTorch 2.x fuses the scores, the mask, the softmax and the product
+  // SDPA fuses the scores, the mask, the softmax and the product
   // (FlashAttention-style memory-efficient kernels on GPUs): the T x S scores
   // are never stored, in forward or backward. `allowed` is SDPA's boolean
   // mask (true: attend), broadcast over the heads.
   return at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0, /*is_causal=*/false);
-#else
-  const int64_t d = q.size(-1);
-  at::Tensor scores = shardtrain::nn::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(d)));
-  scores = scores.masked_fill(at::logical_not(allowed), -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at_least_fp32(q.scalar_type())).to(q.scalar_type());
-  return shardtrain::nn::matmul(probs, v);
-#endif
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // Every collective against a single-process reference computed on each rank:
-// all four dtypes, sizes that do not divide by the world size, worlds 1-4,
+// every dtype the engines move (fp32, bf16, fp16, fp64, int64), sizes that do not divide by the world size, worlds 1-4,
 // sub-groups, and two collectives in flight at once.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@ using shardtrain::testing::MultiRankOptions;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
 
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf, at::kLong};
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble, at::kLong};
 
 /// Rank r's contribution: deterministic, distinct per rank and position, exactly
 /// representable in every dtype up to the rounding the dtype itself applies.
@@ -26,7 +26,7 @@ at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype) {
 
 /// The reference reduction: accumulate in fp32 (fp64 for double, int64 for long) in rank order.
 at::Tensor reference_reduce(int world, int64_t numel, at::ScalarType dtype, ReduceOp op) {
-  const at::ScalarType acc_type = dtype == at::kLong ? at::kLong : at::kFloat;
+  const at::ScalarType acc_type = dtype == at::kLong || dtype == at::kDouble ? dtype : at::kFloat;
   at::Tensor acc = contribution(0, numel, dtype).to(acc_type);
   for (int r = 1; r < world; ++r) {
     at::Tensor next = contribution(r, numel, dtype).to(acc_type);

@@ -19,6 +19,7 @@
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
+#include "tiny/reference_adam.h"
 #include "tiny/tiny_train.h"
 
 namespace {
@@ -263,6 +264,12 @@ TEST(DistFsdpDelays, RandomDelaysBeforeCollectivesLeaveLossesUnchanged) {
   for (int delayed = 0; delayed < 2; ++delayed) {
     MultiRankOptions harness;
     if (delayed) harness.env["SHARDTRAIN_COMM_INJECT_DELAY_MS"] = "3";
+    // FULL_SHARD bf16 through oneDNN's bf16 GEMMs gives run-to-run different
+    // losses on the PyTorch 2.11 wheel even without delays (a known, open
+    // problem: the widened fp32 GEMM path and every other strategy are
+    // deterministic). This test is about missing waits, so it runs the GEMMs
+    // widened, where equal losses are the expected outcome.
+    harness.env["SHARDTRAIN_CPU_DISABLE_ONEDNN"] = "1";
     const std::string out = ::testing::TempDir() + "/delays" + std::to_string(delayed) + ".txt";
     harness.env["LOSSES_OUT"] = out;
     run_on_ranks(2, [](RankContext& ctx) {
@@ -321,7 +328,8 @@ TEST(DistFsdpFrozen, FrozenParametersNeverChangeTrainableOnesMatchTheReference) 
     for (const auto& p : reference->parameters()) {
       if (p.requires_grad()) trainable.push_back(p);
     }
-    torch::optim::AdamW optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    // The engines' Adam arithmetic (tiny/reference_adam.h says why not torch::optim::AdamW).
+    tiny::ReferenceAdam optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), /*decoupled=*/true);
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     for (int step = 0; step < 5; ++step) {
       at::Tensor all = at::sin(at::arange(32, at::kFloat).view({4, 8}) * (step + 1));

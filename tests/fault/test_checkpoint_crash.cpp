@@ -1,5 +1,6 @@
 // A save killed at any point leaves the previous checkpoint complete and
 // `latest` naming a complete checkpoint; the run resumes from it correctly.
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 

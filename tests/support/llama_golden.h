@@ -1,6 +1,9 @@
 #pragma once
-// The golden Llama/Mistral cases of tests/data/golden (made by
-// scripts/make_llama_golden.py, an independent plain-torch implementation).
+// The golden Llama/Mistral cases: their inputs in tests/data/golden (made once
+// by scripts/make_llama_golden.py: configs, random weights, input ids,
+// prompts) and the reference outputs Hugging Face transformers computes from
+// them at build time on this machine's torch (scripts/hf_golden.py, into the
+// build directory's golden-hf/).
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +16,12 @@ namespace shardtrain::testing {
 
 inline std::string golden_dir(const std::string& name) {
   return std::string(SHARDTRAIN_SOURCE_DIR) + "/tests/data/golden/" + name;
+}
+
+/// Where transformers' outputs for the case are: golden.safetensors (input_ids,
+/// logits, loss, and their fp64 twins) and, for cases with a prompt, greedy.json.
+inline std::string golden_reference_dir(const std::string& name) {
+  return std::string(SHARDTRAIN_BIN_DIR) + "/../golden-hf/" + name;
 }
 
 /// The case's model with its committed weights, in eval mode.

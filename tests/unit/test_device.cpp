@@ -2,10 +2,16 @@
 // may or may not have a GPU: the CPU answers exactly, the GPU answers as
 // errors that say what to do.
 
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include <torch/cuda.h>
 
+#include "comm/nccl_factory.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 
@@ -64,6 +70,41 @@ TEST(UnitDevice, CpuHasNoAllocatorCounters) {
   EXPECT_EQ(memory.peak_allocated, 0);
   EXPECT_EQ(memory.reserved, 0);
   EXPECT_NO_THROW(shardtrain::reset_device_peak_memory(c10::Device(c10::DeviceType::CPU)));
+}
+
+}  // namespace
+
+// One process, one libnccl: shardtrain's NCCL backend must call the library
+// that libtorch_cuda loaded (the torch wheel's nvidia-nccl-cu13), never a
+// second copy, which would share symbols but not ncclGroupStart's
+// thread-local state. Read from the process's own mappings, so it holds on a
+// machine without a GPU.
+namespace {
+
+std::set<std::string> mapped_libraries_named(const std::string& stem) {
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> paths;
+  std::string line;
+  while (std::getline(maps, line)) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    const std::string file = path.substr(path.rfind('/') + 1);
+    if (file.rfind(stem, 0) == 0) paths.insert(std::filesystem::canonical(path).string());
+  }
+  return paths;
+}
+
+TEST(UnitPlatform, TheProcessHoldsExactlyOneLibncclTheWheelsAtTheVersionBuiltAgainst) {
+  const std::string built = shardtrain::comm::nccl_version_string();
+  ASSERT_FALSE(built.empty()) << "this build has no NCCL backend; every build on the torch wheel must";
+  const std::set<std::string> nccl = mapped_libraries_named("libnccl");
+  ASSERT_EQ(nccl.size(), 1u) << "libnccl copies mapped: " << ::testing::PrintToString(nccl);
+  EXPECT_NE(nccl.begin()->find("/nvidia/nccl/lib/"), std::string::npos)
+      << "the libnccl in the process is not the torch wheel's: " << *nccl.begin();
+  EXPECT_EQ(shardtrain::comm::nccl_loaded_version_string(), built);
+  // libtorch_cuda is what loads it for PyTorch itself: it is mapped too.
+  EXPECT_EQ(mapped_libraries_named("libtorch_cuda").size(), 1u);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // KV-cached decoding and generation (shardtrain/models/generation.h): cached
 // logits against the full forward, greedy with and without the cache, seeded
-// sampling, and greedy ids against scripts/make_llama_golden.py's greedy.json
+// sampling, and greedy ids against transformers' generate() (scripts/hf_golden.py's greedy.json)
 // (an independent plain-PyTorch implementation), through the library and the
 // `generate` program.
 
@@ -45,8 +45,8 @@ struct GreedyGolden {
 };
 
 GreedyGolden read_greedy(const std::string& name) {
-  std::ifstream in(golden_dir(name) + "/greedy.json");
-  EXPECT_TRUE(in.good()) << "missing greedy.json for " << name << ": run scripts/make_llama_golden.py";
+  std::ifstream in(shardtrain::testing::golden_reference_dir(name) + "/greedy.json");
+  EXPECT_TRUE(in.good()) << "missing greedy.json for " << name << ": the build runs scripts/hf_golden.py";
   nlohmann::json j;
   in >> j;
   GreedyGolden g;

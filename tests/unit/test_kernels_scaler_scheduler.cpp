@@ -81,23 +81,6 @@ double moment_step_bound(double beta, const at::Tensor& moment_before, const at:
          (beta * moment_before.abs().max().item<double>() + (1 - beta) * input.abs().max().item<double>());
 }
 
-int64_t differing_elements(const at::Tensor& a, const at::Tensor& b) {
-  return a.ne(b).sum().item<int64_t>();
-}
-
-/// The kernels reproduce LibTorch's operation order, roundings and fused
-/// multiply-adds; verified bitwise on Debian's (GCC-built) LibTorch 1.13 with
-/// both its AVX2 and its DEFAULT kernels. Other builds are held to the
-/// tolerance only.
-void expect_bitwise_on_verified_libtorch(const at::Tensor& ours, const at::Tensor& torch_result) {
-#if TORCH_VERSION_MAJOR == 1 && TORCH_VERSION_MINOR == 13
-  EXPECT_EQ(differing_elements(ours, torch_result), 0);
-#else
-  (void)ours;
-  (void)torch_result;
-#endif
-}
-
 /// Restores the intra-op thread count a test changed.
 class ThreadCountGuard {
  public:
@@ -150,7 +133,6 @@ TEST(UnitCpuKernels, FusedAdamWMatchesTorchAdamWFor20Steps) {
   EXPECT_LE((m - state.exp_avg()).abs().max().item<double>(), m_bound);
   EXPECT_LE((v - state.exp_avg_sq()).abs().max().item<double>(), v_bound);
   RecordProperty("worst_rel_diff", std::to_string(worst));
-  expect_bitwise_on_verified_libtorch(master, reference);
 }
 
 TEST(UnitCpuKernels, FmaChoiceFollowsLibTorchDispatch) {
@@ -187,7 +169,6 @@ TEST(UnitCpuKernels, FusedAdamL2ModeMatchesTorchAdamWithWeightDecay) {
     ASSERT_LE(max_rel_diff(master, reference), reordering_bound(step)) << "step " << step;
     ASSERT_TRUE(at::equal(compute, master.to(at::kHalf))) << "step " << step;
   }
-  expect_bitwise_on_verified_libtorch(master, reference);
 }
 
 TEST(UnitCpuKernels, FusedSgdMatchesTorchSgdWithMomentumAndNesterov) {
@@ -209,7 +190,6 @@ TEST(UnitCpuKernels, FusedSgdMatchesTorchSgdWithMomentumAndNesterov) {
       ASSERT_LE(max_rel_diff(master, reference), reordering_bound(step)) << "nesterov " << nesterov << " step " << step;
       ASSERT_TRUE(at::equal(compute, master.to(at::kBFloat16)));
     }
-    expect_bitwise_on_verified_libtorch(master, reference);
   }
 }
 

@@ -1,4 +1,4 @@
-// Llama / Mistral models against golden logits from scripts/make_llama_golden.py
+// Llama / Mistral models against golden logits from Hugging Face transformers (scripts/hf_golden.py)
 // (an independent plain-PyTorch transcription of transformers' math).
 
 #include <gtest/gtest.h>
@@ -41,7 +41,7 @@ class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
 TEST_P(UnitLlamaGolden, LogitsAndLossMatch) {
   const std::string name = GetParam();
   auto model = load_case(name);
-  st::Reader golden(golden_dir(name) + "/golden.safetensors");
+  st::Reader golden(shardtrain::testing::golden_reference_dir(name) + "/golden.safetensors");
   at::Tensor input_ids = golden.read("input_ids");
   torch::NoGradGuard no_grad;
   at::Tensor logits32 = model->forward(input_ids);

@@ -165,10 +165,11 @@ TEST(UnitLlamaCheckpointing, CoreAttentionIsRecomputedOncePerLayerInBackward) {
 
 /// Wraps LibTorch's CPU allocator and keeps the size of every live block, so a
 /// test can see which tensors the autograd graph holds between forward and
-/// backward. (LibTorch 1.13 exposes no CPU allocator statistics.)
+/// backward, block by block (LibTorch's CPU allocator keeps no per-size
+/// counts of live blocks).
 class CountingCPUAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
     if (n == 0) return inner;
     void* data = inner.get();
@@ -180,6 +181,9 @@ class CountingCPUAllocator final : public c10::Allocator {
       peak_bytes_ = std::max(peak_bytes_, live_bytes_);
     }
     return {data, block, &CountingCPUAllocator::free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
   }
 
   /// Counts every CPU allocation while it lives.
@@ -274,29 +278,41 @@ MemoryAfterForward measure(sm::LlamaForCausalLM& model, ActivationCheckpointing 
   return m;
 }
 
+/// Live blocks of one layer's fp32 [B,heads,T,T] probabilities that an
+/// explicit softmax(q k^T) v keeps for its backward: the probe's positive
+/// control, so that the model's zero below means "none kept", not "the probe
+/// cannot see them".
+int64_t probability_blocks_explicit_attention_keeps() {
+  const int64_t head_dim = 8;
+  at::Tensor q = torch::randn({kBatch, kHeads, kSeq, head_dim}, torch::requires_grad());
+  at::Tensor k = torch::randn({kBatch, kHeads, kSeq, head_dim}, torch::requires_grad());
+  at::Tensor v = torch::randn({kBatch, kHeads, kSeq, head_dim}, torch::requires_grad());
+  const size_t probs_bytes = static_cast<size_t>(kBatch * kHeads * kSeq * kSeq) * sizeof(float);
+  CountingCPUAllocator& alloc = counting_allocator();
+  CountingCPUAllocator::Installed installed(alloc);
+  at::Tensor out = at::matmul(at::softmax(at::matmul(q, k.transpose(2, 3)), -1), v);
+  const int64_t kept = alloc.live_blocks_of(probs_bytes);
+  out.sum().backward();
+  return kept;
+}
+
 TEST(UnitLlamaCheckpointing, SelectiveKeepsNoAttentionProbabilitiesBetweenForwardAndBackward) {
   torch::manual_seed(5);
   sm::LlamaConfig config = small_config("llama");
   sm::LlamaForCausalLM model(config);
-  const int64_t layers = config.num_hidden_layers;
-  const int64_t probs_bytes = kBatch * kHeads * kSeq * kSeq * static_cast<int64_t>(sizeof(float));
 
   // The block size is unique to the fp32 probabilities (no other activation
   // of these shapes is 2*4*24*24 floats), so counting live blocks of that size
-  // counts saved probabilities. Without checkpointing softmax's backward and
-  // the probs @ v matmul keep one per layer (the same tensor); with selective
-  // recomputation the function saves only q, k, v and the bool mask, and the
-  // probabilities die at the end of forward. If they were kept, the second
-  // count would be `layers`, not 0.
+  // counts saved probabilities; an explicit attention keeps one.
+  ASSERT_GE(probability_blocks_explicit_attention_keeps(), 1) << "the probe must see saved probabilities";
+  // The model's attention is SDPA: its fused kernels save the output and the
+  // log-sum-exp, never the probabilities. Selective recomputation saves only
+  // q, k, v and the bool mask, so it keeps less still.
   const MemoryAfterForward none = measure(model, ActivationCheckpointing::kNone);
   const MemoryAfterForward selective = measure(model, ActivationCheckpointing::kSelective);
-  EXPECT_EQ(none.probs_blocks, layers) << "the probe should see the probabilities autograd keeps";
+  EXPECT_EQ(none.probs_blocks, 0) << "SDPA keeps no probabilities";
   EXPECT_EQ(selective.probs_blocks, 0) << "selective checkpointing must not keep the probabilities";
-  // The rest is kept as before (q, k, v are saved either way; the bool masks
-  // differ slightly: without checkpointing each layer's masked_fill keeps its
-  // own negated mask, with selective the functions share the model's one), so
-  // the graph shrinks by at least one probabilities tensor per layer.
-  EXPECT_GE(none.graph_bytes - selective.graph_bytes, layers * probs_bytes)
+  EXPECT_LT(selective.graph_bytes, none.graph_bytes)
       << "kept after forward: none " << none.graph_bytes << " B, selective " << selective.graph_bytes << " B";
   std::cout << "[ memory ] kept after forward: none " << none.graph_bytes << " B, selective " << selective.graph_bytes
             << " B; peak over forward+backward: none " << none.peak_bytes << " B, selective "

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "compat/autograd_hooks.h"
+#include "engine/grad_ready_hook.h"
 #include "engine/unit_layout.h"
 
 namespace {
@@ -135,7 +135,7 @@ TEST(UnitGradHooks, PostAccumulateHookSeesAutogradsOwnGradientAndGoesWithItsHand
     });
     int calls = 0;
     const void* accumulated = nullptr;
-    auto hook = std::make_unique<shardtrain::compat::PostAccumulateGradHook>(w, [&] {
+    auto hook = std::make_unique<shardtrain::engine::GradReadyHook>(w, [&] {
       ++calls;
       ASSERT_TRUE(w.grad().defined());
       accumulated = w.grad().data_ptr();

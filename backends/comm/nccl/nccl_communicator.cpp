@@ -21,6 +21,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
+#include "torch_cuda.h"
 
 #if !defined(SHARDTRAIN_WITH_CUDA_KERNELS)
 // The fp32 widening of bf16/fp16 reductions runs on the communication stream
@@ -42,14 +43,7 @@ namespace kcuda = ::shardtrain::kernels::cuda;
 /// legacy default stream (and ATen's default stream, which is the same
 /// handle) means "the current device's".
 cudaStream_t caller_stream(int device) {
-#if defined(SHARDTRAIN_TORCH_CUDA)
-  return static_cast<cudaStream_t>(compat::current_cuda_stream(device));
-#else
-  // Without a CUDA LibTorch no ATen stream exists; any CUDA work of the
-  // caller runs on the legacy default stream.
-  (void)device;
-  return cudaStreamLegacy;
-#endif
+  return static_cast<cudaStream_t>(torch_cuda::current_cuda_stream(device));
 }
 
 ncclDataType_t nccl_type(at::ScalarType dtype) {
@@ -415,7 +409,7 @@ using nccl_detail::IssueContext;
 using nccl_detail::NcclState;
 namespace kcuda = ::shardtrain::kernels::cuda;
 
-NcclCommunicator::NcclCommunicator(compat::StorePtr store, int rank, int world_size,
+NcclCommunicator::NcclCommunicator(comm::StorePtr store, int rank, int world_size,
                                    std::vector<int> global_ranks, CommOptions options, int device_index,
                                    std::string store_prefix)
     : Communicator(rank, world_size, std::move(global_ranks), options), root_store_(std::move(store)),
@@ -533,7 +527,7 @@ WorkPtr NcclCommunicator::issue(const CollectiveEvent& event, std::vector<at::Te
   // The NCCL stream uses these tensors too: their blocks must not return to
   // the caching allocator for other work until that stream is past them,
   // whichever stream they were allocated on.
-  for (const at::Tensor& t : keep_alive) compat::record_cuda_stream(t, state_->stream);
+  for (const at::Tensor& t : keep_alive) torch_cuda::record_cuda_stream(t, state_->stream);
   const cudaStream_t caller = nccl_detail::caller_stream(device_);
   cudaEvent_t done = nullptr;
   {
@@ -756,12 +750,7 @@ NcclCommunicator::NcclCommunicator(NcclCommunicator& parent, int rank, int world
 // ---- factory (comm/nccl_factory.h) -------------------------------------------------
 
 std::string nccl_unavailable_reason() {
-#if !defined(SHARDTRAIN_TORCH_CUDA)
-  return "LibTorch " + compat::torch_version_string() +
-         " was built without CUDA, so there are no CUDA tensors for NCCL to move; build shardtrain against a "
-         "CUDA LibTorch (-DCMAKE_PREFIX_PATH=/path/to/libtorch)";
-#else
-  if (!at::hasCUDA() || compat::cuda_device_count() == 0) {
+  if (!at::hasCUDA() || torch_cuda::cuda_device_count() == 0) {
     return "LibTorch has CUDA but sees no usable GPU (no device, no or too old NVIDIA driver, or "
            "CUDA_VISIBLE_DEVICES hides them all)";
   }
@@ -775,7 +764,6 @@ std::string nccl_unavailable_reason() {
   }
   if (count == 0) return "the CUDA runtime sees no GPU (check CUDA_VISIBLE_DEVICES)";
   return {};
-#endif
 }
 
 bool nccl_usable() { return nccl_unavailable_reason().empty(); }
@@ -784,7 +772,14 @@ std::string nccl_version_string() {
   return std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." + std::to_string(NCCL_PATCH);
 }
 
-CommunicatorPtr make_nccl_communicator(compat::StorePtr store, int rank, int world_size,
+std::string nccl_loaded_version_string() {
+  int code = 0;
+  ST_CHECK_NCCL(ncclGetVersion(&code));
+  // NCCL_VERSION(X,Y,Z) is X*10000 + Y*100 + Z since 2.9.
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
+}
+
+CommunicatorPtr make_nccl_communicator(comm::StorePtr store, int rank, int world_size,
                                        std::vector<int> global_ranks, CommOptions options, int device_index) {
   const std::string reason = nccl_unavailable_reason();
   if (!reason.empty()) ST_THROW(ConfigError, "cannot create an NCCL communicator: ", reason);
@@ -796,8 +791,8 @@ CommunicatorPtr make_nccl_communicator(compat::StorePtr store, int rank, int wor
   if (loaded < NCCL_VERSION_CODE) {
     ST_THROW(ConfigError, "the NCCL library in this process is version code ", loaded, ", older than the NCCL ",
              nccl_version_string(), " headers shardtrain was built with (code ", NCCL_VERSION_CODE,
-             "); rebuild against the NCCL LibTorch uses (a pip wheel's site-packages/nvidia/nccl, found "
-             "automatically with SHARDTRAIN_TORCH_FROM_PYTHON, or NCCL_HOME)");
+             "); rebuild against the NCCL LibTorch uses (the torch wheel's site-packages/nvidia/nccl, which "
+             "the configure step takes by itself, or NCCL_HOME)");
   }
   if (loaded / 100 != NCCL_VERSION_CODE / 100) {
     ST_LOG_WARN("NCCL: built with {} headers, running with library version code {} (LibTorch's)",

@@ -31,7 +31,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "compat/torch_compat.h"
+#include "comm/c10d.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::comm {
@@ -49,7 +49,7 @@ class NcclCommunicator : public Communicator {
   /// Collective over the ranks of the group: connects through `store` (shared by
   /// the whole job) under `store_prefix`, on CUDA device `device_index`.
   /// Throws TimeoutError when not every rank arrives within options.timeout.
-  NcclCommunicator(compat::StorePtr store, int rank, int world_size, std::vector<int> global_ranks,
+  NcclCommunicator(comm::StorePtr store, int rank, int world_size, std::vector<int> global_ranks,
                    CommOptions options, int device_index, std::string store_prefix);
   /// A sub-group split from `parent` (ncclCommSplit, NCCL >= 2.18): called by
   /// the members, while the other ranks of `parent` take part through
@@ -102,7 +102,7 @@ class NcclCommunicator : public Communicator {
                                                    const at::Tensor& out, ncclDataType_t type)>& reduce);
   void check_device(const CollectiveEvent& event, const at::Tensor& tensor) const;
 
-  compat::StorePtr root_store_;
+  comm::StorePtr root_store_;
   std::string store_prefix_;
   int device_;
   std::shared_ptr<nccl_detail::NcclState> state_;

@@ -1,26 +1,18 @@
 // The one translation unit that includes LibTorch's CUDA headers (see
-// torch_cuda.h). Compiled in every build; its CUDA half only where LibTorch
-// has CUDA (SHARDTRAIN_TORCH_CUDA).
+// torch_cuda.h). shardtrain builds only against a CUDA LibTorch (the PyPI
+// wheel; a CPU-only one is refused at configure time), so these calls always
+// exist; without a driver or a GPU no CUDA tensor reaches them.
 
-#include "compat/torch_cuda.h"
+#include "torch_cuda.h"
 
 #include <ATen/core/Tensor.h>
-
-#include "shardtrain/error.h"
-
-#if defined(SHARDTRAIN_TORCH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
-#endif
 
-namespace shardtrain::compat {
-
-#if defined(SHARDTRAIN_TORCH_CUDA)
-
-bool torch_has_cuda() { return true; }
+namespace shardtrain::torch_cuda {
 
 int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
 
@@ -60,30 +52,5 @@ void reset_cuda_peak_memory(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
 }
 
-#else
 
-bool torch_has_cuda() { return false; }
-int cuda_device_count() { return 0; }
-void* current_cuda_stream(int /*device_index*/) { return nullptr; }
-
-void record_cuda_stream(const at::Tensor& /*tensor*/, void* /*stream*/) {}
-
-std::string cuda_device_name(int /*device_index*/) {
-  ST_THROW(Error, "GPU names need a CUDA build of LibTorch; this one is CPU-only");
-}
-
-void resize_cuda_storage_bytes(c10::StorageImpl* /*storage*/, std::size_t /*bytes*/) {
-  ST_THROW(Error, "resizing a CUDA tensor's storage needs a CUDA build of LibTorch; this one is CPU-only");
-}
-
-CudaMemoryStats cuda_memory_stats(int /*device_index*/) {
-  ST_THROW(Error, "CUDA memory statistics need a CUDA build of LibTorch; this one is CPU-only");
-}
-
-void reset_cuda_peak_memory(int /*device_index*/) {
-  ST_THROW(Error, "CUDA memory statistics need a CUDA build of LibTorch; this one is CPU-only");
-}
-
-#endif
-
-}  // namespace shardtrain::compat
+}  // namespace shardtrain::torch_cuda

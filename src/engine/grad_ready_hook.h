@@ -1,15 +1,18 @@
 #pragma once
 // A hook that runs after autograd has accumulated a leaf's gradient into
-// .grad(), on every LibTorch shardtrain builds against.
+// .grad(), removable by its owner.
 //
 // Why not a tensor hook (Tensor::register_hook): it runs before accumulation,
 // and while it holds the gradient, AccumulateGrad cannot adopt that tensor as
 // .grad() and clones it instead, so every gradient would be copied once more
 // and the whole model's gradients would stay alive until backward ends.
 // After accumulation the engine moves .grad() out and reduces that tensor
-// itself. LibTorch 2.1 added Tensor::register_post_accumulate_grad_hook;
-// 1.13 has only post hooks on the AccumulateGrad node, which is what
-// PyTorch's DDP reducer and DeepSpeed use, and which 2.x still has.
+// itself. Why not LibTorch's post-accumulate-grad hook slot
+// (torch::autograd::impl::set_post_acc_grad_hooks, behind Python's
+// register_post_accumulate_grad_hook): a tensor has one such slot, which a
+// user's own hook would replace, and no handle removes it. Post hooks on the
+// AccumulateGrad node, as PyTorch's DDP reducer and DeepSpeed use them, can be
+// many and are removed by key.
 
 #include <cstdint>
 #include <functional>
@@ -20,14 +23,14 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-namespace shardtrain::compat {
+namespace shardtrain::engine {
 
 /// Runs a function each time autograd has accumulated into a leaf's
 /// .grad(), from construction until destruction: the destructor removes the
 /// hook, so a graph that outlives its owner never calls into freed state.
-class PostAccumulateGradHook {
+class GradReadyHook {
  public:
-  PostAccumulateGradHook(const at::Tensor& leaf, std::function<void()> hook)
+  GradReadyHook(const at::Tensor& leaf, std::function<void()> hook)
       : accumulator_(torch::autograd::impl::grad_accumulator(leaf)) {
     // The leaf holds its accumulator only weakly: keeping it here keeps the
     // hook's node the one the next backward uses.
@@ -38,13 +41,13 @@ class PostAccumulateGradHook {
           return outputs;
         }));
   }
-  ~PostAccumulateGradHook() { accumulator_->del_post_hook(key_); }
-  PostAccumulateGradHook(const PostAccumulateGradHook&) = delete;
-  PostAccumulateGradHook& operator=(const PostAccumulateGradHook&) = delete;
+  ~GradReadyHook() { accumulator_->del_post_hook(key_); }
+  GradReadyHook(const GradReadyHook&) = delete;
+  GradReadyHook& operator=(const GradReadyHook&) = delete;
 
  private:
   std::shared_ptr<torch::autograd::Node> accumulator_;
   std::uintptr_t key_ = 0;
 };
 
-}  // namespace shardtrain::compat
+}  // namespace shardtrain::engine

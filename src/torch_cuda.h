@@ -1,12 +1,9 @@
 #pragma once
-// The calls that need a CUDA build of LibTorch, behind plain declarations:
-// ATen's current CUDA stream, the caching allocator's statistics and in-place
-// storage resizing of CUDA tensors. torch_cuda.cpp is the only file that
-// includes LibTorch's CUDA headers; everything else (the kernel dispatch, the
-// NCCL backend, the engines, the examples) compiles against any LibTorch.
-//
-// Without a CUDA LibTorch no CUDA tensor can exist, so the functions that take
-// one are unreachable there; they throw rather than guess.
+// LibTorch's CUDA calls, behind plain declarations: ATen's current CUDA
+// stream, the caching allocator's statistics and in-place storage resizing of
+// CUDA tensors. torch_cuda.cpp is the only file that includes LibTorch's CUDA
+// headers, so the kernel dispatch, the NCCL backend, the engines and the
+// examples compile without them (and without nvcc's include path).
 
 #include <cstddef>
 #include <cstdint>
@@ -19,18 +16,14 @@ namespace at {
 class Tensor;
 }
 
-namespace shardtrain::compat {
-
-/// Whether this LibTorch was built with CUDA.
-bool torch_has_cuda();
+namespace shardtrain::torch_cuda {
 
 /// CUDA devices ATen can use (0 without a CUDA LibTorch, a driver or a visible device).
 int cuda_device_count();
 
 /// The stream ATen enqueues work on for `device_index` in this thread (what a
 /// stream guard set, else the default stream), as a cudaStream_t. Kernels and
-/// collectives order themselves after it. nullptr (the legacy default
-/// stream) without a CUDA LibTorch.
+/// collectives order themselves after it.
 void* current_cuda_stream(int device_index);
 
 /// The GPU's product name as the driver reports it ("NVIDIA H200").
@@ -38,7 +31,7 @@ std::string cuda_device_name(int device_index);
 
 /// Tells the caching allocator that `stream` (a cudaStream_t) uses `tensor`:
 /// its block is not reused until that stream is past the work queued now.
-/// Nothing for a CPU tensor or without a CUDA LibTorch.
+/// Nothing for a CPU tensor.
 void record_cuda_stream(const at::Tensor& tensor, void* stream);
 
 /// Frees (bytes = 0) or re-allocates a CUDA tensor's storage in place through
@@ -55,4 +48,4 @@ struct CudaMemoryStats {
 CudaMemoryStats cuda_memory_stats(int device_index);
 void reset_cuda_peak_memory(int device_index);
 
-}  // namespace shardtrain::compat
+}  // namespace shardtrain::torch_cuda

@@ -1,0 +1,20 @@
+#pragma once
+// The c10d types every backend shares: the job's key-value store and a
+// backend's pending collective. One header so that callers name them once.
+
+#include <string>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace shardtrain::comm {
+
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+using WorkHandle = c10::intrusive_ptr<c10d::Work>;
+
+inline StorePtr make_prefix_store(const std::string& prefix, StorePtr store) {
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
+}
+
+}  // namespace shardtrain::comm
