@@ -264,12 +264,6 @@ TEST(DistFsdpDelays, RandomDelaysBeforeCollectivesLeaveLossesUnchanged) {
   for (int delayed = 0; delayed < 2; ++delayed) {
     MultiRankOptions harness;
     if (delayed) harness.env["SHARDTRAIN_COMM_INJECT_DELAY_MS"] = "3";
-    // FULL_SHARD bf16 through oneDNN's bf16 GEMMs gives run-to-run different
-    // losses on the PyTorch 2.11 wheel even without delays (a known, open
-    // problem: the widened fp32 GEMM path and every other strategy are
-    // deterministic). This test is about missing waits, so it runs the GEMMs
-    // widened, where equal losses are the expected outcome.
-    harness.env["SHARDTRAIN_CPU_DISABLE_ONEDNN"] = "1";
     const std::string out = ::testing::TempDir() + "/delays" + std::to_string(delayed) + ".txt";
     harness.env["LOSSES_OUT"] = out;
     run_on_ranks(2, [](RankContext& ctx) {

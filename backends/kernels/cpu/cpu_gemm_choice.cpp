@@ -2,7 +2,6 @@
 #include "kernels/cpu/cpu_gemm_choice.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -28,26 +27,6 @@ std::string cpuinfo_flags() {
     }
   }
   return " ";
-}
-
-/// Seconds of the fastest of three runs of `fn` after one warm-up: the
-/// minimum, because noise on a shared machine only ever adds time.
-template <typename Fn>
-double best_seconds(Fn&& fn) {
-  fn();
-  double best = 1e30;
-  for (int run = 0; run < 3; ++run) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return best;
-}
-
-std::string rate_text(double gflops) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f", gflops);
-  return text;
 }
 
 bool env_flag(const char* name) {
@@ -89,30 +68,25 @@ nn::CpuLowPrecisionGemm decide() {
     choice.reason = "the CPU has no native bf16 (no avx512_bf16 or amx_bf16)";
     return choice;
   }
-  // Native bf16 hardware: confirm LibTorch really uses it (oneDNN may be
-  // capped by DNNL_MAX_CPU_ISA, or the build may not route bf16 to it).
-  // Native kernels run 2-3x faster than widening where they work and ~20x
-  // slower where they do not, so the comparison is far from its threshold.
+  // Native bf16 hardware: LibTorch's own kernel (oneDNN), unless it fails
+  // here (oneDNN capped by DNNL_MAX_CPU_ISA, or a build that does not route
+  // bf16 to it). Never by a timing: every rank of a job, and every run, must
+  // take the same path, because the two round differently. (A 512^3 race
+  // between the two used to decide; on the PyTorch 2.11 wheel, whose fp32
+  // GEMM is MKL's, they ran close enough that load flipped it, and ranks of
+  // one job computed different bits.)
   at::NoGradGuard no_grad;
-  const int64_t n = 512;
-  at::Tensor a = at::randn({n, n}).to(at::kBFloat16), b = at::randn({n, n}).to(at::kBFloat16);
-  double native = 0;
   try {
-    native = best_seconds([&] { at::mm(a, b); });
+    const at::Tensor a = at::ones({8, 8}, at::kBFloat16);
+    (void)at::mm(a, a);
   } catch (const std::exception& failure) {
     choice.widened = true;
     choice.reason = std::string("LibTorch's native bf16 GEMM failed here (") + failure.what() + ")";
     choice.reason = choice.reason.substr(0, choice.reason.find('\n'));
     return choice;
   }
-  const double widened = best_seconds([&] { at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16); });
-  const double flops = 2.0 * n * n * n;
-  choice.native_gflops = flops / native / 1e9;
-  choice.widened_gflops = flops / widened / 1e9;
-  choice.widened = widened < native;
-  choice.reason = "measured 512^3 with " + std::to_string(at::get_num_threads()) + " thread(s): native bf16 " +
-                  rate_text(choice.native_gflops) + " GFLOP/s, widened " + rate_text(choice.widened_gflops) +
-                  " GFLOP/s";
+  choice.widened = false;
+  choice.reason = "the CPU has native bf16 (avx512_bf16 or amx_bf16)";
   return choice;
 }
 

@@ -1,9 +1,8 @@
 #pragma once
-// Which bf16 GEMM a CPU process uses, decided once: LibTorch's native kernel
-// only where the CPU has native bf16 instructions and a short measurement
-// confirms that kernel beats widening to fp32 (it is ~20x slower where
-// LibTorch 1.13 falls back to scalar code, and oneDNN can be capped below
-// the hardware with DNNL_MAX_CPU_ISA). SHARDTRAIN_CPU_GEMM overrides it.
+// Which bf16 GEMM a CPU process uses, decided once and the same way on every
+// rank: LibTorch's native kernel where the CPU has native bf16 instructions
+// (and that kernel runs), else widened to fp32. No timing decides it: the
+// two paths round differently. SHARDTRAIN_CPU_GEMM overrides it.
 
 #include "shardtrain/nn/linear.h"
 

@@ -42,9 +42,7 @@ at::Tensor matmul(const at::Tensor& a, const at::Tensor& b);
 struct CpuLowPrecisionGemm {
   bool widened = true;       ///< true: widen to fp32; false: LibTorch's native bf16 kernel
   bool native_bf16_cpu = false;  ///< the CPU reports avx512_bf16 or amx_bf16
-  double native_gflops = 0;  ///< measured bf16 GEMM rate (0: not measured)
-  double widened_gflops = 0; ///< measured widened rate (0: not measured)
-  std::string reason;        ///< one line: why this path (feature, measurement or override)
+  std::string reason;        ///< one line: why this path (CPU feature, failure or override)
   /// "widened to fp32" or "native (LibTorch)", plus the reason.
   std::string describe() const;
 };
