@@ -167,7 +167,12 @@ shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOpt
     }
   } else {
     c.distributed_type = shardtrain::DistributedType::kFsdp;
-    c.fsdp.sharding_strategy = name == "fsdp_full_shard"      ? shardtrain::ShardingStrategy::kFullShard
+    // fsdp_pure: Accelerate's pure low precision, the model loaded in bf16
+    // and trained without an fp32 master (its memory is the point).
+    c.fsdp.pure_low_precision = name == "fsdp_pure";
+    if (name == "fsdp_pure") c.mixed_precision = shardtrain::MixedPrecision::kNo;
+    c.fsdp.sharding_strategy = name == "fsdp_full_shard" || name == "fsdp_pure"
+                                   ? shardtrain::ShardingStrategy::kFullShard
                                : name == "fsdp_shard_grad_op" ? shardtrain::ShardingStrategy::kShardGradOp
                                                               : shardtrain::ShardingStrategy::kNoShard;
     c.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
@@ -185,6 +190,10 @@ RunResult run_engine(const std::string& name, const BenchOptions& o, const shard
   torch::manual_seed(0);
   models::LlamaForCausalLM model(o.model);
   shardtrain::RunInfo run;
+  if (name == "fsdp_pure") {
+    model->to(at::kBFloat16);
+    run.load_dtype = "bf16";
+  }
   run.hidden_size = o.model.hidden_size;
   run.micro_batch_size = o.micro_batch;
   run.total_steps = o.skip + o.steps;
@@ -229,6 +238,7 @@ const std::map<std::string, std::string>& known_configs() {
       {"fsdp_full_shard", "FSDP FULL_SHARD standard"},
       {"fsdp_shard_grad_op", "FSDP SHARD_GRAD_OP standard"},
       {"fsdp_no_shard", "FSDP NO_SHARD"},
+      {"fsdp_pure", "FSDP FULL_SHARD pure bf16 (whatever --dtype)"},
   };
   return known;
 }
@@ -319,8 +329,9 @@ int main(int argc, char** argv) {
             optimizer_seconds[key].push_back(r.optimizer_seconds);
             if (audit) last[key] = r;
             if (main_process) {
-              std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f\n", round + 1, name.c_str(), dtype.c_str(),
-                          audit ? "" : " (no audit)", r.step_seconds, r.final_loss);
+              std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f  peak RSS %.0f MiB\n", round + 1,
+                          name.c_str(), dtype.c_str(), audit ? "" : " (no audit)", r.step_seconds, r.final_loss,
+                          r.peak_rss / 1048576.0);
               std::fflush(stdout);
             }
           }

@@ -1,88 +1,134 @@
-#!/usr/bin/python3
-"""What a user would run instead: the same Llama training step in plain
-Python PyTorch (Debian's python3-torch), fp32, AdamW, random tokens; at
---world 2 and up, DistributedDataParallel over Gloo on 127.0.0.1.
+#!/usr/bin/env python3
+"""The peers of scripts/bench-vs-pytorch: the same Llama training step that
+bench_train_step times, in Python on the same torch (the project's .venv):
+Hugging Face transformers' LlamaForCausalLM built from the same config.json,
+fp32, AdamW (lr 1e-4, weight decay 0.01), the same random tokens (a
+generator seeded 1000 * step + rank + 1 draws [micro_batch, seq_len + 1]
+ids, as bench_train_step does), the next-token cross entropy.
 
-The model is make_llama_golden.py's independent transcription of
-transformers' Llama math (transformers is not installed here), with the
-weights as trainable parameters. Prints one JSON line on rank 0:
-{"step_seconds": mean of the timed steps (slowest rank), "loss": last loss}.
-scripts/bench-vs-pytorch runs it interleaved with bench_train_step.
+--mode:
+  plain      one process, the plain training loop;
+  ddp        DistributedDataParallel over Gloo;
+  fsdp2      FSDP2 fully_shard (each decoder layer, then the root) over Gloo;
+  deepspeed  DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu) over Gloo, torch's AdamW
+             as the client optimizer (DeepSpeed's own CPU Adam would be a
+             different optimizer kernel).
+Prints one JSON line on rank 0: {"step_seconds": mean of the timed steps of
+the slowest rank, "loss": the last loss, "peak_rss_mib": the largest rank's
+high-water mark of resident memory from just before the model is built to
+the end (reset through /proc/self/clear_refs as bench_train_step does)}.
 
 Threads: set OMP_NUM_THREADS and OPENBLAS_NUM_THREADS in the environment as
-for the C++ side (OpenBLAS ignores torch.set_num_threads); this script also
-calls torch.set_num_threads(--threads).
+for the C++ side; this script also calls torch.set_num_threads(--threads).
+Offline: nothing is downloaded.
 
-Usage: /usr/bin/python3 scripts/bench_pytorch.py [--model-config F] [--world N]
-       [--seq-len 256] [--micro-batch 4] [--steps 3] [--skip 1]
+Usage: .venv/bin/python scripts/bench_pytorch.py --mode plain|ddp|fsdp2|deepspeed
+       [--world 2] [--model-config F] [--seq-len 256] [--micro-batch 4]
+       [--steps 3] [--skip 1] [--threads 1] [--port 29611]
 """
 import argparse
 import json
 import os
-import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_llama_golden as llama  # noqa: E402  (the shared transcription)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
-class Llama(torch.nn.Module):
-    def __init__(self, cfg, gen):
-        super().__init__()
-        self.cfg = cfg
-        std = cfg.get("initializer_range", 0.02)
-        weights = llama.random_weights(cfg, gen)
-        self.names = [name for name, _ in weights]
-        # transformers' init: normal(0, initializer_range) matrices, unit norms.
-        self.weights = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.randn(t.shape, generator=gen) * std if t.dim() == 2 else torch.ones(t.shape))
-             for _, t in weights])
+def peak_rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
 
-    def forward(self, input_ids):
-        _, loss = llama.forward(self.cfg, dict(zip(self.names, self.weights)), input_ids)
-        return loss
+
+def reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def build(args, cfg):
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    return model
+
+
+def wrap(args, model):
+    """The trained module and its optimizer for --mode."""
+    if args.mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif args.mode == "deepspeed":
+        import deepspeed
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 1 << 30}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, optimizer
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
 
 def run(rank, args):
     torch.set_num_threads(args.threads)
-    if args.world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                                world_size=args.world)
-    with open(args.model_config) as f:
-        cfg = json.load(f)
-    cfg.setdefault("tie_word_embeddings", False)
-    model = Llama(cfg, torch.Generator().manual_seed(0))
-    trained = torch.nn.parallel.DistributedDataParallel(model) if args.world > 1 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    world = 1 if args.mode == "plain" else args.world
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        if args.mode == "deepspeed":
+            import deepspeed
+            deepspeed.init_distributed(dist_backend="gloo")
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers import LlamaConfig
+    cfg = LlamaConfig.from_json_file(args.model_config)
+    reset_peak_rss()
+    trained, optimizer = wrap(args, build(args, cfg))
+    deepspeed_engine = args.mode == "deepspeed"
     timed, loss = 0.0, None
     for step in range(args.skip + args.steps):
         gen = torch.Generator().manual_seed(1000 * step + rank + 1)
-        tokens = torch.randint(cfg["vocab_size"], (args.micro_batch, args.seq_len), generator=gen)
+        tokens = torch.randint(cfg.vocab_size, (args.micro_batch, args.seq_len + 1), generator=gen)
         start = time.perf_counter()
-        loss = trained(tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        logits = trained(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        if deepspeed_engine:
+            trained.backward(loss)
+            trained.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         if step >= args.skip:
             timed += seconds
-    mean = torch.tensor([timed / args.steps], dtype=torch.float64)
-    if args.world > 1:
-        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    result = torch.tensor([timed / args.steps, peak_rss_mib()], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
         dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"step_seconds": mean.item(), "loss": loss.item()}), flush=True)
+        print(json.dumps({"mode": args.mode, "world": world, "step_seconds": result[0].item(),
+                          "loss": loss.item(), "peak_rss_mib": result[1].item()}), flush=True)
 
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=["plain", "ddp", "fsdp2", "deepspeed"], default="plain")
     parser.add_argument("--model-config", default=os.path.join(here, "..", "bench", "models", "llama_58m.json"))
-    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
@@ -90,10 +136,12 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--port", type=int, default=29611)
     args = parser.parse_args()
-    if args.world > 1:
-        mp.spawn(run, args=(args,), nprocs=args.world, join=True)
-    else:
+    if args.mode == "deepspeed":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if args.mode == "plain":
         run(0, args)
+    else:
+        mp.spawn(run, args=(args,), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

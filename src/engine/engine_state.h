@@ -66,6 +66,7 @@ struct UnitState {
   at::Tensor lp_shard;            // param dtype shard (all-gather input)
   at::Tensor master, grad, exp_avg, exp_avg_sq;  // views into the flat partitions / own (frozen master)
   at::Tensor boundary_grad_accumulator;          // zero 1: fp32, in the full layout
+  bool boundary_reduced = false;  // zero 1: its accumulator went out during this boundary backward
   bool gathered = false;
   bool persistent = false;
   /// One rank or no sharding (the shard is the whole unit), and the shard
@@ -122,6 +123,10 @@ struct ShardedEngine::State {
   int64_t optimizer_steps = 0;
   /// grad_flat is known to hold zeros (zero_grad need not write it again).
   bool grads_zero = true;
+  /// zero 1: the running backward ends an accumulation window, so each unit's
+  /// accumulator is reduced as soon as its gradients are in (overlapping the
+  /// rest of backward, as ZeRO-2's reductions do) instead of after backward.
+  bool boundary_backward = false;
   int64_t forward_count = 0;
   std::vector<const Unit*> trace;          // unit order recorded on the first forward
   std::vector<const Unit*> current_order;
@@ -278,6 +283,12 @@ struct ShardedEngine::State {
 
   void finish_reductions();
 
+  /// zero 1: queues the reduction of one unit's accumulator (a copy in the
+  /// reduce dtype) and zeroes it for the next window.
+  void reduce_accumulator(int state_index);
+
+  /// zero 1, at the boundary: reduces the accumulators not yet reduced during
+  /// backward (units that got no gradient) and waits for all of them.
   void reduce_boundary_accumulators();
 
   void regather_after_step();

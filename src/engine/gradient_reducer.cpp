@@ -76,12 +76,14 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
       place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
     }
   } else if (options.reduce_at_boundary_only) {
-    // Accumulated unreduced, each gradient into its slice of the full layout.
+    // Accumulated unreduced, each gradient into its slice of the full layout;
+    // in the window's last backward the sum goes out at once.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
       const at::Tensor& g = u.pending_grads[k];
       if (!g.defined()) continue;
       u.boundary_grad_accumulator.narrow(0, u.layout->param_offset_in_full(k), g.numel()).add_(g.reshape({-1}));
     }
+    if (boundary_backward) reduce_accumulator(state_index);
   } else if (!options.shard_params) {
     // Unsharded: each gradient is all-reduced whole, from autograd's tensor.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
@@ -104,7 +106,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
   }
   for (auto& g : u.pending_grads) g = at::Tensor();
   u.grads_seen = 0;
-  if (!adds_grads_directly() && !options.reduce_at_boundary_only) {
+  if (!adds_grads_directly() && (!options.reduce_at_boundary_only || boundary_backward)) {
     if (filling.numel >= options.reduce_bucket_size) flush_bucket();
     if (!options.overlap_comm) finish_reductions();
   }
@@ -187,16 +189,25 @@ void ShardedEngine::State::finish_reductions() {
   in_flight.clear();
 }
 
+void ShardedEngine::State::reduce_accumulator(int state_index) {
+  UnitState& u = units[state_index];
+  // A copy: the accumulator is zeroed below, before the bucket is sent.
+  at::Tensor input = u.boundary_grad_accumulator.to(options.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+  enqueue_full_layout(state_index, input);
+  u.boundary_grad_accumulator.zero_();
+  u.boundary_reduced = true;
+}
+
 void ShardedEngine::State::reduce_boundary_accumulators() {
   if (adds_grads_directly()) return;  // unit_grads_ready added them
   for (std::size_t i = 0; i < units.size(); ++i) {
     UnitState& u = units[i];
     if (!u.trainable) continue;
-    // A copy: the accumulator is zeroed below, before the bucket is sent.
-    at::Tensor input = u.boundary_grad_accumulator.to(options.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
-    enqueue_full_layout(static_cast<int>(i), input);
-    if (filling.numel >= options.reduce_bucket_size) flush_bucket();
-    u.boundary_grad_accumulator.zero_();
+    if (!u.boundary_reduced) {
+      reduce_accumulator(static_cast<int>(i));
+      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+    }
+    u.boundary_reduced = false;
   }
   finish_reductions();
 }
@@ -205,6 +216,7 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
   State& s = *state_;
   ST_CHECK(loss.numel() == 1, "backward: the loss must be a scalar, got shape ", loss.sizes());
   at::Tensor scaled = s.scaler.scale() == 1.0 ? loss : loss * s.scaler.scale();
+  s.boundary_backward = s.options.reduce_at_boundary_only && sync;
   scaled.backward();
   // Units some of whose parameters got no gradient (unused in this forward)
   // still take part in the reductions with zeros: every rank must issue the
@@ -218,7 +230,8 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
       if (p.grad().defined()) p.mutable_grad() = at::Tensor();
     }
   }
-  if (s.options.reduce_at_boundary_only && sync) s.reduce_boundary_accumulators();
+  if (s.boundary_backward) s.reduce_boundary_accumulators();
+  s.boundary_backward = false;
   for (auto& u : s.units) {
     if (s.frees_after_backward(u)) s.release(u);
   }

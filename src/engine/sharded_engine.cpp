@@ -17,8 +17,26 @@
 namespace shardtrain::engine {
 
 ShardedEngine::~ShardedEngine() {
-  for (auto& u : state_->units) {
+  State& s = *state_;
+  for (auto& u : s.units) {
     if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
+  }
+  // A gather or reduction still in flight (a prefetch no forward consumed, a
+  // forward or backward that threw) writes into buffers this state owns:
+  // the communicator's threads must be done with them before they are freed.
+  // Every wait is bounded by the communicator's timeout; a failure here is
+  // logged, since a destructor must not throw.
+  auto settle = [&](const comm::WorkPtr& work, const std::string& what) {
+    if (!work) return;
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      ST_LOG_WARN("{}: {} still in flight at shutdown failed: {}", s.options.name, what, e.what());
+    }
+  };
+  for (auto& u : s.units) settle(u.gather_work, "the gather of " + u.label());
+  for (auto& bucket : s.in_flight) {
+    for (auto& work : bucket.works) settle(work, "a gradient reduction");
   }
 }
 

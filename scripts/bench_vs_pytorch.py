@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Driver of scripts/bench-vs-pytorch: shardtrain against what a user would run
+instead, on the same torch, side by side in one run.
+
+The same Llama (bench/models/llama_58m.json, 58M parameters, fp32, seq 256 x
+micro-batch 4 per rank, AdamW lr 1e-4 / weight decay 0.01, the same random
+tokens), the same threads (OMP_NUM_THREADS and OPENBLAS_NUM_THREADS, default
+1 per rank, exported to both sides). Each round runs every configuration once,
+each in its own processes (so each peak RSS is its own), interleaved:
+  world 1: Python plain loop | shardtrain plain LibTorch loop | shardtrain zero-0
+  world 2: Python DDP | FSDP2 | DeepSpeed ZeRO-3 | shardtrain zero-0, zero-1,
+           zero-2, zero-3, fsdp standard, fsdp pure (bf16)
+Python sides: scripts/bench_pytorch.py; shardtrain: bench_train_step under
+`shardtrain launch`. Reports the median step time over the rounds, the peak
+RSS per rank, the ratios shardtrain / peer and the issue's targets.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PEERS = [("python_plain", 1, "plain"), ("python_ddp", 2, "ddp"), ("python_fsdp2", 2, "fsdp2"),
+         ("python_deepspeed", 2, "deepspeed")]
+# (name, world, bench_train_step configuration)
+SHARDTRAIN = [("cpp_plain", 1, "plain"), ("zero0_w1", 1, "ddp"), ("zero0", 2, "ddp"), ("zero1", 2, "zero1"),
+              ("zero2", 2, "zero2"), ("zero3", 2, "zero3"), ("fsdp_standard", 2, "fsdp_full_shard"),
+              ("fsdp_pure_bf16", 2, "fsdp_pure")]
+# (shardtrain run, peer, target ratio or None for information only)
+RATIOS = [("zero0_w1", "python_plain", 1.00), ("cpp_plain", "python_plain", None),
+          ("zero0", "python_ddp", None), ("zero1", "python_ddp", 1.05), ("zero2", "python_ddp", 1.05),
+          ("zero3", "python_fsdp2", 1.00), ("zero3", "python_ddp", 1.10), ("zero3", "python_deepspeed", None),
+          ("fsdp_standard", "python_fsdp2", 1.00), ("fsdp_standard", "python_ddp", 1.10),
+          ("fsdp_pure_bf16", "python_fsdp2", None)]
+
+
+def run_peer(args, mode, world):
+    command = [sys.executable, os.path.join(ROOT, "scripts", "bench_pytorch.py"), "--mode", mode,
+               "--world", str(world), "--steps", str(args.steps), "--skip", str(args.skip)]
+    out = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"bench-vs-pytorch: {' '.join(command)} failed (exit {out.returncode}):\n"
+                         f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    return result["step_seconds"], result["peak_rss_mib"]
+
+
+def run_shardtrain(args, config, world):
+    command = [os.path.join(args.build, "bin", "shardtrain"), "launch", "--num_processes", str(world),
+               os.path.join(args.build, "bin", "bench_train_step"), "--rounds", "1", "--configs", config,
+               "--steps", str(args.steps), "--skip", str(args.skip)]
+    env = dict(os.environ, SHARDTRAIN_LOG_LEVEL="warn")
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
+    match = re.search(r"round 1 +\S+ +fp32 +([0-9.]+) s/step .*peak RSS ([0-9]+) MiB", out.stdout)
+    if out.returncode != 0 or not match:
+        raise SystemExit(f"bench-vs-pytorch: {' '.join(command)} failed (exit {out.returncode}):\n"
+                         f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--skip", type=int, default=2, help="warm-up steps per run (DeepSpeed's ZeRO-3 traces "
+                        "its module order in the first steps)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--build", default=os.environ.get("SHARDTRAIN_BUILD_DIR", os.path.join(ROOT, "build")))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    peers = [p for p in PEERS if not (args.no_deepspeed and p[2] == "deepspeed")]
+    times, rss = {}, {}
+    for round_index in range(1, args.rounds + 1):
+        # Peer, shardtrain, peer, ...: the two kinds alternate through the round.
+        schedule = []
+        for i in range(max(len(peers), len(SHARDTRAIN))):
+            if i < len(peers):
+                schedule.append(("peer",) + peers[i])
+            for entry in SHARDTRAIN[2 * i:2 * i + 2]:
+                schedule.append(("shardtrain",) + entry)
+        for kind, name, world, what in schedule:
+            seconds, peak = run_peer(args, what, world) if kind == "peer" else run_shardtrain(args, what, world)
+            times.setdefault(name, []).append(seconds)
+            rss[name] = max(rss.get(name, 0.0), peak)
+            print(f"round {round_index}  {name:<17} world {world}  {seconds:7.3f} s/step  peak RSS {peak:6.0f} MiB",
+                  flush=True)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
+    print(f"\nLlama 58M fp32, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
+          f"interleaved rounds ({args.steps} timed steps after {args.skip} warm-up each)")
+    print("| run | world | step (s) | peak RSS/rank (MiB) |\n|---|---:|---:|---:|")
+    for name, world, _ in [(p[0], p[1], p[2]) for p in peers] + SHARDTRAIN:
+        print(f"| {name} | {world} | {median[name]:.3f} | {rss[name]:.0f} |")
+    print("\n| shardtrain / peer | ratio | target | met |\n|---|---:|---:|---|")
+    missed = 0
+    for ours, peer, target in RATIOS:
+        if peer not in median:
+            continue
+        ratio = median[ours] / median[peer]
+        met = "-" if target is None else ("yes" if ratio <= target else "NO")
+        missed += met == "NO"
+        print(f"| {ours} / {peer} | {ratio:.3f} | {'-' if target is None else f'<= {target:.2f}'} | {met} |")
+    print(f"\n{missed} target(s) missed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""The peer that shardtrain's ZeRO-3 and FSDP engines are held against in
+DistPeerFsdp2 (tests/dist/test_peer_fsdp2.cpp): PyTorch's own FSDP2
+(`fully_shard`, each decoder layer then the root) training Hugging Face
+transformers' LlamaForCausalLM over Gloo, fp32, on this machine's torch.
+
+Writes OUT_DIR/batches.safetensors (input_ids [steps, world, micro_batch,
+seq_len] int64, drawn here from a seeded generator so both sides train on the
+same tokens) and OUT_DIR/peer.json:
+  {"adamw": [loss per step], "sgd": [...], "world": 2, ...}
+Each step's loss is the mean next-token cross entropy of the global batch
+(every rank's micro-batch has the same number of tokens, so the mean of the
+ranks' means). The two optimizers: AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8,
+weight decay 0.01, gradients clipped to norm 1.0), what users run; plain SGD
+(lr 0.5, no clipping), whose step is proportional to the gradient, so a
+gradient summed instead of averaged over the ranks shows in the losses
+(Adam's step and a clipped gradient are both blind to that scale).
+
+Before it trains, the peer is checked against DDP (pytorch#162338: FSDP2 over
+Gloo has summed gradients where it should average): one backward on the same
+weights and batch under FSDP2 and under DistributedDataParallel must give the
+same gradients (relative 1e-5: two fp32 reductions of one sum, each within a
+few ulps), else this script stops naming the mismatch.
+
+Usage: scripts/peer_fsdp2.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
+       [--micro-batch 2] [--seq-len 16] [--seed 5]
+Offline: nothing is downloaded. Threads: 1 per rank.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+OPTIMIZERS = {
+    "adamw": {"clip": 1.0,
+              "make": lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                                       weight_decay=0.01, foreach=False)},
+    "sgd": {"clip": 0.0, "make": lambda params: torch.optim.SGD(params, lr=0.5)},
+}
+
+
+def load_model(model_dir):
+    # SDPA, as shardtrain's Llama; fp32 weights as stored.
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def shard(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def next_token_loss(model, input_ids):
+    logits = model(input_ids=input_ids).logits
+    vocab = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
+
+
+def full_grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def check_against_ddp(args, rank, batch):
+    """FSDP2's averaged gradient equals DDP's on the same weights and batch."""
+    ddp = torch.nn.parallel.DistributedDataParallel(load_model(args.model_dir))
+    next_token_loss(ddp, batch).backward()
+    reference = {name: p.grad.detach().clone() for name, p in ddp.module.named_parameters()}
+    fsdp = shard(load_model(args.model_dir))
+    next_token_loss(fsdp, batch).backward()
+    for name, grad in full_grads(fsdp).items():
+        ratio = (grad.norm() / reference[name].norm()).item()
+        error = ((grad - reference[name]).norm() / reference[name].norm()).item()
+        if error > 1e-5:
+            raise SystemExit(f"peer_fsdp2: FSDP2's gradient of {name} differs from DDP's (relative {error:.3g}, "
+                             f"norm ratio {ratio:.6f}; a ratio of {args.world} is pytorch#162338's sum instead "
+                             "of average): the peer cannot be trusted on this torch")
+
+
+def train(args, rank, batches, optimizer_name):
+    spec = OPTIMIZERS[optimizer_name]
+    model = shard(load_model(args.model_dir))
+    optimizer = spec["make"](model.parameters())
+    losses = []
+    for step in range(args.steps):
+        loss = next_token_loss(model, batches[step, rank])
+        loss.backward()
+        if spec["clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append((mean / args.world).item())
+    return losses
+
+
+def run(rank, args, store_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=args.world)
+    batches = torch.load(os.path.join(args.out_dir, "batches.pt"))
+    check_against_ddp(args, rank, batches[0, rank])
+    result = {"world": args.world, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+              "torch": torch.__version__}
+    for name in OPTIMIZERS:
+        result[name] = train(args, rank, batches, name)
+    if rank == 0:
+        with open(os.path.join(args.out_dir, "peer.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = torch.randint(vocab, (args.steps, args.world, args.micro_batch, args.seq_len), generator=gen)
+    save_file({"input_ids": batches}, os.path.join(args.out_dir, "batches.safetensors"))
+    torch.save(batches, os.path.join(args.out_dir, "batches.pt"))
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(run, args=(args, os.path.join(tmp, "store")), nprocs=args.world, join=True)
+    os.remove(os.path.join(args.out_dir, "batches.pt"))
+    if not os.path.exists(os.path.join(args.out_dir, "peer.json")):
+        sys.exit("peer_fsdp2: no peer.json written")
+
+
+if __name__ == "__main__":
+    main()
