@@ -1,6 +1,10 @@
 // Every collective against a single-process reference computed on each rank:
 // every dtype the engines move (fp32, bf16, fp16, fp64, int64), sizes that do not divide by the world size, worlds 1-4,
 // sub-groups, and two collectives in flight at once.
+#include <filesystem>
+#include <fstream>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -217,6 +221,32 @@ TEST(DistSubGroups, NewGroupAndSplitReduceOverTheirMembersOnly) {
     at::Tensor w = at::ones({3}, at::kLong);
     ctx.comm->all_reduce(w);
     EXPECT_TRUE(at::equal(w, at::full({3}, 4, at::kLong)));
+  });
+}
+
+/// Threads of this process named `name` (Linux keeps 15 characters of it).
+int threads_named(const std::string& name) {
+  int count = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++count;
+  }
+  return count;
+}
+
+// torch 2.11's ProcessGroupGloo writes its status string from every worker
+// thread without a lock; with two workers per group a gather and a
+// reduce-scatter finishing together freed one string twice (gloo_communicator.cpp).
+// Each group must run exactly one worker ("pt_gloo_runloop").
+TEST(DistGlooWorkers, EachGroupRunsOneWorkerThread) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    ctx.comm->barrier();  // a worker names itself when it starts: one collective later, it has
+    EXPECT_EQ(threads_named("pt_gloo_runloop"), 1);
+    auto pair = ctx.comm->new_group({0, 1});
+    ASSERT_NE(pair, nullptr);
+    pair->barrier();
+    EXPECT_EQ(threads_named("pt_gloo_runloop"), 2);
   });
 }
 

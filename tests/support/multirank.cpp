@@ -90,6 +90,20 @@ int decode_status(int status) {
   return -1;
 }
 
+/// SHARDTRAIN_TEST_TIME_SCALE (default 1) stretches both bounds of a
+/// multi-rank test, for runs under valgrind or a sanitizer, which are tens of
+/// times slower than the machine the bounds were chosen for.
+double time_scale() {
+  const char* text = std::getenv("SHARDTRAIN_TEST_TIME_SCALE");
+  const double scale = text != nullptr ? std::atof(text) : 1.0;
+  return scale >= 1.0 ? scale : 1.0;
+}
+
+template <typename Duration>
+Duration scaled(Duration bound) {
+  return Duration(static_cast<typename Duration::rep>(static_cast<double>(bound.count()) * time_scale()));
+}
+
 void run_child(int world_size, const std::function<void(RankContext&)>& body,
                const MultiRankOptions& options) {
   RankContext context;
@@ -100,7 +114,7 @@ void run_child(int world_size, const std::function<void(RankContext&)>& body,
     if (!options.skip_init) {
       InitOptions init;
       init.backend = "gloo";
-      init.timeout = options.comm_timeout;
+      init.timeout = scaled(options.comm_timeout);
       context.comm = init_distributed(context.env, init);
     }
     body(context);
@@ -194,7 +208,7 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_brief=1"}, env, logs[r]);
   }
 
-  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + scaled(options.timeout);
   std::vector<int> codes(world_size, -1);
   int remaining = world_size;
   while (remaining > 0) {
@@ -235,7 +249,7 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     }
     std::remove(marker.c_str());
     std::string why = codes[r] == 1000 ? "was still running after the " +
-                                              std::to_string(options.timeout.count()) + " s test timeout"
+                                              std::to_string(scaled(options.timeout).count()) + " s test timeout"
                                         : "exited with status " + std::to_string(codes[r]);
     ADD_FAILURE() << "rank " << r << " of " << world_size << " " << why << "; its output:\n"
                   << tail(read_file(logs[r]), 6000);

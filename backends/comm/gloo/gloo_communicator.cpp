@@ -34,16 +34,28 @@ namespace {
 /// A Gloo process group whose sockets bind to `hostname`'s interface (or the
 /// default interface when empty). Constructing it is itself a rendezvous
 /// (full-mesh connect through the store), bounded by `timeout`.
+/// One worker thread per group, never c10d's default of two. In torch 2.11,
+/// ProcessGroupGloo::runLoop writes the group's status after every work
+/// (pgStatus_->lastCompletedWorkName = opTypeToString(...)) with no lock
+/// held, so two workers finishing at once race on one std::string: a name
+/// longer than the 15-character small-string buffer ("ALLGATHER_COALESCED",
+/// our unit gathers) is freed twice. Seen as glibc tcache corruption in a
+/// Gloo worker (a SIGSEGV in malloc, "unaligned tcache chunk"), about one
+/// ZeRO-3 run in ten; AddressSanitizer preloaded named it: "double-free ... in
+/// c10d::ProcessGroupGloo::runLoop", freed by both worker threads. One worker
+/// also runs the group's collectives in issue order on every rank.
+constexpr int kGlooWorkerThreads = 1;
+
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(const StorePtr& store, int rank, int size,
                                                            std::chrono::milliseconds timeout,
-                                                           const std::string& hostname, int threads) {
+                                                           const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   if (hostname.empty()) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   } else {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   }
-  options->threads = threads;
+  options->threads = kGlooWorkerThreads;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
@@ -159,7 +171,7 @@ GlooCommunicator::GlooCommunicator(StorePtr store, int rank, int world_size,
       store_prefix_(std::move(store_prefix)) {
   try {
     group_ = make_gloo_group(make_prefix_store(store_prefix_, root_store_), rank,
-                                     world_size, options.timeout, hostname_, /*threads=*/2);
+                                     world_size, options.timeout, hostname_);
   } catch (const std::exception& failure) {
     ST_THROW(TimeoutError, "rank ", rank, " of ", world_size, " waited ", options.timeout.count(),
              " ms for all ", world_size, " ranks of the group to connect (Gloo full-mesh rendezvous, store prefix '",
