@@ -25,7 +25,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "build_config.h"
+#include "data_dir.h"
 #include "finetune/finetune.h"
 #include "shardtrain/metrics_plot.h"
 
@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   finetune::FinetuneOptions options;
   const std::string program = std::filesystem::path(argv[0]).filename().string();
   options.model_type = program.find("mistral") != std::string::npos ? "mistral" : "llama";
-  const std::string bundled = std::string(SHARDTRAIN_SOURCE_DIR) + "/examples/tiny_llama";
+  const std::string bundled = shardtrain_data_dir() + "/examples/tiny_llama";
 
   CLI::App app{program + ": instruction fine-tuning of a Llama/Mistral model with shardtrain"};
   app.add_option("--config", options.config_path,

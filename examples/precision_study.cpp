@@ -9,13 +9,13 @@
 
 #include <CLI/CLI.hpp>
 
-#include "build_config.h"  // SHARDTRAIN_SOURCE_DIR
+#include "data_dir.h"
 #include "study/precision_study.h"
 
 int main(int argc, char** argv) {
   study::StudyOptions options;
-  options.configs_dir = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/llama";
-  options.model_dir = std::string(SHARDTRAIN_SOURCE_DIR) + "/examples/tiny_llama";
+  options.configs_dir = shardtrain_data_dir() + "/configs/llama";
+  options.model_dir = shardtrain_data_dir() + "/examples/tiny_llama";
   CLI::App app{"precision_study: zero-3, fsdp standard and fsdp pure bf16 at small and large learning rates"};
   app.add_option("--base-steps", options.base_steps, "Steps that train the base model from the random init")
       ->capture_default_str();

@@ -4,8 +4,8 @@
 // gradient norm is bitwise the CPU kernel's; casts are ATen's. Views at every
 // offset mod 4 exercise the launch plan's head, packs and tail.
 //
-// Built only against a CUDA LibTorch; scripts/gpu-check runs them and counts
-// any skip as a failure.
+// scripts/gpu-check runs them on a GPU node, where a skip counts as a failure,
+// and in its dry run with the CPU standing in for cuda:0 (gpu_test_device.h).
 
 #include <cmath>
 #include <cstring>
@@ -21,6 +21,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/element_math.h"
 #include "kernels/kernels.h"
+#include "gpu_test_device.h"
 #include "support/awkward_values.h"
 #include "shardtrain/error.h"
 
@@ -30,15 +31,12 @@ namespace k = shardtrain::kernels;
 namespace kmath = shardtrain::kernels::math;
 using Fused = kmath::ScalarOps<true>;
 
-const at::Device kGpu0(at::kCUDA, 0);
-
-#define REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+at::Device gpu0() { return shardtrain::testing::test_device(); }
 
 /// A CUDA copy of `cpu` starting `offset` elements into its allocation, so
 /// the streams' pack alignment (and the plan's head) varies with the offset.
 at::Tensor gpu_copy(const at::Tensor& cpu, int64_t offset) {
-  at::Tensor storage = at::empty({cpu.numel() + offset}, cpu.options().device(kGpu0));
+  at::Tensor storage = at::empty({cpu.numel() + offset}, cpu.options().device(gpu0()));
   at::Tensor view = storage.narrow(0, offset, cpu.numel());
   view.copy_(cpu);
   return view;
@@ -70,7 +68,7 @@ void host_adam(at::Tensor& p, at::Tensor& m, at::Tensor& v, const at::Tensor& g,
 constexpr int64_t kN = 100003;  // several thousand packs and a 3-element tail
 
 TEST(GpuKernels, AdamStepIsTheSharedFusedMathBitForBit) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   for (const bool adam_w : {true, false}) {
     for (const double wd : {0.0, 0.1}) {
       for (const at::ScalarType grad_type : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -105,20 +103,20 @@ TEST(GpuKernels, AdamStepIsTheSharedFusedMathBitForBit) {
 }
 
 TEST(GpuKernels, AdamStepMatchesTheCpuKernelOnThisFmaCpu) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   // The claim the shared math makes: both devices, one set of bits. Every x86
   // CPU that runs a current CUDA driver has FMA, so the CPU kernel fuses too.
   ASSERT_TRUE(k::cpu::fuses_multiply_add()) << "this CPU runs LibTorch's unfused kernels; compare against the "
                                                "shared math instead (GpuKernels.AdamStepIsTheSharedFusedMath...)";
   at::Tensor p = at::randn({kN}), m = at::zeros({kN}), v = at::zeros({kN});
-  at::Tensor gp = p.to(kGpu0), gm = m.to(kGpu0), gv = v.to(kGpu0);
+  at::Tensor gp = p.to(gpu0()), gm = m.to(gpu0()), gv = v.to(gpu0());
   for (int64_t step = 1; step <= 5; ++step) {
     const at::Tensor grad = at::randn({kN});
     k::AdamParams params;
     params.weight_decay = 0.01;
     params.step = step;
     k::adam_step(p, m, v, grad, nullptr, params);
-    const at::Tensor gg = grad.to(kGpu0);
+    const at::Tensor gg = grad.to(gpu0());
     k::adam_step(gp, gm, gv, gg, nullptr, params);
     ASSERT_TRUE(same_bits(gp.cpu(), p)) << "step " << step;
     ASSERT_TRUE(same_bits(gv.cpu(), v)) << "step " << step;
@@ -126,7 +124,7 @@ TEST(GpuKernels, AdamStepMatchesTheCpuKernelOnThisFmaCpu) {
 }
 
 TEST(GpuKernels, PureLowPrecisionAdamRoundsEachStateOnce) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
     for (const at::ScalarType grad_type : {type, at::kFloat}) {
       SCOPED_TRACE(::testing::Message() << type << " grad " << grad_type);
@@ -154,7 +152,7 @@ TEST(GpuKernels, PureLowPrecisionAdamRoundsEachStateOnce) {
 }
 
 TEST(GpuKernels, SgdStepIsTheSharedFusedMathBitForBit) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   for (const double momentum : {0.0, 0.9}) {
     for (const bool nesterov : {false, true}) {
       if (nesterov && momentum == 0.0) continue;
@@ -189,7 +187,7 @@ TEST(GpuKernels, SgdStepIsTheSharedFusedMathBitForBit) {
 }
 
 TEST(GpuKernels, LostUpdateCountsAreTheCpuKernelsOnThisFmaCpu) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   // The audit counts integer outcomes of the same per-element arithmetic, so
   // the two devices' counts are equal, not close: same bits, same comparisons
   // (NaN payloads do not matter, NaN never equals anything).
@@ -210,7 +208,7 @@ TEST(GpuKernels, LostUpdateCountsAreTheCpuKernelsOnThisFmaCpu) {
         at::Tensor gp = gpu_copy(p0, offset), gm = gpu_copy(m0, offset), gv = gpu_copy(v0, offset);
         const at::Tensor gg = gpu_copy(g, offset);
         k::UpdateAudit cpu_audit{at::zeros({3}, at::kLong), period};
-        k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(kGpu0)), period};
+        k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(gpu0())), period};
         if (state == at::kFloat) {
           k::adam_step(p, m, v, g, nullptr, params, &cpu_audit);
           k::adam_step(gp, gm, gv, gg, nullptr, params, &gpu_audit);
@@ -231,7 +229,7 @@ TEST(GpuKernels, LostUpdateCountsAreTheCpuKernelsOnThisFmaCpu) {
   k::SgdParams sgd;
   sgd.lr = 1e-3;
   k::UpdateAudit cpu_audit{at::zeros({3}, at::kLong), 1};
-  k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(kGpu0)), 1};
+  k::UpdateAudit gpu_audit{at::zeros({3}, at::TensorOptions().dtype(at::kLong).device(gpu0())), 1};
   k::sgd_step(p, nullptr, g, nullptr, sgd, &cpu_audit);
   k::sgd_step(gp, nullptr, gpu_copy(g, 1), nullptr, sgd, &gpu_audit);
   EXPECT_TRUE(at::equal(counts_of(gpu_audit), counts_of(cpu_audit)))
@@ -239,7 +237,7 @@ TEST(GpuKernels, LostUpdateCountsAreTheCpuKernelsOnThisFmaCpu) {
 }
 
 TEST(GpuKernels, SumOfSquaresIsTheCpuKernelsBitForBit) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{255}, int64_t{16384}, int64_t{16385},
                           int64_t{7 * 16384 + 1001}, int64_t{3000017}}) {
     for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -249,7 +247,7 @@ TEST(GpuKernels, SumOfSquaresIsTheCpuKernelsBitForBit) {
         const at::Tensor t = (at::randn({n}) * at::pow(10.0, at::randint(-6, 6, {n}).to(at::kFloat))).to(type);
         const double cpu = k::cpu::sum_of_squares(t);
         const at::Tensor gpu = k::sum_of_squares(gpu_copy(t, offset));
-        EXPECT_TRUE(gpu.is_cuda());
+        EXPECT_EQ(gpu.device(), gpu0());
         EXPECT_EQ(gpu.dim(), 0);
         const double got = gpu.item<double>();
         EXPECT_EQ(std::memcmp(&got, &cpu, sizeof(double)), 0) << got << " vs " << cpu;
@@ -261,11 +259,11 @@ TEST(GpuKernels, SumOfSquaresIsTheCpuKernelsBitForBit) {
 }
 
 TEST(GpuKernels, NonFiniteFlagFindsEveryInfAndNan) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf}) {
     const at::Tensor clean = (at::randn({kN}) * 100.0).to(type);
     const at::Tensor flag = k::non_finite_flag(gpu_copy(clean, 2));
-    EXPECT_TRUE(flag.is_cuda());
+    EXPECT_EQ(flag.device(), gpu0());
     EXPECT_EQ(flag.item<float>(), 0.0f) << type;
     for (const int64_t where : {int64_t{0}, int64_t{1}, int64_t{4}, kN / 2, kN - 1}) {
       for (const double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
@@ -277,13 +275,13 @@ TEST(GpuKernels, NonFiniteFlagFindsEveryInfAndNan) {
     }
   }
   // fp16 overflow: 65504 is the largest finite value; 1e5 is not representable.
-  EXPECT_EQ(k::non_finite_flag(at::full({5}, 65504.0, at::TensorOptions().dtype(at::kHalf).device(kGpu0))).item<float>(),
+  EXPECT_EQ(k::non_finite_flag(at::full({5}, 65504.0, at::TensorOptions().dtype(at::kHalf).device(gpu0()))).item<float>(),
             0.0f);
-  EXPECT_EQ(k::non_finite_flag(at::full({5}, 1e5).to(kGpu0).to(at::kHalf)).item<float>(), 1.0f);
+  EXPECT_EQ(k::non_finite_flag(at::full({5}, 1e5).to(gpu0()).to(at::kHalf)).item<float>(), 1.0f);
 }
 
 TEST(GpuKernels, CastIsAtensRoundingBitForBit) {
-  REQUIRE_GPU();
+  REQUIRE_TEST_DEVICE();
   const int64_t n = 65539;
   at::manual_seed(3);
   at::Tensor values = at::randn({n}) * 1000.0;
@@ -304,8 +302,8 @@ TEST(GpuKernels, CastIsAtensRoundingBitForBit) {
 }
 
 TEST(GpuKernels, BadArgumentsAreClearErrorsAndLaunchNothing) {
-  REQUIRE_GPU();
-  at::Tensor master = at::zeros({8}, kGpu0), m = at::zeros({8}, kGpu0), v = at::zeros({8}, kGpu0);
+  REQUIRE_CUDA();
+  at::Tensor master = at::zeros({8}, gpu0()), m = at::zeros({8}, gpu0()), v = at::zeros({8}, gpu0());
   const at::Tensor cpu_grad = at::zeros({8});
   try {
     k::adam_step(master, m, v, cpu_grad, nullptr, k::AdamParams{});
@@ -313,7 +311,7 @@ TEST(GpuKernels, BadArgumentsAreClearErrorsAndLaunchNothing) {
   } catch (const shardtrain::Error& e) {
     EXPECT_NE(std::string(e.what()).find("grad is on cpu but the step runs on cuda:0"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(k::adam_step(master, m, v, at::zeros({7}, kGpu0), nullptr, k::AdamParams{}), shardtrain::Error);
+  EXPECT_THROW(k::adam_step(master, m, v, at::zeros({7}, gpu0()), nullptr, k::AdamParams{}), shardtrain::Error);
   namespace kcuda = shardtrain::kernels::cuda;
   const kmath::AdamScalars c = k::adam_scalars(k::AdamParams{});
   float* p = master.data_ptr<float>();

@@ -1,79 +1,242 @@
-// Training on a GPU: the same train_tiny run on cuda:0 and on the CPU, and
-// the engines' state living on the device.
-//
-// Built only against a CUDA LibTorch; scripts/gpu-check runs it.
-
-#include "build_config.h"  // SHARDTRAIN_SOURCE_DIR
+// Training on a GPU against the same run on the CPU, at world 1, 20 steps:
+// the plain loop, zero-3, fsdp standard and fsdp pure, on train_tiny's model
+// and on the tiny Llama; the lost-update audit on both devices; a checkpoint
+// saved on the GPU resumed on the CPU. The CPU run of every comparison comes
+// first, so a dry run with the CPU standing in for the GPU
+// (gpu_test_device.h) runs it too, and records its numbers.
 
 #include <cmath>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 
+#include "data_dir.h"
+#include "finetune/finetune.h"
+#include "gpu_test_device.h"
 #include "shardtrain/device.h"
+#include "support/scratch_dir.h"
 #include "tiny/tiny_train.h"
 
 namespace {
 
-tiny::TinyRunOptions tiny_run(const std::string& device, const std::string& config_path) {
+using shardtrain::testing::test_device;
+using shardtrain::testing::test_device_name;
+
+constexpr int kSteps = 20;
+
+// Why these bounds. Both runs start from the same weights (initialised on the
+// CPU, then moved) and see the same batches; only the order of additions
+// inside the kernels differs: cuBLAS against MKL's or oneDNN's blocking, the
+// GPU's against the CPU's reductions in softmax, norms and the loss.
+//
+// fp32, TF32 off (set below): unit roundoff u = 2^-24 = 6e-8. A sum of K
+// terms in another order differs by about sqrt(K) u relative (K u at worst);
+// the longest reductions are K = 688 (the Llama's FFN width; train_tiny's is
+// 256), so each step adds a difference of about sqrt(688) u = 1.6e-6. Adam
+// normalises every update (m / sqrt(v)), so a relative difference of the
+// gradients reaches the parameters at most in proportion, never scaled up by
+// the gradient's size, and the differences of s steps add at most linearly:
+// 20 x 1.6e-6 = 3.2e-5 after the last step. The loss, a mean over
+// micro-batch x sequence tokens, averages independent roundings further.
+// Bound: 5e-5 relative. A real defect (a wrong mask, a missed gradient, a
+// stale parameter) moves the loss by 1e-3 or more within a few steps.
+constexpr double kFp32LossBound = 5e-5;
+// Pure bf16 (fsdp pure low precision): parameters, gradients and optimizer
+// state are bf16, one ulp 2^-8 relative. Where two fp32 accumulations differ
+// in their last bits, an output near a bf16 rounding boundary rounds the
+// other way, off by one ulp; the loss's relative change is at most the
+// logits' largest relative change, one ulp if every element moved the same
+// way: 2^-8 = 3.9e-3.
+constexpr double kPureLossBound = 3.9e-3;
+// The audit's fraction counts sampled elements whose update is lost (below
+// half an ulp of the parameter). An element changes sides only when its
+// update lies within the runs' relative difference of that threshold, and
+// the updates' magnitudes spread over decades: with the fp32 runs' 5e-5 that
+// is far below 1e-3 of the sample; the pure runs' one-ulp differences move
+// the threshold by 2^-8 of an element, up to about 1e-2 of the sample.
+constexpr double kFp32AuditBound = 1e-3;
+constexpr double kPureAuditBound = 1e-2;
+
+struct EngineCase {
+  const char* name;
+  const char* tiny_config;   ///< relative to the data dir; "" for the plain loop
+  const char* llama_config;  ///< relative to the data dir; "" for the plain loop
+  bool pure;                 ///< fsdp pure low precision: a bf16 load, bf16 everything
+};
+
+const EngineCase kCases[] = {
+    {"plain", "", "", false},
+    {"zero3", "configs/zero3_fp32.json", "configs/llama/zero3_fp32.json", false},
+    {"fsdp_standard", "configs/fsdp_fp32.yaml", "configs/llama/fsdp_fp32.yaml", false},
+    {"fsdp_pure", "configs/fsdp_pure_bf16.yaml", "configs/llama/fsdp_pure_bf16.yaml", true},
+};
+
+std::string data_path(const char* relative) {
+  return *relative == '\0' ? std::string() : shardtrain_data_dir() + "/" + relative;
+}
+
+void disable_tf32() {
+  // The CPU has no TF32: an fp32 comparison must not let cuBLAS drop to it.
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+}
+
+struct DeviceRun {
+  std::vector<double> losses, audit, audit_if_bf16;
+};
+
+/// Step by step: the device's losses within `loss_bound` (relative) of the
+/// CPU's, the audits within `audit_bound` where both measured; the device's
+/// run learned. Records the largest differences as test properties.
+void expect_follows(const DeviceRun& cpu, const DeviceRun& device, double loss_bound, double audit_bound,
+                    ::testing::Test& test) {
+  ASSERT_EQ(device.losses.size(), cpu.losses.size());
+  double worst_loss = 0, worst_audit = 0;
+  for (std::size_t step = 0; step < cpu.losses.size(); ++step) {
+    ASSERT_TRUE(std::isfinite(device.losses[step]) && std::isfinite(cpu.losses[step]))
+        << "step " << step + 1 << ": cpu " << cpu.losses[step] << ", device " << device.losses[step];
+    const double relative = std::abs(device.losses[step] - cpu.losses[step]) / std::abs(cpu.losses[step]);
+    worst_loss = std::max(worst_loss, relative);
+    EXPECT_LE(relative, loss_bound) << "step " << step + 1 << ": cpu " << cpu.losses[step] << ", "
+                                    << test_device() << " " << device.losses[step];
+  }
+  for (const auto& [c, d] :
+       {std::pair{&cpu.audit, &device.audit}, std::pair{&cpu.audit_if_bf16, &device.audit_if_bf16}}) {
+    ASSERT_EQ(c->size(), d->size());
+    for (std::size_t step = 0; step < c->size(); ++step) {
+      EXPECT_EQ((*c)[step] < 0, (*d)[step] < 0) << "the audit ran on one device only, step " << step + 1;
+      if ((*c)[step] < 0 || (*d)[step] < 0) continue;
+      worst_audit = std::max(worst_audit, std::abs((*c)[step] - (*d)[step]));
+      EXPECT_LE(std::abs((*c)[step] - (*d)[step]), audit_bound)
+          << "lost-update fraction of step " << step + 1 << ": cpu " << (*c)[step] << ", device " << (*d)[step];
+    }
+  }
+  EXPECT_LT(device.losses.back(), device.losses.front()) << "the run on " << test_device() << " did not learn";
+  test.RecordProperty("cpu_first_loss", std::to_string(cpu.losses.front()));
+  test.RecordProperty("cpu_last_loss", std::to_string(cpu.losses.back()));
+  test.RecordProperty("device_last_loss", std::to_string(device.losses.back()));
+  test.RecordProperty("max_relative_loss_difference", std::to_string(worst_loss));
+  test.RecordProperty("max_audit_difference", std::to_string(worst_audit));
+}
+
+tiny::TinyRunOptions tiny_options(const EngineCase& c, const std::string& device) {
   tiny::TinyRunOptions options;
   options.device = device;
-  options.steps = 10;
+  options.steps = kSteps;
   options.micro_batch = 4;
   options.seed = 1;
   options.quiet = true;
-  if (!config_path.empty()) options.config_path = config_path;
+  if (*c.tiny_config != '\0') options.config_path = data_path(c.tiny_config);
+  if (c.pure) options.load_dtype = "bf16";
   return options;
 }
 
-// Why 1e-5 relative per step. Both runs start from the same fp32 weights
-// (initialised on the CPU, then moved) and see the same batches; only the
-// order of additions inside the kernels differs (cuBLAS against OpenBLAS or
-// oneDNN blocking, GPU against CPU reductions in softmax, norms and the
-// loss). TF32 is off, so every operation is fp32 with unit roundoff
-// u = 2^-24 = 6e-8. A sum of K terms in a different order differs by at most
-// about K*u relative and typically sqrt(K)*u; the longest reductions of the
-// tiny model are K = 256 (the vocabulary and the FFN width), so per operation
-// ~1e-6 typically and 1.5e-5 in the very worst case. The loss is a mean over
-// 4 x 32 tokens, which averages independent rounding further, and Adam's
-// normalised updates (lr 1e-3) carry a relative parameter difference forward
-// without amplifying it over ten steps. The observed difference should thus
-// be ~1e-6; 1e-5 leaves a factor of ten, and a real defect (a wrong mask, a
-// missed gradient, a stale parameter) moves the loss by 1e-3 or more.
-constexpr double kLossBound = 1e-5;
+DeviceRun run_tiny_on(const EngineCase& c, const std::string& device) {
+  const tiny::TinyRunResult r = tiny::run_tiny(tiny_options(c, device));
+  return {r.losses, r.lost_update_fracs, r.lost_update_fracs_if_bf16};
+}
 
-void expect_same_losses(const std::string& config_path) {
-  at::globalContext().setAllowTF32CuBLAS(false);
-  const tiny::TinyRunResult cpu = tiny::run_tiny(tiny_run("cpu", config_path));
-  const tiny::TinyRunResult gpu = tiny::run_tiny(tiny_run("cuda", config_path));
-  ASSERT_EQ(cpu.losses.size(), gpu.losses.size());
-  for (std::size_t step = 0; step < cpu.losses.size(); ++step) {
-    const double relative = std::abs(gpu.losses[step] - cpu.losses[step]) / std::abs(cpu.losses[step]);
-    EXPECT_LE(relative, kLossBound) << "step " << step + 1 << ": cpu " << cpu.losses[step] << ", cuda "
-                                    << gpu.losses[step];
+DeviceRun run_llama_on(const EngineCase& c, const std::string& device, const std::string& output_dir) {
+  finetune::FinetuneOptions options;
+  const std::string model = shardtrain_data_dir() + "/examples/tiny_llama";
+  options.config_path = data_path(c.llama_config);
+  options.model_config = model + "/config.json";
+  options.tokenizer = model + "/tokenizer.model";
+  options.data = model + "/data/train.jsonl";
+  options.seq_len = 64;
+  options.micro_batch = 4;
+  options.max_steps = kSteps;
+  options.warmup = 2;
+  options.lr = 1e-3;
+  options.device = device;
+  options.output_dir = output_dir;
+  options.no_export = true;
+  options.no_save = true;
+  options.no_progress = true;
+  options.quiet = true;
+  const finetune::FinetuneSummary s = finetune::run_finetune(options);
+  return {s.losses, s.lost_update_fracs, s.lost_update_fracs_if_bf16};
+}
+
+class GpuEngines : public ::testing::TestWithParam<EngineCase> {};
+
+TEST_P(GpuEngines, TinyModelFollowsTheCpuRunStepByStep) {
+  const EngineCase c = GetParam();
+  const DeviceRun cpu = run_tiny_on(c, "cpu");
+  RecordProperty("cpu_last_loss", std::to_string(cpu.losses.back()));
+  REQUIRE_TEST_DEVICE();
+  disable_tf32();
+  expect_follows(cpu, run_tiny_on(c, test_device_name()), c.pure ? kPureLossBound : kFp32LossBound,
+                 c.pure ? kPureAuditBound : kFp32AuditBound, *this);
+}
+
+TEST_P(GpuEngines, TinyLlamaFollowsTheCpuRunStepByStep) {
+  const EngineCase c = GetParam();
+  shardtrain::testing::ScratchDir scratch;
+  const DeviceRun cpu = run_llama_on(c, "cpu", scratch.file("cpu"));
+  RecordProperty("cpu_last_loss", std::to_string(cpu.losses.back()));
+  REQUIRE_TEST_DEVICE();
+  disable_tf32();
+  expect_follows(cpu, run_llama_on(c, test_device_name(), scratch.file("device")),
+                 c.pure ? kPureLossBound : kFp32LossBound, c.pure ? kPureAuditBound : kFp32AuditBound, *this);
+}
+
+INSTANTIATE_TEST_SUITE_P(GpuTraining, GpuEngines, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// A checkpoint is the fp32 master, the optimizer state and the counters,
+// written as CPU tensors: whatever device saved it, a CPU run that loads it
+// holds the same bits, under the engine that saved it and under the other.
+TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
+  shardtrain::testing::ScratchDir scratch;
+  const EngineCase zero3 = kCases[1];
+  REQUIRE_TEST_DEVICE();
+  disable_tf32();
+  tiny::TinyRunOptions on_device = tiny_options(zero3, test_device_name());
+  on_device.save_dir = scratch.file("ckpt");
+  on_device.save_every = kSteps / 2;
+  on_device.stop_after = kSteps / 2;
+  const tiny::TinyRunResult saved = tiny::run_tiny(on_device);
+  ASSERT_EQ(saved.losses.size(), static_cast<std::size_t>(kSteps / 2));
+
+  for (const EngineCase& engine : {kCases[1], kCases[2]}) {
+    SCOPED_TRACE(engine.name);
+    // Resumed at step 10 of 10: nothing trains, the state is what was loaded.
+    tiny::TinyRunOptions loaded = tiny_options(engine, "cpu");
+    loaded.resume_dir = scratch.file("ckpt");
+    loaded.steps = kSteps / 2;
+    const tiny::TinyRunResult resumed = tiny::run_tiny(loaded);
+    EXPECT_TRUE(resumed.losses.empty());
+    std::map<std::string, at::Tensor> saved_params;
+    for (const auto& [name, value] : saved.final_params) saved_params[name] = value.cpu();
+    ASSERT_EQ(resumed.final_params.size(), saved_params.size());
+    for (const auto& [name, value] : resumed.final_params) {
+      ASSERT_TRUE(saved_params.count(name)) << name << " is not in the saved state";
+      EXPECT_TRUE(at::equal(value.cpu(), saved_params[name]))
+          << name << ": max |difference| " << (value.cpu() - saved_params[name]).abs().max().item<double>();
+    }
   }
-  EXPECT_LT(gpu.losses.back(), gpu.losses.front()) << "the run on the GPU did not learn";
-}
 
-TEST(GpuTraining, TinyRunOnCudaFollowsTheCpuRunStepByStep) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  expect_same_losses("");
-}
-
-TEST(GpuTraining, Zero3AndFsdpFp32OnCudaFollowTheCpuRun) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  // World 1, but through the sharded engines' full path: gathers, releases,
-  // reductions, the fused step and the norm, all on the device.
-  for (const char* config : {"/configs/zero3_fp32.json", "/configs/fsdp_fp32.yaml"}) {
-    SCOPED_TRACE(config);
-    expect_same_losses(std::string(SHARDTRAIN_SOURCE_DIR) + config);
+  // And it goes on from there: the CPU's steps 11-20 follow the device's own.
+  tiny::TinyRunOptions whole = tiny_options(zero3, test_device_name());
+  const tiny::TinyRunResult uninterrupted = tiny::run_tiny(whole);
+  tiny::TinyRunOptions continued = tiny_options(zero3, "cpu");
+  continued.resume_dir = scratch.file("ckpt");
+  const tiny::TinyRunResult rest = tiny::run_tiny(continued);
+  ASSERT_EQ(rest.losses.size(), static_cast<std::size_t>(kSteps / 2));
+  for (int k = 0; k < kSteps / 2; ++k) {
+    const double device_loss = uninterrupted.losses[kSteps / 2 + k];
+    EXPECT_LE(std::abs(rest.losses[k] - device_loss) / std::abs(device_loss), kFp32LossBound)
+        << "step " << kSteps / 2 + k + 1 << ": resumed on the cpu " << rest.losses[k] << ", device "
+        << device_loss;
   }
 }
 
-TEST(GpuTraining, PeakMemoryComesFromTheCachingAllocator) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+TEST(GpuTrainingMemory, PeakMemoryComesFromTheCachingAllocator) {
+  REQUIRE_CUDA();
   const c10::Device gpu = shardtrain::resolve_device("cuda", 0);
   shardtrain::reset_device_peak_memory(gpu);
   const int64_t before = shardtrain::device_memory(gpu).peak_allocated;

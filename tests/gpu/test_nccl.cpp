@@ -21,6 +21,7 @@
 #include "comm/nccl_factory.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/error.h"
+#include "spin_kernel.h"
 #include "support/awkward_values.h"
 
 #if defined(SHARDTRAIN_WITH_NCCL)
@@ -166,6 +167,42 @@ TEST(NcclBackend, SingleRankCollectivesRunThroughNccl) {
   wa->wait();
   EXPECT_TRUE(at::all(a == 1.0).item<bool>());
   EXPECT_TRUE(at::all(b == 2.0).item<bool>());
+}
+
+// The watchdog's timeout path on one GPU: a kernel that spins on the
+// caller's stream past the deadline holds the collective back (the
+// communicator's stream waits for the caller's), exactly as a peer that
+// never joins would; the watchdog must fail it, say what it was, and abort.
+TEST(NcclBackend, WatchdogFailsACollectiveHeldPastItsDeadline) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  NcclProbe nccl(store, 0, 1, {0}, options_with_timeout(std::chrono::milliseconds(2000)), 0, "watchdog/");
+  at::Tensor t = at::ones({1000}, on_gpu(0, at::kBFloat16));
+  nccl.do_all_reduce(t, comm::ReduceOp::kSum, event_for("all_reduce", t))->wait();  // connected and warm
+  ASSERT_EQ(shardtrain::testing::launch_spin(c10::cuda::getCurrentCUDAStream(0).stream(), 6.0), cudaSuccess);
+  const auto start = Clock::now();
+  comm::WorkPtr work = nccl.do_all_reduce(t, comm::ReduceOp::kSum, event_for("all_reduce", t));
+  work->wait();  // stream ordering only: returns at once
+  while (!work->is_completed() && Clock::now() - start < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(work->is_completed()) << "the watchdog never settled the collective";
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  RecordProperty("seconds_to_timeout", std::to_string(seconds));
+  EXPECT_GE(seconds, 2.0) << "settled before its deadline: the spin did not hold it back";
+  EXPECT_LT(seconds, 2.0 + 3.0);
+  try {
+    work->wait();
+    ADD_FAILURE() << "wait() succeeded although the collective was held past its deadline";
+  } catch (const shardtrain::TimeoutError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("all_reduce(sum)"), std::string::npos) << what;
+    EXPECT_NE(what.find("BFloat16"), std::string::npos) << what;
+    EXPECT_NE(what.find("2000 ms"), std::string::npos) << what;
+  }
+  EXPECT_THROW(nccl.check_health(), shardtrain::TimeoutError);
+  // Let the spin end before the next test uses the device.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 #endif  // SHARDTRAIN_WITH_NCCL
 

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# scripts/gpu-check's dry run, as CI can prove it without a GPU, in a clean
+# copy of the tree (the files git tracks or would track: what ships to a GPU
+# node), against a bundle scripts/gpu-bundle packs from the suite's build:
+#  - the bundle fits in 48 MiB;
+#  - the whole dry run passes, its JSON is valid after every step (each
+#    rewrite is kept through SHARDTRAIN_GPU_CHECK_SNAPSHOTS), every GPU half is
+#    not_run with its reason and every CPU half left its numbers; $OUT holds
+#    the JSON and at most six logs, nothing else;
+#  - a 30 s budget stops it cleanly: it ends within the budget and a margin,
+#    and its JSON says which steps ran and which did not fit.
+# Usage: run.sh SOURCE_DIR BUILD_DIR WORK_DIR
+set -euo pipefail
+src=$1 build=$2 work=$3
+python=$src/.venv/bin/python3
+rm -rf "$work"; mkdir -p "$work/tree"
+fail() { echo "FAIL: $*"; exit 1; }
+
+(cd "$src" && git ls-files -z --cached --others --exclude-standard) |
+  (cd "$src" && xargs -0 cp --parents -t "$work/tree")
+tree=$work/tree
+[ -x "$tree/scripts/gpu-check" ] || fail "the copy lacks scripts/gpu-check"
+
+PYTHON=$python "$tree/scripts/gpu-bundle" "$work/bundle" --from-build "$build" >"$work/bundle.log" 2>&1 ||
+  { cat "$work/bundle.log"; fail "scripts/gpu-bundle failed"; }
+bytes=$(du -sb "$work/bundle" | cut -f1)
+[ "$bytes" -le $(( 48 << 20 )) ] || fail "the bundle is $bytes bytes, over 48 MiB"
+echo "ok: bundle of $(( bytes >> 20 )) MiB"
+
+# The whole dry run.
+rc=0
+OUT=$work/out SHARDTRAIN_GPU_CHECK_SNAPSHOTS=$work/snapshots \
+  "$python" "$tree/scripts/gpu-check" --prebuilt "$work/bundle" --dry-run >"$work/dry.txt" 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || { cat "$work/dry.txt"; fail "the dry run exited with $rc"; }
+chars=$(wc -c <"$work/dry.txt")
+[ "$chars" -le 12000 ] || fail "the dry run printed $chars characters (at most about 12,000)"
+"$python" - "$work/out" "$work/snapshots" <<'PY' || { cat "$work/dry.txt"; exit 1; }
+import json, os, sys
+out, snapshots = sys.argv[1:3]
+names = ["environment", "kernels", "nccl", "engines", "benchmark"]
+versions = sorted(os.listdir(snapshots))
+if len(versions) < len(names) + 1:
+    sys.exit(f"FAIL: {len(versions)} JSON versions, expected one before the steps and one after each")
+for v in versions:
+    report = json.load(open(os.path.join(snapshots, v)))  # raises on a torn or invalid file
+    assert [s["name"] for s in report["steps"]] == names, v
+    for s in report["steps"]:
+        assert s["status"] in ("passed", "failed", "not_run"), (v, s)
+final = json.load(open(os.path.join(out, "gpu-check.json")))
+steps = {s["name"]: s for s in final["steps"]}
+assert final["ok"] is True and final["dry_run"] is True, final
+assert steps["environment"]["status"] == "passed", steps["environment"]
+for name in names[1:]:
+    s = steps[name]
+    assert s["status"] == "not_run" and s["reason"].startswith("dry run"), s
+engines = steps["engines"]["numbers"]
+assert engines["passed"] >= 9 and engines["failed"] == 0, engines
+measured = engines["measured"]
+assert any(n.endswith("fsdp_pure") for n in measured), measured  # every engine's CPU half left its numbers
+runs = steps["benchmark"]["numbers"]["runs"]
+for run in ("shardtrain_zero3", "pytorch_eager", "shardtrain_fsdp_standard", "pytorch_fsdp2"):
+    assert runs[run]["status"] == "ran" and runs[run]["tokens_per_s"] > 0, (run, runs.get(run))
+assert steps["benchmark"]["numbers"]["ratios_step_time"]["zero3_over_eager"] > 0
+files = sorted(os.listdir(out))
+logs = [f for f in files if f.endswith(".log")]
+assert files == sorted(["gpu-check.json"] + logs) and len(logs) <= 6, files
+print(f"ok: dry run, {len(versions)} valid JSON versions, {len(logs)} logs")
+PY
+
+# A 30 s budget: it stops cleanly, with what it found.
+start=$(date +%s)
+rc=0
+OUT=$work/out30 "$python" "$tree/scripts/gpu-check" --prebuilt "$work/bundle" --dry-run --budget 30 \
+  >"$work/dry30.txt" 2>&1 || rc=$?
+seconds=$(( $(date +%s) - start ))
+# The bound covers the steps; the margin is start-up and the last JSON write.
+[ "$seconds" -le 45 ] || { cat "$work/dry30.txt"; fail "a 30 s budget took $seconds s"; }
+"$python" - "$work/out30/gpu-check.json" <<'PY' || { cat "$work/dry30.txt"; exit 1; }
+import json, sys
+report = json.load(open(sys.argv[1]))
+steps = {s["name"]: s for s in report["steps"]}
+assert steps["environment"]["status"] == "passed", steps["environment"]
+skipped = [n for n, s in steps.items() if s["status"] == "not_run" and s["reason"].startswith("budget")]
+assert skipped, "a 30 s budget left no step out: " + json.dumps(report["steps"])
+assert all(s["reason"] != "pending" for s in report["steps"]), report["steps"]
+print(f"ok: a 30 s budget stopped cleanly; left out: {', '.join(skipped)}")
+PY
+echo "ok: gpu-check dry run in a clean copy"
