@@ -127,6 +127,13 @@ struct ShardedEngine::State {
   /// accumulator is reduced as soon as its gradients are in (overlapping the
   /// rest of backward, as ZeRO-2's reductions do) instead of after backward.
   bool boundary_backward = false;
+  /// zero 1: a backward without sync has added to the accumulators since the
+  /// last boundary. When none has (an accumulation window of one micro-batch,
+  /// every step with gradient_accumulation_steps 1), the accumulator would hold
+  /// 0 + g: the boundary backward reduces each gradient straight from autograd
+  /// instead, as zero 2 does, with the same sums and the same bits, and no
+  /// full-size fp32 add, copy and zeroing per step.
+  bool accumulated_in_window = false;
   int64_t forward_count = 0;
   std::vector<const Unit*> trace;          // unit order recorded on the first forward
   std::vector<const Unit*> current_order;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
@@ -46,7 +47,9 @@ class GradReadyHook {
   GradReadyHook& operator=(const GradReadyHook&) = delete;
 
  private:
-  std::shared_ptr<torch::autograd::Node> accumulator_;
+  // Whatever owning pointer this LibTorch hands out: std::shared_ptr up to
+  // 2.14, c10::intrusive_ptr from 2.15 (the one version-specific type here).
+  decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator_;
   std::uintptr_t key_ = 0;
 };
 

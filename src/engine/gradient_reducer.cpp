@@ -75,7 +75,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
       // Through the reduce dtype into the gradient's, as the collective path does.
       place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
     }
-  } else if (options.reduce_at_boundary_only) {
+  } else if (options.reduce_at_boundary_only && !(boundary_backward && !accumulated_in_window)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
     // in the window's last backward the sum goes out at once.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
@@ -95,6 +95,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
     // the ranks' shards cut it: ZeRO's in even chunks unless its size does
     // not divide by the world, FSDP's wherever the flat shards' boundaries fall.
     const int me = layout_rank();
+    if (options.reduce_at_boundary_only) u.boundary_reduced = true;  // zero 1, a one-micro-batch window
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
       if (u.layout->param_numel(k) == 0) continue;
       std::vector<int64_t> splits = u.layout->param_splits(k);
@@ -232,6 +233,7 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
   }
   if (s.boundary_backward) s.reduce_boundary_accumulators();
   s.boundary_backward = false;
+  if (s.options.reduce_at_boundary_only) s.accumulated_in_window = !sync;
   for (auto& u : s.units) {
     if (s.frees_after_backward(u)) s.release(u);
   }
