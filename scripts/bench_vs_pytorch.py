@@ -70,19 +70,28 @@ def main():
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps per run (DeepSpeed's ZeRO-3 traces "
                         "its module order in the first steps)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--runs", nargs="+", metavar="RUN",
+                        help="only these runs (names as in the table, e.g. python_plain cpp_plain zero0_w1): more "
+                        "rounds of a few runs where the machine's noise is as large as the difference")
     parser.add_argument("--build", default=os.environ.get("SHARDTRAIN_BUILD_DIR", os.path.join(ROOT, "build")))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    peers = [p for p in PEERS if not (args.no_deepspeed and p[2] == "deepspeed")]
+    known = [p[0] for p in PEERS] + [r[0] for r in SHARDTRAIN]
+    unknown = sorted(set(args.runs or []) - set(known))
+    if unknown:
+        parser.error(f"unknown run(s) {', '.join(unknown)}; the runs are: {' '.join(known)}")
+    wanted = lambda name: args.runs is None or name in args.runs
+    peers = [p for p in PEERS if not (args.no_deepspeed and p[2] == "deepspeed") and wanted(p[0])]
+    shardtrain_runs = [r for r in SHARDTRAIN if wanted(r[0])]
     times, rss = {}, {}
     for round_index in range(1, args.rounds + 1):
         # Peer, shardtrain, peer, ...: the two kinds alternate through the round.
         schedule = []
-        for i in range(max(len(peers), len(SHARDTRAIN))):
+        for i in range(max(len(peers), len(shardtrain_runs))):
             if i < len(peers):
                 schedule.append(("peer",) + peers[i])
-            for entry in SHARDTRAIN[2 * i:2 * i + 2]:
+            for entry in shardtrain_runs[2 * i:2 * i + 2]:
                 schedule.append(("shardtrain",) + entry)
         for kind, name, world, what in schedule:
             seconds, peak = run_peer(args, what, world) if kind == "peer" else run_shardtrain(args, what, world)
@@ -95,12 +104,12 @@ def main():
     print(f"\nLlama 58M fp32, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
           f"interleaved rounds ({args.steps} timed steps after {args.skip} warm-up each)")
     print("| run | world | step (s) | peak RSS/rank (MiB) |\n|---|---:|---:|---:|")
-    for name, world, _ in [(p[0], p[1], p[2]) for p in peers] + SHARDTRAIN:
+    for name, world, _ in [(p[0], p[1], p[2]) for p in peers] + shardtrain_runs:
         print(f"| {name} | {world} | {median[name]:.3f} | {rss[name]:.0f} |")
     print("\n| shardtrain / peer | ratio | target | met |\n|---|---:|---:|---|")
     missed = 0
     for ours, peer, target in RATIOS:
-        if peer not in median:
+        if peer not in median or ours not in median:
             continue
         ratio = median[ours] / median[peer]
         met = "-" if target is None else ("yes" if ratio <= target else "NO")
