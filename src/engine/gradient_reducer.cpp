@@ -75,7 +75,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
       // Through the reduce dtype into the gradient's, as the collective path does.
       place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
     }
-  } else if (options.reduce_at_boundary_only && !(boundary_backward && !accumulated_in_window)) {
+  } else if (options.reduce_at_boundary_only && (accumulated_in_window || !boundary_backward)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
     // in the window's last backward the sum goes out at once.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
