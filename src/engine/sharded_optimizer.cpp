@@ -203,8 +203,13 @@ void ShardedEngine::zero_grad() {
   // only work of this call.
   if (!s.grads_zero) s.grad_flat.zero_();
   s.grads_zero = true;
-  for (auto& u : s.units) {
-    if (u.boundary_grad_accumulator.defined()) u.boundary_grad_accumulator.zero_();
+  // zero 1's accumulators hold anything only inside a window (a backward
+  // without sync added to them); the boundary's reductions leave them zeroed.
+  if (s.accumulated_in_window) {
+    for (auto& u : s.units) {
+      if (u.boundary_grad_accumulator.defined()) u.boundary_grad_accumulator.zero_();
+    }
+    s.accumulated_in_window = false;
   }
 }
 
