@@ -4,7 +4,7 @@
 # The PyTorch wheel ships c10d's headers but not gloo's. Debian's libgloo-dev
 # provides them; they are older than the gloo compiled into libtorch_cpu, so
 # only one translation unit sees them, with hidden visibility
-# (backends/comm/gloo/gloo_communicator.cpp says why that is safe, and the
+# (src/comm/gloo/gloo_communicator.cpp says why that is safe, and the
 # collective tests prove it). A GPU node without them builds with
 # -DSHARDTRAIN_GLOO=OFF (NCCL carries the job; CPU runs are single-process).
 

@@ -18,11 +18,11 @@
 #include "engine/sharded_engine.h"
 #include "engine/lost_update_watch.h"
 #include "run_agreement.h"
-#include "engine/lr_scheduler.h"
+#include "shardtrain/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
-#include "fsdp/fsdp_engine.h"
-#include "zero/zero_engine.h"
+#include "backends/fsdp/fsdp_engine.h"
+#include "backends/zero/zero_engine.h"
 
 namespace shardtrain {
 namespace {
@@ -61,7 +61,7 @@ struct Accelerator::State {
   comm::CommunicatorPtr comm;
   std::shared_ptr<torch::nn::Module> module;
   std::unique_ptr<engine::Engine> engine;
-  std::unique_ptr<engine::LRScheduler> scheduler;
+  std::unique_ptr<LRScheduler> scheduler;
   PrecisionPlan plan;
   double base_lr = 1e-3;
   int64_t accumulation = 1;
@@ -278,7 +278,7 @@ void Accelerator::prepare_scheduler(int64_t total_steps, std::optional<Scheduler
   if (!config.total_num_steps) config.total_num_steps = total_steps;
   if (!config.warmup_max_lr) config.warmup_max_lr = s.base_lr;
   if (!config.warmup_min_lr) config.warmup_min_lr = 0.0;
-  s.scheduler = std::make_unique<engine::LRScheduler>(config, s.base_lr);
+  s.scheduler = std::make_unique<LRScheduler>(config, s.base_lr);
 }
 
 DistributedSampler& Accelerator::prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle, bool drop_last) {

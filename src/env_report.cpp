@@ -1,5 +1,4 @@
 #include "shardtrain/env_report.h"
-#include "build_config.h"  // SHARDTRAIN_WITH_NCCL, SHARDTRAIN_WITH_CUDA_KERNELS
 
 #include <chrono>
 #include <fstream>
@@ -11,9 +10,12 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include "comm/nccl_factory.h"
 #include <torch/version.h>
+
+#include "comm/gloo/gloo_factory.h"
+#include "comm/nccl/nccl_factory.h"
 #include "kernels/cpu/cpu_gemm_choice.h"
+#include "shardtrain/kernels.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/version.h"
 
@@ -84,16 +86,10 @@ EnvReport collect_env_report(bool measure_gemm) {
   add("NCCL backend", comm::nccl_version_string().empty() ? "not compiled"
                                                           : "compiled, NCCL " + comm::nccl_version_string());
   add("NCCL usable", comm::nccl_usable() ? "yes" : "no: " + comm::nccl_unavailable_reason());
-#if defined(SHARDTRAIN_WITH_CUDA_KERNELS)
-  add("CUDA kernels", "compiled");
-#else
-  add("CUDA kernels", "not compiled (no nvcc at configure time)");
-#endif
-#if defined(SHARDTRAIN_WITH_GLOO)
-  add("Gloo backend", "yes (c10d::ProcessGroupGloo)");
-#else
-  add("Gloo backend", "no (built without gloo headers: CPU runs are single-process)");
-#endif
+  add("CUDA kernels", kernels::has_kernels_for(c10::DeviceType::CUDA) ? "compiled"
+                                                                      : "not compiled (no nvcc at configure time)");
+  add("Gloo backend", comm::gloo_available() ? "yes (c10d::ProcessGroupGloo)"
+                                             : "no (built without gloo headers: CPU runs are single-process)");
   add("intra-op threads", std::to_string(at::get_num_threads()));
   add("hardware threads", std::to_string(std::thread::hardware_concurrency()));
   std::string cpu = read_first_match("/proc/cpuinfo", "model name");

@@ -1,6 +1,10 @@
 // The fine-tune job behind llama_finetune / mistral_finetune: model, tokenizer
 // and data, the training loop with evaluation and generation, checkpoints,
 // the Hugging Face export and the summary.
+//
+// One piece: run_finetune is the training loop this example exists to show,
+// read top to bottom; every helper above it serves only it.
+
 #include "finetune/finetune.h"
 
 #include <algorithm>

@@ -4,8 +4,8 @@
 #include <memory>
 #include <utility>
 
-#include "kernels/cpu/cpu_kernels.h"
 #include "shardtrain/error.h"
+#include "shardtrain/kernels.h"
 
 namespace tiny {
 
@@ -31,7 +31,7 @@ at::Tensor ReferenceAdam::step(LossClosure closure) {
       }
       auto& state = static_cast<torch::optim::AdamWParamState&>(*slot);
       state.step(state.step() + 1);
-      shardtrain::kernels::cpu::AdamParams p;
+      shardtrain::kernels::AdamParams p;
       p.lr = options.lr();
       p.beta1 = std::get<0>(options.betas());
       p.beta2 = std::get<1>(options.betas());
@@ -41,7 +41,8 @@ at::Tensor ReferenceAdam::step(LossClosure closure) {
       p.adam_w_mode = decoupled_;
       at::Tensor master = param.detach();  // the parameter's own storage, updated in place
       const at::Tensor grad = param.grad().contiguous();
-      shardtrain::kernels::cpu::fused_adam(master, state.exp_avg(), state.exp_avg_sq(), grad, nullptr, p);
+      at::Tensor exp_avg = state.exp_avg(), exp_avg_sq = state.exp_avg_sq();
+      shardtrain::kernels::adam_step(master, exp_avg, exp_avg_sq, grad, nullptr, p);
     }
   }
   return {};

@@ -1,7 +1,7 @@
 #pragma once
 // The plain loop's Adam and AdamW: torch::optim's optimizer interface and
-// state (AdamWParamState), stepping each parameter with the engines' own CPU
-// kernel (kernels::cpu::fused_adam).
+// state (AdamWParamState), stepping each parameter with the engines' own
+// kernel (shardtrain::kernels::adam_step).
 //
 // Why not torch::optim::Adam(W) itself: the reference exists to show that
 // sharding changes nothing, bit for bit, so it must do the engines'

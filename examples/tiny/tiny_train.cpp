@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/lr_scheduler.h"
+#include "shardtrain/lr_scheduler.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
@@ -173,7 +173,7 @@ struct ReferenceSetup {
   int64_t accumulation = 1;
   TinyModel model{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::unique_ptr<shardtrain::engine::LRScheduler> scheduler;
+  std::unique_ptr<shardtrain::LRScheduler> scheduler;
   double clip = 0;
 };
 
@@ -217,7 +217,7 @@ ReferenceSetup make_reference(const TinyRunOptions& options, int world_size) {
   if (!schedule.total_num_steps) schedule.total_num_steps = options.steps;
   if (!schedule.warmup_max_lr) schedule.warmup_max_lr = lr;
   if (!schedule.warmup_min_lr) schedule.warmup_min_lr = 0.0;
-  setup.scheduler = std::make_unique<shardtrain::engine::LRScheduler>(schedule, lr);
+  setup.scheduler = std::make_unique<shardtrain::LRScheduler>(schedule, lr);
   setup.clip = setup.config.gradient_clipping.value_or(0.0);
   return setup;
 }

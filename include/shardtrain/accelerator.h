@@ -50,8 +50,8 @@ namespace shardtrain {
 
 namespace engine {
 class Engine;
-class LRScheduler;
 }  // namespace engine
+class LRScheduler;
 
 struct AcceleratorInternals;
 

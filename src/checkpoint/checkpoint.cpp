@@ -24,7 +24,6 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "checkpoint/index_fields.h"
 #include "comm/text_exchange.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -34,16 +33,6 @@ namespace shardtrain::checkpoint {
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string rank_file(int rank, const char* extension) {
-  std::ostringstream name;
-  name << "rank" << std::setw(5) << std::setfill('0') << rank << extension;
-  return name.str();
-}
-
-std::string slice_key(const std::string& name, int64_t begin, const std::string& kind) {
-  return name + "@" + std::to_string(begin) + "/" + kind;
-}
 
 /// fsync a file or directory: the rename that publishes a checkpoint must not
 /// reach the disk before the data it publishes.
@@ -143,7 +132,7 @@ std::optional<std::string> agree_on_failure(comm::Communicator& comm, bool parti
 
 /// What `latest` names now, for the error message.
 std::string latest_or_none(const fs::path& root) {
-  std::ifstream in(root / "latest");
+  std::ifstream in(root / kLatestFile);
   std::string tag;
   if (!in.good() || !std::getline(in, tag) || tag.empty()) return "none yet";
   return tag;
@@ -171,18 +160,6 @@ void discard_unpublished(const fs::path& root, const std::string& tag, const Pub
 }
 
 }  // namespace
-
-std::string latest_tag(const std::string& dir) {
-  const fs::path latest = fs::path(dir) / "latest";
-  std::ifstream in(latest);
-  ST_CHECK(in.good(), "no checkpoint in ", dir, ": ", latest.string(),
-           " does not exist (save_state writes it); pass the tag to load explicitly (",
-           describe_checkpoints_under(dir), ")");
-  std::string tag;
-  std::getline(in, tag);
-  ST_CHECK(!tag.empty(), "checkpoint: ", latest.string(), " is empty");
-  return tag;
-}
 
 std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
@@ -274,8 +251,8 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         }
         index["params"] = params;
         index["files"] = files;
-        injected_failure(rank, "index", (tmp / "index.json").string());
-        write_text(tmp / "index.json", index.dump(1));
+        injected_failure(rank, "index", (tmp / kIndexFile).string());
+        write_text(tmp / kIndexFile, index.dump(1));
         sync_path(tmp, true);
         crash_point(rank, "after_index");
         // Publish: the new directory first, `latest` last. A checkpoint of the
@@ -293,7 +270,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         injected_failure(rank, "latest", (root / "latest.tmp").string());
         write_text(root / "latest.tmp", tag + "\n");
         crash_point(rank, "before_latest_rename");
-        fs::rename(root / "latest.tmp", root / "latest");
+        fs::rename(root / "latest.tmp", root / kLatestFile);
         sync_path(root, true);
       })) {
     fail(*failed);
@@ -330,35 +307,32 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   const fs::path ckpt = fs::path(dir) / tag;
   ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (", describe_checkpoints_under(dir),
            ")");
-  const nlohmann::json index = read_json(ckpt / "index.json");
-  const int format_version = index_integer_or<int>(index, "format_version", 0, ckpt.string());
-  ST_CHECK(format_version == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ", format_version,
-           "; this shardtrain reads version ", kFormatVersion);
+  const Index index = read_index(ckpt);
+  ST_CHECK(index.format_version == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ",
+           index.format_version, "; this shardtrain reads version ", kFormatVersion);
 
   // Damage is found before anything is loaded: no partial load.
-  for (const auto& [file, meta] : index.at("files").items()) {
-    const fs::path path = ckpt / file;
-    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file, " (rank ",
-             index_integer_or<int>(meta, "rank", -1, "file " + file), ") is missing");
+  for (const FileEntry& file : index.files) {
+    const fs::path path = ckpt / file.name;
+    ST_CHECK(plain_file_name(file.name), "checkpoint ", ckpt.string(), ": the index lists file '", file.name,
+             "', which is not a plain file name inside the checkpoint; the index is damaged");
+    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file.name, " (rank ", file.rank,
+             ") is missing");
     const auto size = fs::file_size(path);
-    const uint64_t recorded = index_integer<uint64_t>(meta.at("size"), "file " + file + " size");
-    ST_CHECK(size == recorded, "checkpoint ", ckpt.string(), ": file ", file, " has ", size,
-             " bytes but the index says ", recorded, " (truncated or replaced)");
-    ST_CHECK(safetensors::crc32_of_file(path.string()) ==
-                 index_integer<uint32_t>(meta.at("crc32"), "file " + file + " crc32"),
-             "checkpoint ",
-             ckpt.string(), ": file ", file, " fails its CRC-32 check (its bytes were altered)");
+    ST_CHECK(size == file.size, "checkpoint ", ckpt.string(), ": file ", file.name, " has ", size,
+             " bytes but the index says ", file.size, " (truncated or replaced)");
+    ST_CHECK(safetensors::crc32_of_file(path.string()) == file.crc32, "checkpoint ", ckpt.string(), ": file ",
+             file.name, " fails its CRC-32 check (its bytes were altered)");
   }
-  const nlohmann::json& params = index.at("params");
   std::map<std::string, std::vector<int64_t>> model_shapes;
   for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
   // Replicas own slices too (they load what the first copy saved).
   for (const auto& [name, shape] : model_shapes) {
-    ST_CHECK(params.contains(name), "checkpoint ", ckpt.string(), " has no parameter '", name,
+    const ParamEntry* param = index.param(name);
+    ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name,
              "' that the model has: it was saved from a different model");
-    ST_CHECK(index_shape(params.at(name).at("shape"), "parameter " + name + " shape") == shape, "checkpoint ", ckpt.string(),
-             ": parameter '", name, "' has shape ", params.at(name).at("shape").dump(), " but the model's is ",
-             nlohmann::json(shape).dump());
+    ST_CHECK(param->shape == shape, "checkpoint ", ckpt.string(), ": parameter '", name, "' has shape ",
+             nlohmann::json(param->shape).dump(), " but the model's is ", nlohmann::json(shape).dump());
   }
 
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
@@ -369,24 +343,23 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   };
   bool warned_rounding = false;
   engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
-    ST_CHECK(params.contains(name), "checkpoint ", ckpt.string(), " has no parameter '", name, "'");
+    const ParamEntry* param = index.param(name);
+    ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name, "'");
     at::Tensor result;
     int64_t covered = 0;
-    for (const auto& s : params.at(name).at("slices")) {
-      const int64_t s_begin = index_integer<int64_t>(s.at("begin"), "parameter " + name + " slice begin");
-      const int64_t s_length = index_integer<int64_t>(s.at("length"), "parameter " + name + " slice length");
-      ST_CHECK(s_begin >= 0 && s_length >= 0 && s_begin <= std::numeric_limits<int64_t>::max() - s_length,
-               "checkpoint ", ckpt.string(), ": parameter ", name, " has a slice [", s_begin, ", +", s_length,
+    for (const SliceEntry& s : param->slices) {
+      ST_CHECK(s.begin >= 0 && s.length >= 0 && s.begin <= std::numeric_limits<int64_t>::max() - s.length,
+               "checkpoint ", ckpt.string(), ": parameter ", name, " has a slice [", s.begin, ", +", s.length,
                ") out of range; the index is damaged");
-      const int64_t s_end = s_begin + s_length;
-      const int64_t lo = std::max(begin, s_begin);
+      const int64_t s_end = s.begin + s.length;
+      const int64_t lo = std::max(begin, s.begin);
       const int64_t hi = std::min(begin + length, s_end);
       if (lo >= hi) continue;
-      const auto kinds = s.at("kinds").get<std::vector<std::string>>();
-      ST_CHECK(std::find(kinds.begin(), kinds.end(), kind) != kinds.end(), "checkpoint ", ckpt.string(),
-               " holds no '", kind, "' for '", name, "': it was saved with a different optimizer");
-      at::Tensor part = reader(s.at("file").get<std::string>())
-                            .read_slice(slice_key(name, s_begin, kind), lo - s_begin, hi - lo);
+      ST_CHECK(s.has(kind), "checkpoint ", ckpt.string(), " holds no '", kind, "' for '", name,
+               "': it was saved with a different optimizer");
+      ST_CHECK(plain_file_name(s.file), "checkpoint ", ckpt.string(), ": parameter '", name, "' names file '",
+               s.file, "', which is not a plain file name inside the checkpoint; the index is damaged");
+      at::Tensor part = reader(s.file).read_slice(slice_key(name, s.begin, kind), lo - s.begin, hi - lo);
       if (!result.defined()) result = at::empty({length}, part.options());
       result.narrow(0, lo - begin, hi - lo).copy_(part);
       covered += hi - lo;
@@ -402,16 +375,16 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     return result;
   });
   // Same world size: continue each rank's random stream.
-  if (index_integer_or<int>(index, "world_size", 0, ckpt.string()) == comm.world_size()) {
+  if (index.world_size == comm.world_size()) {
     const std::string own = rank_file(comm.rank(), ".safetensors");
-    if (index.at("files").contains(own) && reader(own).contains("rng/cpu")) {
+    if (index.file_position.count(own) != 0 && reader(own).contains("rng/cpu")) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(reader(own).read("rng/cpu"));
     }
   }
   comm.barrier();
-  return index.at("training_state");
+  return index.training_state;
 }
 
 }  // namespace shardtrain::checkpoint

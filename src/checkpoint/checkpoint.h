@@ -1,18 +1,7 @@
 #pragma once
-// The checkpoint format shared by both engines and every world size.
+// Saving and loading a checkpoint, collectively, under either engine and at
+// any world size (the format itself: format.h).
 //
-//   DIR/latest                  the tag of the newest complete checkpoint (written last)
-//   DIR/TAG/index.json          format version; per parameter its shape, dtype and which
-//                               file holds which element range with which state kinds;
-//                               per file its size and CRC-32; the training state; the
-//                               resolved config and its precision plan
-//   DIR/TAG/rankNNNNN.safetensors  one per writing rank: "<name>@<begin>/<kind>" tensors
-//                               (kind: master, exp_avg, exp_avg_sq, momentum) and the rank's RNG
-//   DIR/TAG/rankNNNNN.json      the rank's manifest (what the index is built from)
-//
-// Slices are keyed by parameter name and element range of the flattened
-// parameter, so a load maps them onto whatever layout the loading run has:
-// zero (per-parameter chunks) or fsdp (flat chunks), any world size.
 // Writes go to DIR/.tmp-TAG, are fsynced, renamed into place, then `latest`
 // is replaced: a process killed at any moment leaves the previous checkpoint
 // complete and `latest` naming a complete one.
@@ -21,12 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/format.h"
 #include "engine/engine.h"
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::checkpoint {
-
-constexpr int kFormatVersion = 1;
 
 /// Collective. Returns the checkpoint directory DIR/TAG. `keep_last` > 0
 /// removes the oldest published checkpoints beyond that many (never the new one).
@@ -49,8 +37,5 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
 /// this rank owns, and returns the training state. `tag` empty: DIR/latest.
 nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag);
-
-/// The tag DIR/latest names (throws naming the path when there is none).
-std::string latest_tag(const std::string& dir);
 
 }  // namespace shardtrain::checkpoint

@@ -7,6 +7,7 @@
 #include <system_error>
 #include <vector>
 
+#include "checkpoint/format.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain {
@@ -14,15 +15,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool is_checkpoint(const fs::path& dir) {
-  std::error_code ec;
-  return fs::is_regular_file(dir / "index.json", ec);
-}
-
-bool has_latest(const fs::path& dir) {
-  std::error_code ec;
-  return fs::is_regular_file(dir / "latest", ec);
-}
+using checkpoint::has_latest;
+using checkpoint::is_checkpoint;
 
 /// "step_9" before "step_10": by the number after the last underscore where both have one.
 bool tag_order(const fs::path& a, const fs::path& b) {
@@ -66,8 +60,9 @@ CheckpointLocation find_checkpoint(const std::string& resume, const std::string&
   if (has_latest(where)) return {where.string(), ""};
   if (has_latest(where / "checkpoints")) return {(where / "checkpoints").string(), ""};
   ST_THROW(ConfigError, "--resume ", resume, resume == "latest" ? " (this run's output directory " + output_dir + ")" : "",
-           ": no checkpoint there. Looked for ", (where / "index.json").string(), ", ", (where / "latest").string(),
-           " and ", (where / "checkpoints" / "latest").string(), "; ", describe_checkpoints_under(where.string()));
+           ": no checkpoint there. Looked for ", (where / checkpoint::kIndexFile).string(), ", ",
+           (where / checkpoint::kLatestFile).string(), " and ",
+           (where / "checkpoints" / checkpoint::kLatestFile).string(), "; ", describe_checkpoints_under(where.string()));
 }
 
 }  // namespace shardtrain

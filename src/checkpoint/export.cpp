@@ -1,5 +1,4 @@
 #include "checkpoint/export.h"
-#include "checkpoint/index_fields.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -18,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/format.h"
 #include "shardtrain/error.h"
 #include "shardtrain/safetensors.h"
 
@@ -27,128 +27,10 @@ using nlohmann::json;
 
 namespace {
 
-// ---- the index, as typed data ------------------------------------------------
-// index.json is parsed once into these structs so every tool below works on
-// checked values instead of catching nlohmann type errors at each use.
-
-struct SliceEntry {
-  std::string file;
-  int64_t begin = 0;
-  int64_t length = 0;
-  std::vector<std::string> kinds;
-
-  bool has(const std::string& kind) const { return std::find(kinds.begin(), kinds.end(), kind) != kinds.end(); }
-};
-
-struct ParamEntry {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::string dtype;  // c10 name of the master's dtype ("Float", "BFloat16")
-  bool trainable = true;
-  int64_t numel = 1;
-  std::vector<SliceEntry> slices;
-};
-
-struct FileEntry {
-  std::string name;
-  uint64_t size = 0;
-  uint32_t crc32 = 0;
-  int rank = -1;
-};
-
-struct Index {
-  fs::path dir;
-  int format_version = 0;
-  std::string engine;
-  int world_size = 0;
-  json training_state;
-  std::vector<ParamEntry> params;  // sorted by name (json objects are)
-  std::vector<FileEntry> files;    // sorted by name
-  std::map<std::string, std::size_t> file_position;
-};
-
-std::string slice_key(const std::string& name, int64_t begin, const std::string& kind) {
-  return name + "@" + std::to_string(begin) + "/" + kind;
-}
-
 std::string crc_hex(uint32_t crc) {
   std::ostringstream out;
   out << "0x" << std::hex << std::setw(8) << std::setfill('0') << crc;
   return out.str();
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-/// File names come from the index; one with a directory part could make the
-/// tools read (and report on) files outside the checkpoint.
-bool plain_file_name(const std::string& name) {
-  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
-}
-
-Index read_index(const fs::path& dir) {
-  const fs::path index_path = dir / "index.json";
-  std::ifstream in(index_path);
-  ST_CHECK(in.good(), "checkpoint ", dir.string(), ": ", index_path.string(), " is missing");
-  json raw;
-  try {
-    raw = json::parse(in);
-  } catch (const json::exception& e) {
-    ST_THROW(Error, "checkpoint ", dir.string(), ": ", index_path.string(), " is not valid JSON (", e.what(), ")");
-  }
-  Index index;
-  index.dir = dir;
-  std::string where = "the header";
-  try {
-    ST_CHECK(raw.is_object(), "checkpoint ", index_path.string(), " is not a JSON object");
-    index.format_version = index_integer_or<int>(raw, "format_version", 0, "the header's");
-    index.engine = raw.value("engine", std::string("?"));
-    index.world_size = index_integer_or<int>(raw, "world_size", 0, "the header's");
-    index.training_state = raw.value("training_state", json::object());
-    where = "\"files\"";
-    for (const auto& [name, meta] : raw.at("files").items()) {
-      where = "file " + name;
-      FileEntry file;
-      file.name = name;
-      file.size = index_integer<uint64_t>(meta.at("size"), where + " size");
-      file.crc32 = index_integer<uint32_t>(meta.at("crc32"), where + " crc32");
-      file.rank = index_integer_or<int>(meta, "rank", -1, where);
-      index.file_position[name] = index.files.size();
-      index.files.push_back(std::move(file));
-    }
-    where = "\"params\"";
-    for (const auto& [name, meta] : raw.at("params").items()) {
-      where = "parameter '" + name + "'";
-      ParamEntry param;
-      param.name = name;
-      param.shape = index_shape(meta.at("shape"), where + " shape");
-      param.dtype = meta.value("dtype", std::string());
-      param.trainable = meta.value("trainable", true);
-      for (int64_t extent : param.shape) {
-        ST_CHECK(extent >= 0, "checkpoint ", index_path.string(), ": parameter '", name, "' has shape ",
-                 shape_text(param.shape), " with a negative extent");
-        param.numel *= extent;
-      }
-      for (const auto& s : meta.at("slices")) {
-        SliceEntry slice;
-        slice.file = s.at("file").get<std::string>();
-        slice.begin = index_integer<int64_t>(s.at("begin"), where + " slice begin");
-        slice.length = index_integer<int64_t>(s.at("length"), where + " slice length");
-        slice.kinds = s.at("kinds").get<std::vector<std::string>>();
-        param.slices.push_back(std::move(slice));
-      }
-      index.params.push_back(std::move(param));
-    }
-  } catch (const json::exception& e) {
-    ST_THROW(Error, "checkpoint ", index_path.string(), ": ", where, " is malformed (", e.what(),
-             "); the index is damaged");
-  }
-  return index;
 }
 
 // ---- verification ------------------------------------------------------------
@@ -443,21 +325,6 @@ void publish(const fs::path& tmp, const fs::path& out) {
 }
 
 }  // namespace
-
-std::string resolve_checkpoint_dir(const std::string& path) {
-  const fs::path p(path);
-  ST_CHECK(fs::exists(p), "checkpoint path ", path, " does not exist");
-  if (fs::is_regular_file(p / "index.json")) return p.string();
-  if (fs::exists(p / "latest")) {
-    const std::string tag = latest_tag(path);
-    const fs::path dir = p / tag;
-    ST_CHECK(fs::is_regular_file(dir / "index.json"), "checkpoint ", path, ": latest names tag '", tag, "' but ",
-             (dir / "index.json").string(), " does not exist");
-    return dir.string();
-  }
-  ST_THROW(Error, "checkpoint path ", path,
-           " is not a checkpoint: it has neither index.json (a DIR/TAG) nor latest (a checkpoint DIR)");
-}
 
 VerifyReport verify(const std::string& path) {
   const std::string dir = resolve_checkpoint_dir(path);

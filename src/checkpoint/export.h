@@ -1,5 +1,5 @@
 #pragma once
-// Offline tools for checkpoints written by checkpoint::save (see checkpoint.h):
+// Offline tools for checkpoints written by checkpoint::save (the format: format.h):
 // find one, check it, describe it, and turn its fp32 masters into a Hugging
 // Face weights directory. None of them needs an engine, a model or a
 // communicator: everything comes from DIR/TAG/index.json and the rank files,
@@ -10,11 +10,6 @@
 #include <vector>
 
 namespace shardtrain::checkpoint {
-
-/// `path` is either a checkpoint root DIR (then DIR/latest names the tag) or a
-/// checkpoint directory DIR/TAG holding index.json. Returns DIR/TAG; throws
-/// shardtrain::Error naming the path when it is neither.
-std::string resolve_checkpoint_dir(const std::string& path);
 
 /// What verify() found. `problems` empty means the checkpoint is intact.
 struct VerifyReport {

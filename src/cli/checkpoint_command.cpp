@@ -7,6 +7,7 @@
 #include <string>
 
 #include "checkpoint/export.h"
+#include "checkpoint/format.h"
 #include "cli/commands.h"
 #include "shardtrain/error.h"
 

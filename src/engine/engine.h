@@ -1,6 +1,6 @@
 #pragma once
-// The interface the Accelerator drives; implemented by backends/zero and
-// backends/fsdp. Engines see the outside world only through the
+// The interface the Accelerator drives; implemented by src/backends/zero and
+// src/backends/fsdp. Engines see the outside world only through the
 // Communicator, the unit hooks and the kernel functions.
 
 #include <cstdint>

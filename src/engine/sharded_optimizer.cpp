@@ -17,7 +17,7 @@
 #include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
-#include "kernels/kernels.h"
+#include "shardtrain/kernels.h"
 
 namespace shardtrain::engine {
 namespace {

@@ -10,7 +10,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "config/config_tree.h"  // lowercase, uppercase
-#include "comm/rendezvous_protocol.h"
+#include "comm/rendezvous/protocol.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::launcher {

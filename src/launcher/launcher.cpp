@@ -1,3 +1,11 @@
+// `shardtrain launch`: starts this machine's workers of a job and supervises
+// them the way torchrun / `accelerate launch` do: environment per rank,
+// prefixed output, signals forwarded, the job ended when one worker fails.
+//
+// One piece: the Supervisor owns the workers, their pipes, the signal
+// self-pipe and the subreaper, and every other type here exists to serve its
+// poll loop; the options it is given are parsed apart (launch_options.cpp).
+
 #include "launcher/launcher.h"
 
 #include <fcntl.h>

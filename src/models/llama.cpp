@@ -1,5 +1,10 @@
 // The Llama / Mistral decoder with Hugging Face parameter names, its losses
 // and FLOP estimate, and loading Hugging Face weights into it.
+//
+// One piece: the config, the modules, the losses and the weight loader share
+// Hugging Face's parameter naming (modeling_llama.py), kept in one file so
+// the mapping can be read in one place.
+
 #include "shardtrain/models/llama.h"
 
 #include <algorithm>

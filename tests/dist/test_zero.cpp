@@ -10,7 +10,7 @@
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
-#include "zero/zero_engine.h"
+#include "backends/zero/zero_engine.h"
 
 namespace {
 

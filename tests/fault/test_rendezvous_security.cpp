@@ -8,7 +8,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "comm/rendezvous_store.h"
+#include "comm/rendezvous/store.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
 #include "support/contains.h"

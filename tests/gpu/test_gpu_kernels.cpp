@@ -1,5 +1,5 @@
 // GPU tests of the kernel layer: every CUDA kernel, reached through the
-// device dispatch (kernels/kernels.h), gives the bits of element_math.h's
+// device dispatch (shardtrain/kernels.h), gives the bits of element_math.h's
 // fused-multiply-add lanes, which are the CPU kernels' bits on an FMA CPU; the
 // gradient norm is bitwise the CPU kernel's; casts are ATen's. Views at every
 // offset mod 4 exercise the launch plan's head, packs and tail.
@@ -20,7 +20,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/element_math.h"
-#include "kernels/kernels.h"
+#include "shardtrain/kernels.h"
 #include "gpu_test_device.h"
 #include "support/awkward_values.h"
 #include "shardtrain/error.h"

@@ -18,7 +18,7 @@
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "comm/nccl_factory.h"
+#include "comm/nccl/nccl_factory.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/error.h"
 #include "spin_kernel.h"

@@ -21,6 +21,7 @@
 
 #include "build_config.h"
 #include "checkpoint/export.h"
+#include "checkpoint/format.h"
 #include "shardtrain/checkpoint_location.h"
 #include "support/scratch_dir.h"
 #include "shardtrain/error.h"

@@ -11,7 +11,7 @@
 
 #include <torch/cuda.h>
 
-#include "comm/nccl_factory.h"
+#include "comm/nccl/nccl_factory.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 

@@ -18,7 +18,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/launch_plan.h"
 #include "kernels/element_math.h"
-#include "kernels/kernels.h"
+#include "shardtrain/kernels.h"
 #include "support/awkward_values.h"
 #include "shardtrain/error.h"
 

@@ -21,7 +21,7 @@
 #include <torch/version.h>
 
 #include "engine/loss_scaler.h"
-#include "engine/lr_scheduler.h"
+#include "shardtrain/lr_scheduler.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
@@ -49,7 +49,7 @@ using shardtrain::SamplerState;
 using shardtrain::SchedulerConfig;
 using shardtrain::engine::DynamicLossScaler;
 using shardtrain::engine::LossScalerState;
-using shardtrain::engine::LRScheduler;
+using shardtrain::LRScheduler;
 
 // Not a multiple of the vector width, and several 32K-element parallel chunks.
 constexpr int64_t kNumel = 100003;

@@ -15,7 +15,7 @@
 #include "engine/lost_update_watch.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/element_math.h"
-#include "kernels/kernels.h"
+#include "shardtrain/kernels.h"
 #include "shardtrain/config.h"
 #include "shardtrain/error.h"
 #include "support/awkward_values.h"

@@ -15,9 +15,9 @@
 
 #include <gtest/gtest.h>
 
-#include "comm/rendezvous_protocol.h"
-#include "comm/rendezvous_server.h"
-#include "comm/rendezvous_store.h"
+#include "comm/rendezvous/protocol.h"
+#include "comm/rendezvous/server.h"
+#include "comm/rendezvous/store.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
 

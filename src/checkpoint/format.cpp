@@ -1,0 +1,150 @@
+// The checkpoint format's names, its typed index and the resolution of
+// `latest` (see format.h).
+
+#include "checkpoint/format.h"
+
+#include <algorithm>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <system_error>
+
+#include "checkpoint/index_fields.h"
+#include "shardtrain/checkpoint_location.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain::checkpoint {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string rank_file(int rank, const char* extension) {
+  std::ostringstream name;
+  name << "rank" << std::setw(5) << std::setfill('0') << rank << extension;
+  return name.str();
+}
+
+std::string slice_key(const std::string& name, int64_t begin, const std::string& kind) {
+  return name + "@" + std::to_string(begin) + "/" + kind;
+}
+
+bool SliceEntry::has(const std::string& kind) const {
+  return std::find(kinds.begin(), kinds.end(), kind) != kinds.end();
+}
+
+const ParamEntry* Index::param(const std::string& name) const {
+  const auto it = param_position.find(name);
+  return it == param_position.end() ? nullptr : &params[it->second];
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+bool plain_file_name(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
+}
+
+Index read_index(const fs::path& dir) {
+  const fs::path index_path = dir / kIndexFile;
+  std::ifstream in(index_path);
+  ST_CHECK(in.good(), "checkpoint ", dir.string(), ": ", index_path.string(), " is missing");
+  json raw;
+  try {
+    raw = json::parse(in);
+  } catch (const json::exception& e) {
+    ST_THROW(Error, "checkpoint ", dir.string(), ": ", index_path.string(), " is not valid JSON (", e.what(),
+             "); the checkpoint is damaged — load another tag");
+  }
+  Index index;
+  index.dir = dir;
+  std::string where = "the header";
+  try {
+    ST_CHECK(raw.is_object(), "checkpoint ", index_path.string(), " is not a JSON object");
+    index.format_version = index_integer_or<int>(raw, "format_version", 0, "the header's");
+    index.engine = raw.value("engine", std::string("?"));
+    index.world_size = index_integer_or<int>(raw, "world_size", 0, "the header's");
+    index.training_state = raw.value("training_state", json::object());
+    where = "\"files\"";
+    for (const auto& [name, meta] : raw.at("files").items()) {
+      where = "file " + name;
+      FileEntry file;
+      file.name = name;
+      file.size = index_integer<uint64_t>(meta.at("size"), where + " size");
+      file.crc32 = index_integer<uint32_t>(meta.at("crc32"), where + " crc32");
+      file.rank = index_integer_or<int>(meta, "rank", -1, where);
+      index.file_position[name] = index.files.size();
+      index.files.push_back(std::move(file));
+    }
+    where = "\"params\"";
+    for (const auto& [name, meta] : raw.at("params").items()) {
+      where = "parameter '" + name + "'";
+      ParamEntry param;
+      param.name = name;
+      param.shape = index_shape(meta.at("shape"), where + " shape");
+      param.dtype = meta.value("dtype", std::string());
+      param.trainable = meta.value("trainable", true);
+      for (int64_t extent : param.shape) {
+        ST_CHECK(extent >= 0, "checkpoint ", index_path.string(), ": parameter '", name, "' has shape ",
+                 shape_text(param.shape), " with a negative extent");
+        param.numel *= extent;
+      }
+      for (const auto& s : meta.at("slices")) {
+        SliceEntry slice;
+        slice.file = s.at("file").get<std::string>();
+        slice.begin = index_integer<int64_t>(s.at("begin"), where + " slice begin");
+        slice.length = index_integer<int64_t>(s.at("length"), where + " slice length");
+        slice.kinds = s.at("kinds").get<std::vector<std::string>>();
+        param.slices.push_back(std::move(slice));
+      }
+      index.param_position[name] = index.params.size();
+      index.params.push_back(std::move(param));
+    }
+  } catch (const json::exception& e) {
+    ST_THROW(Error, "checkpoint ", index_path.string(), ": ", where, " is malformed (", e.what(),
+             "); the index is damaged");
+  }
+  return index;
+}
+
+bool is_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / kIndexFile, ec);
+}
+
+bool has_latest(const fs::path& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / kLatestFile, ec);
+}
+
+std::string latest_tag(const std::string& dir) {
+  const fs::path latest = fs::path(dir) / kLatestFile;
+  std::ifstream in(latest);
+  ST_CHECK(in.good(), "no checkpoint in ", dir, ": ", latest.string(),
+           " does not exist (save_state writes it); pass the tag to load explicitly (",
+           describe_checkpoints_under(dir), ")");
+  std::string tag;
+  std::getline(in, tag);
+  ST_CHECK(!tag.empty(), "checkpoint: ", latest.string(), " is empty");
+  return tag;
+}
+
+std::string resolve_checkpoint_dir(const std::string& path) {
+  const fs::path p(path);
+  ST_CHECK(fs::exists(p), "checkpoint path ", path, " does not exist");
+  if (fs::is_regular_file(p / kIndexFile)) return p.string();
+  if (fs::exists(p / kLatestFile)) {
+    const std::string tag = latest_tag(path);
+    const fs::path dir = p / tag;
+    ST_CHECK(fs::is_regular_file(dir / kIndexFile), "checkpoint ", path, ": latest names tag '", tag, "' but ",
+             (dir / kIndexFile).string(), " does not exist");
+    return dir.string();
+  }
+  ST_THROW(Error, "checkpoint path ", path,
+           " is not a checkpoint: it has neither index.json (a DIR/TAG) nor latest (a checkpoint DIR)");
+}
+
+}  // namespace shardtrain::checkpoint
