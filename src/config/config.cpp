@@ -1,6 +1,7 @@
 // Enum names and the small TrainingConfig members; the readers live in
-// config_parse.cpp, "auto" resolution in config_resolve.cpp and the writers in
-// config_output.cpp.
+// config_load.cpp (files and the merge), accelerate_yaml.cpp,
+// deepspeed_json.cpp, cli_overrides.cpp and config_keys.cpp, "auto"
+// resolution in config_resolve.cpp and the writers in config_output.cpp.
 #include <algorithm>
 #include <cmath>
 
