@@ -21,20 +21,11 @@
 #include "shardtrain/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
-#include "backends/fsdp/fsdp_engine.h"
-#include "backends/zero/zero_engine.h"
+#include "engine_factory.h"
+#include "precision_plan_of.h"
 
 namespace shardtrain {
 namespace {
-
-at::ScalarType to_scalar(DType d) {
-  switch (d) {
-    case DType::kFp32: return at::kFloat;
-    case DType::kBf16: return at::kBFloat16;
-    case DType::kFp16: return at::kHalf;
-  }
-  return at::kFloat;
-}
 
 MixedPrecision parse_mixed_precision(const std::string& text) {
   if (text == "no") return MixedPrecision::kNo;
@@ -178,89 +169,21 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   check_ranks_agree(*s.comm, "resolved config", describe_run(s.config, num_processes(), load_dtype, run.seed));
   check_ranks_agree(*s.comm, "model", describe_model(*s.module));
 
-  // ---- optimizer: config block, overridden by code
-  engine::OptimizerSpec spec;
-  const OptimizerConfig& oc = s.config.optimizer;
-  spec.type = optimizer.type.value_or(oc.type);
-  s.base_lr = optimizer.lr.value_or(oc.lr.value_or(1e-3));
-  const auto betas = optimizer.betas.value_or(oc.betas.value_or(std::array<double, 2>{0.9, 0.999}));
-  spec.beta1 = betas[0];
-  spec.beta2 = betas[1];
-  spec.eps = optimizer.eps.value_or(oc.eps.value_or(1e-8));
-  spec.weight_decay = optimizer.weight_decay.value_or(oc.weight_decay.value_or(spec.type == "AdamW" ? 0.01 : 0.0));
-  spec.momentum = optimizer.momentum.value_or(oc.momentum);
-  spec.nesterov = oc.nesterov;
-  spec.custom_factory = optimizer.custom_factory;
-  spec.audit_sample_period = s.config.precision_audit.sample_period();
-  if (spec.type == "Adam" && oc.adam_w_mode.value_or(false)) spec.type = "AdamW";
-  s.config.optimizer.type = spec.type;
-  s.config.optimizer.momentum = spec.momentum;
-
-  // ---- dtypes
-  const DType low = s.config.compute_dtype();
-  const at::ScalarType low_scalar = to_scalar(low);
-  const at::ScalarType reduce = to_scalar(s.config.communication_data_type.value_or(low));
-  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
-  const at::ScalarType compute = (low == DType::kFp16 && !on_cuda) ? at::kFloat : low_scalar;
-
-  switch (s.config.distributed_type) {
-    case DistributedType::kDeepSpeed:
-    case DistributedType::kNo:
-    case DistributedType::kMultiCpu:
-    case DistributedType::kMultiGpu: {
-      zero::ZeroOptions zo;
-      zo.stage = s.config.distributed_type == DistributedType::kDeepSpeed ? s.config.zero.stage : 0;
-      zo.compute_dtype = compute;
-      zo.param_dtype = low_scalar;
-      zo.reduce_dtype = reduce;
-      zo.overlap_comm = s.config.zero.overlap_comm.value_or(zo.stage == 3);
-      zo.sub_group_size = s.config.zero.sub_group_size;
-      zo.reduce_bucket_size = s.config.zero.reduce_bucket_size.value_or(ZeroConfig::kDefaultReduceBucketSize);
-      zo.prefetch_bucket_size = s.config.zero.stage3_prefetch_bucket_size.value_or(ZeroConfig::kDefaultPrefetchBucketSize);
-      zo.param_persistence_threshold = s.config.zero.stage3_param_persistence_threshold.value_or(ZeroConfig::kDefaultParamPersistenceThreshold);
-      zo.max_live_parameters = s.config.zero.stage3_max_live_parameters;
-      zo.max_reuse_distance = s.config.zero.stage3_max_reuse_distance;
-      zo.allgather_bucket_size = s.config.zero.allgather_bucket_size;
-      zo.offload_optimizer = s.config.zero.offload_optimizer != OffloadDevice::kNone;
-      if (s.config.zero.offload_optimizer == OffloadDevice::kNvme && is_main_process()) {
-        ST_LOG_WARN("zero_optimization.offload_optimizer.device nvme is not implemented; the optimizer is "
-                    "offloaded to CPU memory instead");
-      }
-      if (s.config.zero.offload_param != OffloadDevice::kNone && is_main_process()) {
-        ST_LOG_WARN("zero_optimization.offload_param is not implemented: parameter shards stay on the compute "
-                    "device (the optimizer offload, offload_optimizer, is)");
-      }
-      zo.activation_checkpointing = s.config.gradient_checkpointing;
-      zo.loss_scale = s.config.fp16;
-      zo.fp16 = low == DType::kFp16;
-      zo.optimizer = spec;
-      zo.weight_source = run.weight_source;
-      zo.zero3_init = s.config.zero3_init_flag;
-      s.engine = std::make_unique<zero::ZeroEngine>(s.module, s.comm, zo);
-      break;
-    }
-    case DistributedType::kFsdp: {
-      fsdp::FsdpOptions fo;
-      fo.config = s.config.fsdp;
-      fo.pure_low_precision = fsdp_pure_low_precision(s.config, load_dtype);
-      // Standard mode computes in the mixed-precision dtype; pure mode in the load dtype.
-      const DType shard = s.config.fsdp.param_dtype.value_or(
-          fo.pure_low_precision ? (load_dtype == "fp16" ? DType::kFp16 : DType::kBf16) : low);
-      fo.param_dtype = to_scalar(shard);
-      fo.compute_dtype = (shard == DType::kFp16 && !on_cuda) ? at::kFloat : fo.param_dtype;
-      fo.reduce_dtype = to_scalar(s.config.fsdp.reduce_dtype.value_or(shard));
-      fo.local_world_size = s.env.local_world_size;
-      fo.loss_scale = s.config.fp16;
-      fo.fp16 = shard == DType::kFp16;
-      fo.optimizer = spec;
-      if (s.config.fsdp.buffer_dtype) fo.buffer_dtype = to_scalar(*s.config.fsdp.buffer_dtype);
-      fo.weight_source = run.weight_source;
-      s.engine = std::make_unique<fsdp::FsdpEngine>(s.module, s.comm, fo);
-      break;
-    }
-  }
-
-  s.plan = plan_precision(s.config, num_params, num_processes(), on_cuda, load_dtype, s.env.local_world_size);
+  // ---- the engine: its plan comes from the backend the config names
+  // (engine_factory.h); the precision plan is printed from the same plan.
+  s.base_lr = s.config.optimizer.lr.value_or(1e-3);
+  engine::PlanContext plan_context;
+  plan_context.world_size = num_processes();
+  plan_context.local_world_size = s.env.local_world_size;
+  plan_context.on_cuda = on_cuda;
+  plan_context.load_dtype = load_dtype;
+  engine::EnginePlan plan = plan_engine(s.config, plan_context);
+  plan.optimizer.custom_factory = optimizer.custom_factory;
+  plan.weight_source = run.weight_source;
+  s.config.optimizer.type = plan.optimizer.type;
+  s.config.optimizer.momentum = plan.optimizer.momentum;
+  s.plan = precision_plan_of(plan, num_params, plan_context);
+  s.engine = make_engine(s.module, s.comm, s.config.distributed_type, std::move(plan));
   s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
       s.config.precision_audit,
       s.plan.engine + ": " + s.plan.shard_dtype + " parameters, " +

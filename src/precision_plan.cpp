@@ -1,8 +1,12 @@
+// The precision plan: printed from the engine plan of the run (see
+// precision_plan_of.h), never derived again from the config.
 #include "shardtrain/precision_plan.h"
 
 #include <iomanip>
 #include <sstream>
 
+#include "engine_factory.h"
+#include "precision_plan_of.h"
 #include "shardtrain/nn/linear.h"
 
 namespace shardtrain {
@@ -10,6 +14,7 @@ namespace {
 
 double size_of(DType d) { return d == DType::kFp32 ? 4.0 : 2.0; }
 const char* name_of(DType d) { return d == DType::kFp32 ? "fp32" : d == DType::kBf16 ? "bf16" : "fp16"; }
+DType dtype_of(at::ScalarType t) { return t == at::kBFloat16 ? DType::kBf16 : t == at::kHalf ? DType::kFp16 : DType::kFp32; }
 
 std::string human(double bytes) {
   std::ostringstream out;
@@ -35,57 +40,51 @@ bool fsdp_pure_low_precision(const TrainingConfig& config, const std::string& lo
 
 PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
                              const std::string& load_dtype, int local_world_size) {
+  engine::PlanContext context;
+  context.world_size = world_size;
+  context.local_world_size = local_world_size;
+  context.on_cuda = on_cuda;
+  context.load_dtype = load_dtype;
+  return precision_plan_of(plan_engine(config, context), num_params, context);
+}
+
+PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t num_params,
+                                const engine::PlanContext& context) {
   PrecisionPlan plan;
   plan.num_params = num_params;
-  plan.world_size = world_size;
-  plan.load_dtype = load_dtype;
-  const bool fsdp = config.distributed_type == DistributedType::kFsdp;
-  const bool pure = fsdp && fsdp_pure_low_precision(config, load_dtype);
-  DType low = config.compute_dtype();
-  if (pure) low = load_dtype == "fp16" ? DType::kFp16 : DType::kBf16;
-  if (fsdp && config.fsdp.param_dtype) low = *config.fsdp.param_dtype;
-  const bool fp16_on_cpu = low == DType::kFp16 && !on_cuda;
+  plan.world_size = context.world_size;
+  plan.load_dtype = context.load_dtype;
+  plan.engine = engine_plan.name;
+  const bool pure = engine_plan.pure_low_precision;
+  const DType low = dtype_of(engine_plan.param_dtype);
+  const bool fp16_on_cpu = low == DType::kFp16 && !context.on_cuda;
   plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : name_of(low);
   plan.shard_dtype = name_of(low);
-  if (on_cuda) {
+  if (context.on_cuda) {
     plan.gemm = std::string(name_of(low)) + " (cuBLAS, fp32 accumulation)";
   } else if (low == DType::kBf16) {
     plan.gemm = "bf16 " + nn::cpu_low_precision_gemm().describe();
   } else {
     plan.gemm = "fp32 (LibTorch's BLAS)";
   }
-  DType reduce = config.communication_data_type.value_or(low);
-  if (fsdp) reduce = config.fsdp.reduce_dtype.value_or(low);
+  const DType reduce = dtype_of(engine_plan.reduce_dtype);
   plan.reduce_dtype = name_of(reduce);
-  const std::string& opt = config.optimizer.type;
-  const double states = opt == "SGD" ? (config.optimizer.momentum != 0.0 ? 1.0 : 0.0) : 2.0;
+  const engine::OptimizerSpec& optimizer = engine_plan.optimizer;
+  const double states = optimizer.type == "SGD" ? (optimizer.momentum != 0.0 ? 1.0 : 0.0) : 2.0;
 
   // How many ranks share each parameter's state.
-  double shards = world_size;
-  double gathered_at_rest = 0.0;
-  bool boundary_accumulator = false;
-  if (fsdp) {
-    const ShardingStrategy strategy = config.fsdp.sharding_strategy;
-    plan.engine = std::string("fsdp ") + to_string(strategy) + (pure ? " pure low precision" : " standard");
-    if (strategy == ShardingStrategy::kNoShard) {
-      shards = 1;
-      gathered_at_rest = 1;
-    } else if (strategy == ShardingStrategy::kHybridShard || strategy == ShardingStrategy::kHybridShardZero2) {
-      shards = local_world_size > 0 ? local_world_size : world_size;
-    }
-  } else {
-    const int stage = config.distributed_type == DistributedType::kDeepSpeed ? config.zero.stage : 0;
-    plan.engine = config.distributed_type == DistributedType::kDeepSpeed ? "zero-" + std::to_string(stage) : "ddp (zero-0)";
-    if (stage == 0) shards = 1;
-    if (stage != 3) gathered_at_rest = 1;
-    // One rank adds each micro-batch's fp32-reduced gradient straight into the gradient.
-    boundary_accumulator = stage == 1 && !(world_size == 1 && reduce == DType::kFp32);
-  }
+  const double shards = !engine_plan.shard_params          ? 1.0
+                        : engine_plan.hybrid_shard_size > 0 ? engine_plan.hybrid_shard_size
+                                                            : context.world_size;
+  double gathered_at_rest = engine_plan.reshard == engine::Reshard::kNever ? 1.0 : 0.0;
+  // ZeRO-1: one rank adds each micro-batch's fp32-reduced gradient straight into the gradient.
+  const bool boundary_accumulator =
+      engine_plan.reduce_at_boundary_only && !(context.world_size == 1 && reduce == DType::kFp32);
   plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);
   // fsdp_keep_low_precision_grads: the gradient shard stays in the 16-bit param dtype.
-  const bool low_grads = pure || (fsdp && config.fsdp.keep_low_precision_grads && low != DType::kFp32);
+  const bool low_grads = pure || engine_plan.keep_low_precision_grads;
   plan.grad_dtype = low_grads ? name_of(low) : "fp32";
   plan.master_dtype = pure ? "none" : "fp32";
   plan.optimizer_dtype = pure ? name_of(low) : "fp32";
@@ -96,7 +95,7 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
   // A shard that is the whole model (one rank, or no sharding) and holds the
   // compute dtype: the parameters view the shard, nothing is kept gathered.
-  if ((world_size == 1 || shards == 1) && !fp16_on_cpu) gathered_at_rest = 0;
+  if ((context.world_size == 1 || shards == 1) && !fp16_on_cpu) gathered_at_rest = 0;
   plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";

@@ -23,7 +23,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
   for (auto& u : s.units) {
     const at::Tensor source = (u.master.defined() ? u.master : u.lp_shard.to(at::kFloat)).contiguous();
     at::Tensor full = source;  // without sharding the shard is the full buffer
-    if (s.options.shard_params) {
+    if (s.plan.shard_params) {
       full = at::empty({u.layout->full_numel()}, source.options());
       s.gather_pieces(*u.layout, source, full)->wait();
     }
@@ -86,8 +86,8 @@ const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->e
 std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const {
   const State& s = *state_;
   std::vector<CheckpointSlice> slices;
-  const bool is_copy = s.options.replicate_group ? s.options.replicate_group->rank() != 0
-                                                  : (!s.options.shard_params && s.comm->rank() != 0);
+  const bool is_copy = s.replicate_group ? s.replicate_group->rank() != 0
+                                                  : (!s.plan.shard_params && s.comm->rank() != 0);
   if (is_copy) return slices;
   for (const auto& u : s.units) {
     for (const auto& seg : u.layout->segments_of_rank(s.layout_rank())) {
@@ -138,7 +138,7 @@ void ShardedEngine::load_slices(const SliceSource& source) {
   // The gathered parameters held the old values: free them, regather what stays gathered.
   for (auto& u : s.units) s.release(u);
   for (auto& u : s.units) {
-    if (s.options.reshard == Reshard::kNever || u.persistent) s.start_gather(u);
+    if (s.plan.reshard == Reshard::kNever || u.persistent) s.start_gather(u);
   }
   for (auto& u : s.units) {
     if (u.gather_work) s.finish_gather(u);
@@ -149,7 +149,7 @@ int64_t ShardedEngine::optimizer_steps() const { return state_->optimizer_steps;
 
 std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
   if (!state_->pure()) return std::nullopt;
-  return state_->options.param_dtype;
+  return state_->plan.param_dtype;
 }
 
 void ShardedEngine::set_optimizer_steps(int64_t steps) { state_->optimizer_steps = steps; }

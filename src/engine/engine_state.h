@@ -108,8 +108,10 @@ struct ReduceBucket {
 
 struct ShardedEngine::State {
   std::shared_ptr<torch::nn::Module> model;
-  comm::CommunicatorPtr comm;
-  ShardingOptions options;
+  comm::CommunicatorPtr comm;  ///< the shard group
+  comm::CommunicatorPtr replicate_group;  ///< HYBRID_SHARD's replica group, else null
+  comm::CommunicatorPtr sync_comm;  ///< where initial values are broadcast (null: comm)
+  EnginePlan plan;
   std::vector<UnitState> units;  // root states first
   std::unordered_map<const Unit*, std::vector<int>> unit_states;
   at::Tensor master_flat, lp_flat, grad_flat, exp_avg_flat, exp_avg_sq_flat, momentum_flat;
@@ -178,30 +180,35 @@ struct ShardedEngine::State {
     return buffer.narrow(0, 0, numel);
   }
 
-  State(std::shared_ptr<torch::nn::Module> m, comm::CommunicatorPtr c, ShardingOptions o)
-      : model(std::move(m)), comm(std::move(c)), options(std::move(o)), scaler(options.loss_scale, options.loss_scale.raise_error_at_min_scale) {}
+  State(std::shared_ptr<torch::nn::Module> m, EngineGroups groups, EnginePlan p)
+      : model(std::move(m)),
+        comm(std::move(groups.shard)),
+        replicate_group(std::move(groups.replicate)),
+        sync_comm(std::move(groups.sync)),
+        plan(std::move(p)),
+        scaler(plan.loss_scale, plan.loss_scale.raise_error_at_min_scale) {}
 
-  int layout_world() const { return options.shard_params ? comm->world_size() : 1; }
+  int layout_world() const { return plan.shard_params ? comm->world_size() : 1; }
   /// One rank with no replicas: an all-gather or reduce-scatter would be a
   /// copy of the shard onto itself, so the engine skips them (no copy).
-  bool single_rank() const { return comm->world_size() == 1 && !options.replicate_group; }
+  bool single_rank() const { return comm->world_size() == 1 && !replicate_group; }
   /// Gradients go straight into the shard's gradient (single_rank). Not with
   /// ZeRO-1's boundary accumulation in a 16-bit reduce dtype: that rounds the
   /// accumulated sum once, not each micro-batch's gradient.
   bool adds_grads_directly() const {
-    return single_rank() && options.predivide == 1.0 && options.postdivide == 1.0 &&
-           (!options.reduce_at_boundary_only || options.reduce_dtype == at::kFloat);
+    return single_rank() && plan.predivide == 1.0 && plan.postdivide == 1.0 &&
+           (!plan.reduce_at_boundary_only || plan.reduce_dtype == at::kFloat);
   }
-  int layout_rank() const { return options.shard_params ? comm->rank() : 0; }
-  bool pure() const { return options.pure_low_precision; }
+  int layout_rank() const { return plan.shard_params ? comm->rank() : 0; }
+  bool pure() const { return plan.pure_low_precision; }
   int64_t full_bytes(const UnitState& u) const {
-    return u.layout->full_numel() * static_cast<int64_t>(c10::elementSize(options.compute_dtype));
+    return u.layout->full_numel() * static_cast<int64_t>(c10::elementSize(plan.compute_dtype));
   }
   bool frees_after_forward(const UnitState& u) const {
-    return options.reshard == Reshard::kAfterForward && !u.persistent;
+    return plan.reshard == Reshard::kAfterForward && !u.persistent;
   }
   bool frees_after_backward(const UnitState& u) const {
-    return options.reshard != Reshard::kNever && !u.persistent;
+    return plan.reshard != Reshard::kNever && !u.persistent;
   }
 
   void add_gathered(int64_t delta) {
@@ -342,7 +349,7 @@ struct ShardedEngine::State {
   /// fp32 on the model's device: masters, moments, fp32 gradients.
   at::TensorOptions fp32_options() const { return at::TensorOptions().dtype(at::kFloat).device(device); }
   /// The group the set-up collectives run over (the whole job under HYBRID_SHARD).
-  comm::Communicator& sync_group() const { return options.sync_group ? *options.sync_group : *comm; }
+  comm::Communicator& sync_group() const { return sync_comm ? *sync_comm : *comm; }
 };
 
 }  // namespace shardtrain::engine

@@ -89,13 +89,13 @@ void ShardedEngine::State::start_gather(UnitState& u) {
   comm::CollectiveScope scope("gather " + u.label());
   engine::resize_storage_bytes(u.full, static_cast<std::size_t>(full_bytes(u)));
   add_gathered(full_bytes(u));
-  if (!options.shard_params) {
+  if (!plan.shard_params) {
     u.gather_buffer = u.lp_shard;  // complete on every rank already; only its dtype differs
     u.gather_work = comm::completed_work();
     return;
   }
   at::Tensor target = u.full;
-  if (options.param_dtype != options.compute_dtype) {
+  if (plan.param_dtype != plan.compute_dtype) {
     // fp16 on a CPU computes in fp32: gathered in fp16, then widened.
     u.gather_buffer = at::empty({u.layout->full_numel()}, u.lp_shard.options());
     add_gathered(bytes_of(u.gather_buffer));
@@ -111,7 +111,7 @@ void ShardedEngine::State::finish_gather(UnitState& u) {
   u.gather_work.reset();
   if (u.gather_buffer.defined()) {
     u.full.copy_(u.gather_buffer);  // the same layout, the compute dtype
-    if (options.shard_params) add_gathered(-bytes_of(u.gather_buffer));
+    if (plan.shard_params) add_gathered(-bytes_of(u.gather_buffer));
     u.gather_buffer = at::Tensor();
   }
   u.gathered = true;
@@ -130,7 +130,7 @@ void ShardedEngine::State::release_unit(const Unit* unit, bool after_forward) {
 }
 
 void ShardedEngine::State::prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements) {
-  if (options.reshard != Reshard::kAfterForward && options.reshard != Reshard::kAfterBackward) return;
+  if (plan.reshard != Reshard::kAfterForward && plan.reshard != Reshard::kAfterBackward) return;
   if (window_elements <= 0 || !trace_valid) return;
   int64_t live = 0;
   for (const auto& u : units) {
@@ -138,9 +138,9 @@ void ShardedEngine::State::prefetch_after(const std::vector<const Unit*>& order,
   }
   int64_t window = 0;
   int units_ahead = 0;
-  for (std::size_t k = pos + 1; k < order.size() && units_ahead < options.max_prefetch_units; ++k) {
+  for (std::size_t k = pos + 1; k < order.size() && units_ahead < plan.max_prefetch_units; ++k) {
     const int64_t n = unit_numel(order[k]);
-    if (window + n > window_elements || live + n > options.max_live_parameters) break;
+    if (window + n > window_elements || live + n > plan.max_live_parameters) break;
     window += n;
     ++units_ahead;
     if (unit_gathered_or_pending(order[k])) continue;
@@ -165,14 +165,14 @@ void ShardedEngine::State::regather_after_step() {
   for (std::size_t i = 0; i < units.size(); ++i) {
     UnitState& u = units[i];
     if (!u.trainable || u.views_shard) continue;  // a shard view already holds the stepped values
-    const bool kept = options.reshard == Reshard::kNever || u.persistent;
+    const bool kept = plan.reshard == Reshard::kNever || u.persistent;
     // Gathered on demand by the next forward. Released here too: a no-grad
     // forward after the last backward left it gathered with pre-step values.
     if (!kept) { release(u); continue; }
     release(u);
     bucket.push_back(static_cast<int>(i));
     bucket_numel += u.layout->full_numel();
-    if (bucket_numel >= options.allgather_bucket_size) {
+    if (bucket_numel >= plan.allgather_bucket_size) {
       gather_bucket(bucket);
       bucket.clear();
       bucket_numel = 0;
@@ -204,36 +204,36 @@ void ShardedEngine::before_unit_forward(Unit& unit) {
   s.current_order.push_back(&unit);
   if (s.trace_valid && (pos >= s.trace.size() || s.trace[pos] != &unit)) {
     ST_LOG_WARN("{}: the unit order changed at forward {} (unit '{}' at position {}): prefetch trace rebuilt",
-                s.options.name, s.forward_count + 1, s.units[s.unit_states.at(&unit)[0]].path, pos);
+                s.plan.name, s.forward_count + 1, s.units[s.unit_states.at(&unit)[0]].path, pos);
     s.trace_valid = false;
   }
   s.gather_unit(&unit);
-  s.prefetch_after(s.trace, pos, s.options.prefetch_bucket_size);
+  s.prefetch_after(s.trace, pos, s.plan.prefetch_bucket_size);
 }
 
 at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
   State& s = *state_;
   // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
-  const bool reused_soon = at::GradMode::is_enabled() && s.options.max_reuse_distance > 0 && s.trace_valid &&
-                           s.reuse_distance(&unit) <= s.options.max_reuse_distance;
+  const bool reused_soon = at::GradMode::is_enabled() && s.plan.max_reuse_distance > 0 && s.trace_valid &&
+                           s.reuse_distance(&unit) <= s.plan.max_reuse_distance;
   if (!reused_soon) s.release_unit(&unit, /*after_forward=*/true);
   bool frees = false;
   for (int idx : s.unit_states.at(&unit)) frees = frees || s.frees_after_forward(s.units[idx]);
-  if (output.requires_grad() && (frees || s.options.backward_prefetch == BackwardPrefetchMode::kPre)) {
+  if (output.requires_grad() && (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre)) {
     State* state = &s;
     const Unit* key = &unit;
     // The gradient of the unit's output arrives just before the unit's own
     // backward runs: gather its parameters then (FSDP's pre-backward hook).
     output.register_hook([state, key](const at::Tensor&) {
       state->gather_unit(key);
-      if (state->options.backward_prefetch == BackwardPrefetchMode::kPre) state->prefetch_for_backward(key);
+      if (state->plan.backward_prefetch == BackwardPrefetchMode::kPre) state->prefetch_for_backward(key);
     });
   }
   return output;
 }
 
 bool ShardedEngine::recompute_in_backward(const Unit& unit) const {
-  return state_->options.activation_checkpointing && state_->unit_states.count(&unit) != 0;
+  return state_->plan.activation_checkpointing && state_->unit_states.count(&unit) != 0;
 }
 
 at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,

@@ -35,20 +35,20 @@ void ShardedEngine::State::on_grad_accumulated(int state_index, int param_index)
 
 at::Tensor ShardedEngine::State::reduce_input(const UnitState& u, int k) const {
   const at::Tensor& g = u.pending_grads[k];
-  if (!g.defined()) return at::zeros({u.layout->param_numel(k)}, u.full.options().dtype(options.reduce_dtype));
-  return g.to(options.reduce_dtype).reshape({-1});
+  if (!g.defined()) return at::zeros({u.layout->param_numel(k)}, u.full.options().dtype(plan.reduce_dtype));
+  return g.to(plan.reduce_dtype).reshape({-1});
 }
 
 void ShardedEngine::State::enqueue_reduction(int state_index, at::Tensor input, int64_t grad_offset,
                                              int64_t length, std::vector<int64_t> splits) {
-  if (options.predivide != 1.0) input.div_(options.predivide);
+  if (plan.predivide != 1.0) input.div_(plan.predivide);
   filling.numel += input.numel();
   filling.entries.push_back({state_index, std::move(input), grad_offset, length, std::move(splits)});
 }
 
 void ShardedEngine::State::enqueue_full_layout(int state_index, const at::Tensor& full_input) {
   const UnitLayout& layout = *units[state_index].layout;
-  if (!options.shard_params) {
+  if (!plan.shard_params) {
     enqueue_reduction(state_index, full_input, 0, layout.shard_numel());
     return;
   }
@@ -73,9 +73,9 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
       if (!g.defined()) continue;
       at::Tensor place = u.grad.narrow(0, u.layout->param_offset_in_full(k), g.numel()).view(g.sizes());
       // Through the reduce dtype into the gradient's, as the collective path does.
-      place.add_(g.to(options.reduce_dtype).to(u.grad.scalar_type()));
+      place.add_(g.to(plan.reduce_dtype).to(u.grad.scalar_type()));
     }
-  } else if (options.reduce_at_boundary_only && (accumulated_in_window || !boundary_backward)) {
+  } else if (plan.reduce_at_boundary_only && (accumulated_in_window || !boundary_backward)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
     // in the window's last backward the sum goes out at once.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
@@ -84,7 +84,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
       u.boundary_grad_accumulator.narrow(0, u.layout->param_offset_in_full(k), g.numel()).add_(g.reshape({-1}));
     }
     if (boundary_backward) reduce_accumulator(state_index);
-  } else if (!options.shard_params) {
+  } else if (!plan.shard_params) {
     // Unsharded: each gradient is all-reduced whole, from autograd's tensor.
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
       const int64_t n = u.layout->param_numel(k);
@@ -95,7 +95,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
     // the ranks' shards cut it: ZeRO's in even chunks unless its size does
     // not divide by the world, FSDP's wherever the flat shards' boundaries fall.
     const int me = layout_rank();
-    if (options.reduce_at_boundary_only) u.boundary_reduced = true;  // zero 1, a one-micro-batch window
+    if (plan.reduce_at_boundary_only) u.boundary_reduced = true;  // zero 1, a one-micro-batch window
     for (int k = 0; k < static_cast<int>(u.pending_grads.size()); ++k) {
       if (u.layout->param_numel(k) == 0) continue;
       std::vector<int64_t> splits = u.layout->param_splits(k);
@@ -107,9 +107,9 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
   }
   for (auto& g : u.pending_grads) g = at::Tensor();
   u.grads_seen = 0;
-  if (!adds_grads_directly() && (!options.reduce_at_boundary_only || boundary_backward)) {
-    if (filling.numel >= options.reduce_bucket_size) flush_bucket();
-    if (!options.overlap_comm) finish_reductions();
+  if (!adds_grads_directly() && (!plan.reduce_at_boundary_only || boundary_backward)) {
+    if (filling.numel >= plan.reduce_bucket_size) flush_bucket();
+    if (!plan.overlap_comm) finish_reductions();
   }
   // Every autograd node that read the unit's trainable weights has run (each
   // produced its weight's gradient). Frozen weights give no such signal, so a
@@ -117,7 +117,7 @@ void ShardedEngine::State::unit_grads_ready(int state_index) {
   if (u.unit != nullptr) {
     const bool has_frozen = unit_states.at(u.unit).size() > 1;
     if (!has_frozen) release_unit(u.unit, /*after_forward=*/false);
-    if (options.backward_prefetch == BackwardPrefetchMode::kPost) prefetch_for_backward(u.unit);
+    if (plan.backward_prefetch == BackwardPrefetchMode::kPost) prefetch_for_backward(u.unit);
   }
 }
 
@@ -128,8 +128,8 @@ void ShardedEngine::State::flush_bucket() {
   const std::size_t more = bucket.entries.size() - 1;
   comm::CollectiveScope scope("reduce gradients of " + units[bucket.entries[0].unit].label() +
                               (more > 0 ? " and " + std::to_string(more) + " more tensors" : ""));
-  const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
-  if (!options.shard_params) {
+  const ReduceOp op = plan.average ? ReduceOp::kAvg : ReduceOp::kSum;
+  if (!plan.shard_params) {
     std::vector<at::Tensor> inputs;
     for (const auto& e : bucket.entries) inputs.push_back(e.input);
     bucket.works.push_back(comm->all_reduce_coalesced_async(inputs, op));
@@ -169,20 +169,20 @@ void ShardedEngine::State::finish_reductions() {
     std::vector<at::Tensor> reduced;
     int64_t offset = 0;
     for (const auto& e : bucket.entries) {
-      reduced.push_back(options.shard_params ? bucket.output.narrow(0, offset, e.length) : e.input);
+      reduced.push_back(plan.shard_params ? bucket.output.narrow(0, offset, e.length) : e.input);
       offset += e.length;
     }
-    if (options.replicate_group) {
-      const ReduceOp op = options.average ? ReduceOp::kAvg : ReduceOp::kSum;
-      if (options.shard_params) {
-        options.replicate_group->all_reduce(bucket.output, op);
+    if (replicate_group) {
+      const ReduceOp op = plan.average ? ReduceOp::kAvg : ReduceOp::kSum;
+      if (plan.shard_params) {
+        replicate_group->all_reduce(bucket.output, op);
       } else {
-        options.replicate_group->all_reduce_coalesced_async(reduced, op)->wait();
+        replicate_group->all_reduce_coalesced_async(reduced, op)->wait();
       }
     }
     for (std::size_t k = 0; k < bucket.entries.size(); ++k) {
       const auto& e = bucket.entries[k];
-      if (options.postdivide != 1.0) reduced[k].div_(options.postdivide);
+      if (plan.postdivide != 1.0) reduced[k].div_(plan.postdivide);
       UnitState& u = units[e.unit];
       u.grad.narrow(0, e.grad_offset, e.length).add_(reduced[k].reshape({-1}).to(u.grad.scalar_type()));
     }
@@ -193,7 +193,7 @@ void ShardedEngine::State::finish_reductions() {
 void ShardedEngine::State::reduce_accumulator(int state_index) {
   UnitState& u = units[state_index];
   // A copy: the accumulator is zeroed below, before the bucket is sent.
-  at::Tensor input = u.boundary_grad_accumulator.to(options.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor input = u.boundary_grad_accumulator.to(plan.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
   enqueue_full_layout(state_index, input);
   u.boundary_grad_accumulator.zero_();
   u.boundary_reduced = true;
@@ -206,7 +206,7 @@ void ShardedEngine::State::reduce_boundary_accumulators() {
     if (!u.trainable) continue;
     if (!u.boundary_reduced) {
       reduce_accumulator(static_cast<int>(i));
-      if (filling.numel >= options.reduce_bucket_size) flush_bucket();
+      if (filling.numel >= plan.reduce_bucket_size) flush_bucket();
     }
     u.boundary_reduced = false;
   }
@@ -217,7 +217,7 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
   State& s = *state_;
   ST_CHECK(loss.numel() == 1, "backward: the loss must be a scalar, got shape ", loss.sizes());
   at::Tensor scaled = s.scaler.scale() == 1.0 ? loss : loss * s.scaler.scale();
-  s.boundary_backward = s.options.reduce_at_boundary_only && sync;
+  s.boundary_backward = s.plan.reduce_at_boundary_only && sync;
   scaled.backward();
   // Units some of whose parameters got no gradient (unused in this forward)
   // still take part in the reductions with zeros: every rank must issue the
@@ -233,7 +233,7 @@ void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
   }
   if (s.boundary_backward) s.reduce_boundary_accumulators();
   s.boundary_backward = false;
-  if (s.options.reduce_at_boundary_only) s.accumulated_in_window = !sync;
+  if (s.plan.reduce_at_boundary_only) s.accumulated_in_window = !sync;
   for (auto& u : s.units) {
     if (s.frees_after_backward(u)) s.release(u);
   }

@@ -60,7 +60,7 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
         }
       }
     }
-    const bool has_source = static_cast<bool>(options.weight_source);
+    const bool has_source = static_cast<bool>(plan.weight_source);
     const double h = static_cast<double>(hash >> 12);  // 52 bits: exact in a double
     f[2 * count] = has_source ? 1.0 : 0.0;
     f[2 * count + 1] = has_source ? 0.0 : 1.0;
@@ -68,10 +68,10 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
     f[2 * count + 3] = -h;
     note_load();
     all_reduce_control(sync, flags, ReduceOp::kMax);
-    ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], options.name,
+    ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], plan.name,
              ": the ranks built different models (parameter names, shapes, dtypes or requires_grad differ between "
              "ranks); every rank must construct the same architecture, with or without its weights");
-    ST_CHECK_T(ConfigError, !(f[2 * count] > 0 && f[2 * count + 1] > 0), options.name,
+    ST_CHECK_T(ConfigError, !(f[2 * count] > 0 && f[2 * count + 1] > 0), plan.name,
                ": a weight source (RunInfo::weight_source) was given on some ranks but not on others; give it on "
                "every rank or on none");
     idx = 0;
@@ -79,14 +79,14 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
     for (std::size_t i = 0; i < units.size(); ++i) {
       UnitState& u = units[i];
       for (std::size_t k = 0; k < u.params.size(); ++k, ++idx) {
-        LoadMode mode = options.sync_module_states ? LoadMode::kFromRoot : LoadMode::kLocal;
+        LoadMode mode = plan.sync_module_states ? LoadMode::kFromRoot : LoadMode::kLocal;
         if (f[idx] > 0) {
           ++released_params;
           released_elements += u.params[k].numel();
           if (has_source) {
             mode = LoadMode::kSource;
           } else {
-            ST_CHECK(f[count + idx] == 0, options.name, ": parameter '", u.names[k],
+            ST_CHECK(f[count + idx] == 0, plan.name, ": parameter '", u.names[k],
                      "' has no storage on rank 0 and no weight source was given. Rank 0 must build the model with "
                      "its weights (accelerator.materialize_full_weights() is true there), or pass "
                      "RunInfo::weight_source to read every rank's slices");
@@ -97,15 +97,15 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
         modes[i].push_back(mode);
       }
     }
-    if (sync.rank() == 0 && released_params == 0 && options.rank0_loads_weights && sync.world_size() > 1) {
+    if (sync.rank() == 0 && released_params == 0 && plan.rank0_loads_weights && sync.world_size() > 1) {
       ST_LOG_WARN("{}: rank-0-only loading (fsdp_cpu_ram_efficient_loading / zero3_init_flag) is on, but every "
                   "rank built the model with its weights, so every rank held the full model. Build it without "
                   "them where accelerator.materialize_full_weights() is false (shardtrain::release_parameter_"
-                  "storage, models::make_llama_without_weights)", options.name);
+                  "storage, models::make_llama_without_weights)", plan.name);
     }
     if (sync.rank() == 0 && released_params > 0) {
       ST_LOG_INFO("{}: {} parameters ({} elements) were built without storage on some rank; their shards are "
-                  "filled {}, one unit at a time", options.name, released_params, released_elements,
+                  "filled {}, one unit at a time", plan.name, released_params, released_elements,
                   has_source ? "from the weight source (each rank reads its own slices)" : "from rank 0");
     }
   }
@@ -116,7 +116,7 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
                                                 const std::vector<std::vector<LoadMode>>& modes) {
   comm::Communicator& sync = sync_group();
   const at::TensorOptions fp32 = fp32_options();
-  const at::TensorOptions low = fp32.dtype(options.param_dtype);
+  const at::TensorOptions low = fp32.dtype(plan.param_dtype);
   // ---- shard the initial values ----------------------------------------------
   // A failure part-way (a weight source that throws) leaves no unit pointing
   // at this half-built engine.
@@ -145,8 +145,8 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
       int64_t value_bytes = 0;
       for (auto& p : u.params) {
         // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
-        at::Tensor v = p.detach().to(pure() ? options.param_dtype : at::kFloat).contiguous();
-        if (options.sync_module_states) sync.broadcast(v, 0);
+        at::Tensor v = p.detach().to(pure() ? plan.param_dtype : at::kFloat).contiguous();
+        if (plan.sync_module_states) sync.broadcast(v, 0);
         if (!v.is_alias_of(p)) value_bytes += bytes_of(v);
         values.push_back(v);
       }
@@ -162,13 +162,13 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
     // when the shard is the whole unit (one rank, or no sharding) and holds
     // that dtype, the shard itself, so the optimizer's writes are the next
     // forward's values and nothing is ever gathered or copied.
-    u.views_shard = layout_world() == 1 && !u.loads_released && options.param_dtype == options.compute_dtype &&
+    u.views_shard = layout_world() == 1 && !u.loads_released && plan.param_dtype == plan.compute_dtype &&
                     u.lp_shard.numel() == u.layout->full_numel();
     if (u.views_shard) {
       u.full = u.lp_shard;
     } else {
-      u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(options.compute_dtype))
-                                : at::empty({u.layout->full_numel()}, fp32.dtype(options.compute_dtype));
+      u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(plan.compute_dtype))
+                                : at::empty({u.layout->full_numel()}, fp32.dtype(plan.compute_dtype));
     }
     if (!u.loads_released && !u.views_shard) {
       load_transient += full_bytes(u);
@@ -177,7 +177,7 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
     for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
       at::Tensor view = u.full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
       // Compute on the values the shard holds (fp16-on-CPU computes in fp32 on fp16-rounded values).
-      if (!u.loads_released) view.copy_(values[k].to(options.param_dtype));
+      if (!u.loads_released) view.copy_(values[k].to(plan.param_dtype));
       u.params[k].set_data(view);
     }
     // A unit with released parameters: its buffer owns no memory; make its
@@ -191,21 +191,21 @@ void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
       if (!u.views_shard) add_gathered(full_bytes(u));
       note_load();
     }
-    if (options.reduce_at_boundary_only && u.trainable && !adds_grads_directly()) {
+    if (plan.reduce_at_boundary_only && u.trainable && !adds_grads_directly()) {
       u.boundary_grad_accumulator = at::zeros({u.layout->full_numel()}, fp32);
     }
     if (u.trainable) {
       State* state = this;
       const int state_index = static_cast<int>(i);
       for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
-        ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), options.name, ": trainable parameter '",
+        ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), plan.name, ": trainable parameter '",
                  u.names[k], "' must be a leaf that requires grad");
         grad_hooks.push_back(std::make_unique<GradReadyHook>(
             u.params[k], [state, state_index, k]() { state->on_grad_accumulated(state_index, k); }));
       }
     }
     if (u.unit) u.unit->attach_unit_hooks(engine, static_cast<int>(i));
-    const bool stays_gathered = options.reshard == Reshard::kNever || u.persistent;
+    const bool stays_gathered = plan.reshard == Reshard::kNever || u.persistent;
     if (!u.loads_released) {
       if (!stays_gathered) release(u);
     } else if (stays_gathered) {
@@ -272,7 +272,7 @@ void ShardedEngine::State::fill_released_unit(UnitState& u, const std::vector<Lo
       at::Tensor out = shard.narrow(0, seg.shard_offset, seg.length);
       // NaN first: a source that returns without writing (or rebinds `out`) is caught below.
       out.fill_(std::numeric_limits<double>::quiet_NaN());
-      options.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
+      plan.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
       ST_CHECK(!out.isnan().any().item<bool>(), "the weight source left elements of '", u.names[seg.param_index],
                "' [", seg.param_offset, ", +", seg.length, ") unwritten (or wrote NaN); it must copy into `out`");
     }
@@ -283,15 +283,15 @@ void ShardedEngine::State::fill_released_unit(UnitState& u, const std::vector<Lo
   at::Tensor failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::TensorOptions().dtype(at::kDouble));
   all_reduce_control(sync, failed, ReduceOp::kMax);
   if (!failure.empty()) {
-    ST_THROW(Error, options.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
+    ST_THROW(Error, plan.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
              "' from the weight source failed: ", failure);
   }
-  ST_CHECK(failed.item<double>() == 0, options.name, ": another rank failed to read its slices of unit '",
+  ST_CHECK(failed.item<double>() == 0, plan.name, ": another rank failed to read its slices of unit '",
            u.path.empty() ? "<root>" : u.path, "' from the weight source (its log names the cause)");
 }
 
 at::Tensor ShardedEngine::State::cast_buffer(const at::Tensor& value) const {
-  at::Tensor cast = value.detach().to(*options.buffer_dtype);
+  at::Tensor cast = value.detach().to(*plan.buffer_dtype);
   if (cast.scalar_type() == at::kHalf && cast.is_cpu()) cast = cast.to(at::kFloat);
   return cast;
 }
@@ -301,7 +301,7 @@ void ShardedEngine::State::setup_buffers(comm::Communicator& sync) {
   for (const auto& item : model->named_buffers(/*recurse=*/true)) {
     at::Tensor b = item.value();
     if (!b.defined()) continue;
-    if (options.sync_module_states && sync.world_size() > 1 && b.numel() > 0) {
+    if (plan.sync_module_states && sync.world_size() > 1 && b.numel() > 0) {
       at::Tensor wire = b.detach().contiguous();
       if (!comm::is_supported_dtype(wire.scalar_type()) && !at::isComplexType(wire.scalar_type())) {
         // Exact widenings for the wire (bool, int8..int32, uint8; float64 has its own support).
@@ -313,7 +313,7 @@ void ShardedEngine::State::setup_buffers(comm::Communicator& sync) {
     BufferState state;
     state.name = item.key();
     state.buffer = b;
-    if (options.buffer_dtype && at::isFloatingType(b.scalar_type())) {
+    if (plan.buffer_dtype && at::isFloatingType(b.scalar_type())) {
       at::Tensor cast = cast_buffer(b);
       if (cast.scalar_type() != b.scalar_type() || !at::equal(cast, b)) {
         state.original = b.detach();  // keeps the full-precision storage; b gets a new one

@@ -38,14 +38,14 @@ void ShardedEngine::State::bind_device() {
           first_name = &u.names[k];
           device = d;
         }
-        ST_CHECK(d == device, options.name, ": parameter '", u.names[k], "' is on ", d, " but '", *first_name,
+        ST_CHECK(d == device, plan.name, ": parameter '", u.names[k], "' is on ", d, " but '", *first_name,
                  "' is on ", device, "; move the whole model to one device (model->to(device)) before prepare()");
       }
     }
   }
-  for (comm::Communicator* group : {comm.get(), options.sync_group.get()}) {
+  for (comm::Communicator* group : {comm.get(), sync_comm.get()}) {
     if (group == nullptr) continue;
-    ST_CHECK_T(ConfigError, group->device() == device, options.name, ": the model is on ", device,
+    ST_CHECK_T(ConfigError, group->device() == device, plan.name, ": the model is on ", device,
                " but the ", group->backend(), " communicator moves tensors on ", group->device(),
                "; move the model there before prepare() (model->to(accelerator.device())), or pick the backend "
                "for the model's device (gloo for cpu, nccl for cuda:LOCAL_RANK)");
@@ -54,14 +54,14 @@ void ShardedEngine::State::bind_device() {
 
 void ShardedEngine::State::allocate_partitions() {
   const at::TensorOptions fp32 = fp32_options();
-  const at::TensorOptions low = fp32.dtype(options.param_dtype);
+  const at::TensorOptions low = fp32.dtype(plan.param_dtype);
   const at::TensorOptions state_options = pure() ? low : fp32;  // dtype the optimizer steps in
   int64_t total_shard = 0;
   for (auto& u : units) {
     std::vector<int64_t> numels;
     for (const auto& p : u.params) numels.push_back(p.numel());
-    u.layout = std::make_unique<UnitLayout>(options.layout, numels, layout_world(), /*align=*/1);
-    u.persistent = u.layout->total_param_numel() < options.param_persistence_threshold;
+    u.layout = std::make_unique<UnitLayout>(plan.layout, numels, layout_world(), /*align=*/1);
+    u.persistent = u.layout->total_param_numel() < plan.param_persistence_threshold;
     u.pending_grads.resize(u.params.size());
     if (u.trainable) {
       u.shard_offset = total_shard;
@@ -71,22 +71,22 @@ void ShardedEngine::State::allocate_partitions() {
   if (!pure()) master_flat = at::zeros({total_shard}, fp32);
   // keep_low_precision_grads: the reduced gradient stays in param_dtype (the
   // optimizer kernels widen it as they read it), as FSDP1 leaves flat_param.grad.
-  const bool low_grads = pure() || (options.keep_low_precision_grads && options.param_dtype != at::kFloat);
+  const bool low_grads = pure() || (plan.keep_low_precision_grads && plan.param_dtype != at::kFloat);
   const at::TensorOptions grad_options = low_grads ? low : fp32;
   grad_flat = at::zeros({total_shard}, grad_options);
-  lp_flat = (!pure() && options.param_dtype == at::kFloat) ? master_flat : at::zeros({total_shard}, low);
-  const std::string& opt = options.optimizer.type;
-  if (!options.optimizer.custom_factory) {
+  lp_flat = (!pure() && plan.param_dtype == at::kFloat) ? master_flat : at::zeros({total_shard}, low);
+  const std::string& opt = plan.optimizer.type;
+  if (!plan.optimizer.custom_factory) {
     if (opt == "AdamW" || opt == "Adam") {
       exp_avg_flat = at::zeros({total_shard}, state_options);
       exp_avg_sq_flat = at::zeros({total_shard}, state_options);
     } else if (opt == "SGD") {
-      if (options.optimizer.momentum != 0.0) momentum_flat = at::zeros({total_shard}, fp32);
+      if (plan.optimizer.momentum != 0.0) momentum_flat = at::zeros({total_shard}, fp32);
     } else {
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
   }
-  if (options.offload_optimizer && !pure()) {
+  if (plan.offload_optimizer && !pure()) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
     // Pinned next to a GPU, as DeepSpeed's offload buffers are: copies between
     // pinned host memory and the device run at full bus speed and can overlap.
@@ -101,7 +101,7 @@ void ShardedEngine::State::allocate_partitions() {
       to_host(momentum_flat);
     }
     host_grad_flat = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    host_lp_flat = at::zeros({total_shard}, host.dtype(options.param_dtype));
+    host_lp_flat = at::zeros({total_shard}, host.dtype(plan.param_dtype));
   }
 }
 

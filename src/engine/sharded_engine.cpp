@@ -31,7 +31,7 @@ ShardedEngine::~ShardedEngine() {
     try {
       work->wait();
     } catch (const std::exception& e) {
-      ST_LOG_WARN("{}: {} still in flight at shutdown failed: {}", s.options.name, what, e.what());
+      ST_LOG_WARN("{}: {} still in flight at shutdown failed: {}", s.plan.name, what, e.what());
     }
   };
   for (auto& u : s.units) settle(u.gather_work, "the gather of " + u.label());
@@ -40,18 +40,20 @@ ShardedEngine::~ShardedEngine() {
   }
 }
 
-std::string ShardedEngine::name() const { return state_->options.name; }
+std::string ShardedEngine::name() const { return state_->plan.name; }
 
-const ShardingOptions& ShardedEngine::options() const { return state_->options; }
+const EnginePlan& ShardedEngine::plan() const { return state_->plan; }
 
-ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr shard_group,
-                             ShardingOptions options)
-    : state_(std::make_unique<State>(std::move(model), std::move(shard_group), std::move(options))) {
+ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGroups groups, EnginePlan plan)
+    : state_(std::make_unique<State>(std::move(model), std::move(groups), std::move(plan))) {
   State& s = *state_;
-  ST_CHECK(s.model != nullptr, s.options.name, ": the model is null");
-  ST_CHECK(!(s.options.pure_low_precision && s.options.optimizer.type == "SGD"), s.options.name,
+  ST_CHECK(s.model != nullptr, s.plan.name, ": the model is null");
+  if (s.sync_group().rank() == 0) {
+    for (const std::string& notice : s.plan.notices) ST_LOG_WARN("{}", notice);
+  }
+  ST_CHECK(!(s.plan.pure_low_precision && s.plan.optimizer.type == "SGD"), s.plan.name,
            ": pure low precision runs AdamW/Adam on low-precision state; SGD is not supported there");
-  ST_CHECK(!(s.options.pure_low_precision && s.options.optimizer.custom_factory), s.options.name,
+  ST_CHECK(!(s.plan.pure_low_precision && s.plan.optimizer.custom_factory), s.plan.name,
            ": a custom optimizer needs an fp32 master; it cannot run in pure low precision");
 
   s.register_units();
@@ -63,10 +65,10 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, comm::Com
     return a + (u.trainable ? u.layout->total_param_numel() : 0);
   });
   ST_LOG_INFO("{}: {} unit states, {} trainable elements over {} ranks; compute {}, shard {}, reduce {}{}{}",
-              s.options.name, s.units.size(), trainable, s.layout_world(), c10::toString(s.options.compute_dtype),
-              c10::toString(s.options.param_dtype), c10::toString(s.options.reduce_dtype),
+              s.plan.name, s.units.size(), trainable, s.layout_world(), c10::toString(s.plan.compute_dtype),
+              c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
               s.pure() ? ", pure low precision (no fp32 master)" : "",
-              s.options.offload_optimizer ? ", optimizer offloaded to CPU" : "");
+              s.plan.offload_optimizer ? ", optimizer offloaded to CPU" : "");
 }
 
 }  // namespace shardtrain::engine

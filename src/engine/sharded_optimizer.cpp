@@ -39,13 +39,13 @@ std::vector<int64_t> parameter_run_starts(const std::vector<UnitState>& units, i
 }  // namespace
 
 void ShardedEngine::State::create_custom_optimizer() {
-  if (options.optimizer.custom_factory) {
+  if (plan.optimizer.custom_factory) {
     // The escape hatch steps the master shard directly; its .grad() is the
     // reduced gradient partition, unscaled and clipped by step().
     at::Tensor leaf = master_flat;
     leaf.set_requires_grad(true);
     custom_leaves = {leaf};
-    custom_optimizer = options.optimizer.custom_factory(custom_leaves);
+    custom_optimizer = plan.optimizer.custom_factory(custom_leaves);
     ST_CHECK(custom_optimizer != nullptr, "the custom optimizer factory returned null");
   }
 }
@@ -56,7 +56,7 @@ double ShardedEngine::clip_grad_norm(double max_norm) {
   // item() is the step's one wait for it.
   at::Tensor total = kernels::sum_of_squares(s.grad_flat).reshape({1});
   s.comm->all_reduce(total, ReduceOp::kSum);
-  if (!s.options.shard_params) {
+  if (!s.plan.shard_params) {
     // Every rank holds all gradients: the sum over ranks counted each W times.
     total.div_(s.comm->world_size());
   }
@@ -84,7 +84,7 @@ StepResult ShardedEngine::step(double lr) {
   // else one pass and a MAX.
   const std::optional<bool> norm_finite = std::exchange(s.grads_finite, std::nullopt);
   bool finite = true;
-  if (norm_finite.has_value() && !s.options.fp16) {
+  if (norm_finite.has_value() && !s.plan.fp16) {
     finite = *norm_finite;
   } else {
     at::Tensor flag = kernels::non_finite_flag(s.grad_flat).reshape({1});
@@ -98,7 +98,7 @@ StepResult ShardedEngine::step(double lr) {
     s.clip_coefficient = 1.0;
     s.last_grad_norm = -1.0;
     result.skipped = true;
-    result.non_finite = !s.options.fp16;
+    result.non_finite = !s.plan.fp16;
     return result;
   }
   const double grad_scale = s.clip_coefficient / s.scaler.scale();
@@ -112,7 +112,7 @@ StepResult ShardedEngine::step(double lr) {
   if (separate_lp) lp_out = s.host_lp_flat.defined() ? s.host_lp_flat : s.lp_flat;
   ++s.optimizer_steps;
 
-  const auto& o = s.options.optimizer;
+  const auto& o = s.plan.optimizer;
   if (s.custom_optimizer) {
     at::Tensor& leaf = s.custom_leaves[0];
     // torch optimizers need the leaf's dtype (keep_low_precision_grads keeps a 16-bit partition).
@@ -138,8 +138,8 @@ StepResult ShardedEngine::step(double lr) {
     // pattern it does not change the audit either.
     const int64_t alignment = audit_ptr != nullptr ? kernels::audit_pattern_elements(o.audit_sample_period) : 1;
     const auto slices = optimizer_step_slices(
-        s.options.sub_group_size == 0 ? parameter_run_starts(s.units, s.layout_rank()) : std::vector<int64_t>{},
-        s.options.sub_group_size, total, alignment);
+        s.plan.sub_group_size == 0 ? parameter_run_starts(s.units, s.layout_rank()) : std::vector<int64_t>{},
+        s.plan.sub_group_size, total, alignment);
     for (const auto& [begin, end] : slices) {
       const int64_t len = end - begin;
       at::Tensor param = stepped.narrow(0, begin, len);

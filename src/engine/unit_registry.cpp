@@ -20,20 +20,20 @@ namespace shardtrain::engine {
 void ShardedEngine::State::register_units() {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> unit_modules;
   std::vector<std::string> marked_classes;
-  if (options.wrap_units) {
+  if (plan.wrap_units) {
     for (const auto& item : model->named_modules("", /*include_self=*/false)) {
       auto* marked = dynamic_cast<Unit*>(item.value().get());
       if (marked == nullptr) continue;
       marked_classes.push_back(marked->unit_class_name());
-      if (!options.unit_classes.empty() &&
-          std::find(options.unit_classes.begin(), options.unit_classes.end(), marked->unit_class_name()) ==
-              options.unit_classes.end()) {
+      if (!plan.unit_classes.empty() &&
+          std::find(plan.unit_classes.begin(), plan.unit_classes.end(), marked->unit_class_name()) ==
+              plan.unit_classes.end()) {
         continue;
       }
-      if (options.min_unit_params > 0) {
+      if (plan.min_unit_params > 0) {
         int64_t n = 0;
         for (const auto& p : item.value()->parameters()) n += p.numel();
-        if (n < options.min_unit_params) continue;
+        if (n < plan.min_unit_params) continue;
       }
       bool nested = false;
       for (const auto& [path, _] : unit_modules) {
@@ -46,23 +46,23 @@ void ShardedEngine::State::register_units() {
     // A config may list several families' classes (LlamaDecoderLayer,MistralDecoderLayer)
     // so one file serves both: a missing name only warns when no listed class matched.
     const bool any_listed_found = std::any_of(
-        options.unit_classes.begin(), options.unit_classes.end(), [&](const std::string& cls) {
+        plan.unit_classes.begin(), plan.unit_classes.end(), [&](const std::string& cls) {
           return std::find(marked_classes.begin(), marked_classes.end(), cls) != marked_classes.end();
         });
-    for (const auto& cls : options.unit_classes) {
+    for (const auto& cls : plan.unit_classes) {
       if (std::find(marked_classes.begin(), marked_classes.end(), cls) != marked_classes.end()) continue;
       if (any_listed_found) {
         ST_LOG_INFO("{}: transformer_layer_cls_to_wrap also names '{}', which this model does not have",
-                    options.name, cls);
+                    plan.name, cls);
       } else {
         ST_LOG_WARN("{}: transformer_layer_cls_to_wrap names '{}', but no shardtrain::Unit of that class is in "
-                    "the model; its layers stay in the root unit", options.name, cls);
+                    "the model; its layers stay in the root unit", plan.name, cls);
       }
     }
-    if (unit_modules.empty() && options.wrap_units) {
+    if (unit_modules.empty() && plan.wrap_units) {
       ST_LOG_WARN("{}: no sharding units selected (the model marks none, or the wrap policy matched none); "
                   "the whole model is one unit, gathered at once. Mark transformer blocks as shardtrain::Unit.",
-                  options.name);
+                  plan.name);
     }
   }
 

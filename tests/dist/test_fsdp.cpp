@@ -158,7 +158,7 @@ TEST(DistFsdpPure, OptimizerStateIsBf16AtFourBytesPerParameter) {
     model->to(at::kBFloat16);  // a bf16 load with mixed_precision: no is Accelerate's pure mode
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
-    EXPECT_TRUE(engine.options().pure_low_precision);
+    EXPECT_TRUE(engine.plan().pure_low_precision);
     EXPECT_EQ(engine.exp_avg_partition().scalar_type(), at::kBFloat16);
     EXPECT_EQ(engine.exp_avg_sq_partition().scalar_type(), at::kBFloat16);
     EXPECT_EQ(engine.parameter_partition().scalar_type(), at::kBFloat16);

@@ -116,10 +116,13 @@ TEST(DistZeroPartition, OddSizedParameterIsSplitWithThePaddedTailOnTheLastRank) 
     // One 3x5 weight (15 elements): chunk ceil(15/2) = 8; rank 0 owns [0, 8), rank 1 owns [8, 15) + 1 padding.
     auto model = std::make_shared<torch::nn::Module>();
     at::Tensor weight = model->register_parameter("weight", at::arange(15, at::kFloat).view({3, 5}) + 1);
-    shardtrain::zero::ZeroOptions options;
-    options.stage = 3;
-    options.param_persistence_threshold = 0;
-    shardtrain::zero::ZeroEngine engine(model, ctx.comm, options);
+    shardtrain::TrainingConfig config;
+    config.distributed_type = shardtrain::DistributedType::kDeepSpeed;
+    config.zero.stage = 3;
+    config.zero.stage3_param_persistence_threshold = 0;
+    shardtrain::engine::PlanContext context;
+    context.world_size = ctx.comm->world_size();
+    shardtrain::zero::ZeroEngine engine(model, ctx.comm, shardtrain::zero::plan(config, context));
     auto ranges = engine.owned_ranges();
     ASSERT_EQ(ranges.size(), 1u);
     EXPECT_EQ(ranges[0].name, "weight");

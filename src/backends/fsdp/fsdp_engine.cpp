@@ -1,7 +1,16 @@
+// The FSDP backend's decisions (see fsdp_engine.h), from the config's
+// fsdp_config section and mixed-precision keys, and the communicator groups
+// its sharding strategy runs over.
+
 #include "backends/fsdp/fsdp_engine.h"
 
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
 #include "shardtrain/error.h"
-#include "shardtrain/logging.h"
+#include "shardtrain/precision_plan.h"
 
 namespace shardtrain::fsdp {
 
@@ -12,34 +21,34 @@ std::pair<double, double> gradient_divide_factors(int world_size) {
   return {static_cast<double>(factor), static_cast<double>(world_size) / factor};
 }
 
-namespace {
-
-std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::CommunicatorPtr& world,
-                                                                      const FsdpOptions& f) {
-  const FsdpConfig& c = f.config;
-  engine::ShardingOptions o;
+engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context) {
+  const FsdpConfig& c = config.fsdp;
+  const bool pure = fsdp_pure_low_precision(config, context.load_dtype);
+  // Standard mode computes in the mixed-precision dtype; pure mode in the load dtype.
+  const DType shard = c.param_dtype.value_or(pure ? (context.load_dtype == "fp16" ? DType::kFp16 : DType::kBf16)
+                                                  : config.compute_dtype());
+  engine::EnginePlan o;
   o.layout = engine::UnitLayout::Kind::kFlat;
-  o.compute_dtype = f.compute_dtype;
-  o.param_dtype = f.param_dtype;
-  o.reduce_dtype = f.reduce_dtype;
-  o.pure_low_precision = f.pure_low_precision;
+  o.param_dtype = engine::scalar_type(shard);
+  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
+  o.compute_dtype = (shard == DType::kFp16 && !context.on_cuda) ? at::kFloat : o.param_dtype;
+  o.reduce_dtype = engine::scalar_type(c.reduce_dtype.value_or(shard));
+  o.pure_low_precision = pure;
   // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
-  o.keep_low_precision_grads = c.keep_low_precision_grads && !f.pure_low_precision && f.param_dtype != at::kFloat;
-  o.buffer_dtype = f.buffer_dtype;
-  o.weight_source = f.weight_source;
+  o.keep_low_precision_grads = c.keep_low_precision_grads && !pure && o.param_dtype != at::kFloat;
+  if (c.buffer_dtype) o.buffer_dtype = engine::scalar_type(*c.buffer_dtype);
   o.rank0_loads_weights = c.cpu_ram_efficient_loading;
-  o.loss_scale = f.loss_scale;
-  o.fp16 = f.fp16;
-  o.optimizer = f.optimizer;
+  o.loss_scale = config.fp16;
+  o.fp16 = shard == DType::kFp16;
+  o.optimizer = engine::optimizer_spec(config);
   // cpu_ram_efficient_loading needs rank 0's values (Accelerate forces sync_module_states with it);
   // parameters a rank built without storage come from rank 0 either way.
   o.sync_module_states = c.sync_module_states || c.cpu_ram_efficient_loading;
-  o.sync_group = world;
   o.offload_optimizer = c.offload_params;
   o.activation_checkpointing = c.activation_checkpointing;
   // FSDP sums and divides around the reduction by these factors of the whole world.
   o.average = false;
-  std::tie(o.predivide, o.postdivide) = gradient_divide_factors(world->world_size());
+  std::tie(o.predivide, o.postdivide) = gradient_divide_factors(context.world_size);
   o.overlap_comm = true;
   // One bucket per unit: FSDP reduce-scatters each FlatParameter on its own.
   o.reduce_bucket_size = 1;
@@ -63,8 +72,7 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
       break;
   }
 
-  comm::CommunicatorPtr shard_group = world;
-  const int W = world->world_size();
+  const int W = context.world_size;
   switch (c.sharding_strategy) {
     case ShardingStrategy::kFullShard:
       o.reshard = engine::Reshard::kAfterForward;
@@ -78,49 +86,60 @@ std::pair<comm::CommunicatorPtr, engine::ShardingOptions> configure(const comm::
       break;
     case ShardingStrategy::kHybridShard:
     case ShardingStrategy::kHybridShardZero2: {
-      const int local = f.local_world_size;
+      const int local = context.local_world_size > 0 ? context.local_world_size : W;
       ST_CHECK_T(ConfigError, local >= 1 && W % local == 0, to_string(c.sharding_strategy),
                  ": the world size ", W, " is not a multiple of the processes per machine (LOCAL_WORLD_SIZE=", local,
                  "); every machine must run the same number of processes");
-      std::vector<std::vector<int>> machines, replicas;
-      for (int m = 0; m < W / local; ++m) {
-        machines.emplace_back();
-        for (int l = 0; l < local; ++l) machines.back().push_back(m * local + l);
-      }
-      for (int l = 0; l < local; ++l) {
-        replicas.emplace_back();
-        for (int m = 0; m < W / local; ++m) replicas.back().push_back(m * local + l);
-      }
-      shard_group = world->split(machines);
-      o.replicate_group = world->split(replicas);
+      o.hybrid_shard_size = local;
       o.reshard = c.sharding_strategy == ShardingStrategy::kHybridShard ? engine::Reshard::kAfterForward
                                                                          : engine::Reshard::kAfterBackward;
       break;
     }
   }
-  o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (f.pure_low_precision ? " (pure low precision)" : "");
-  if (world->rank() == 0) {
-    if (c.keep_low_precision_grads && !o.keep_low_precision_grads) {
-      ST_LOG_WARN("fsdp: fsdp_keep_low_precision_grads has no effect here: {}",
-                  f.pure_low_precision ? "pure low precision keeps every gradient in the low dtype already"
-                                       : "param_dtype is fp32, so gradients are fp32 anyway");
-    }
-    if (f.pure_low_precision) {
-      ST_LOG_WARN("fsdp pure low precision: parameters, gradients and optimizer state are {}; an update smaller "
-                  "than half an ulp of its weight is lost (the seeds' stalled Mistral run). Use mixed_precision: "
-                  "bf16 for an fp32 master.", c10::toString(f.param_dtype));
-    }
+  o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (pure ? " pure low precision" : " standard");
+  if (c.keep_low_precision_grads && !o.keep_low_precision_grads) {
+    o.notices.push_back(std::string("fsdp: fsdp_keep_low_precision_grads has no effect here: ") +
+                        (pure ? "pure low precision keeps every gradient in the low dtype already"
+                              : "param_dtype is fp32, so gradients are fp32 anyway"));
   }
-  return {shard_group, o};
+  if (pure) {
+    o.notices.push_back("fsdp pure low precision: parameters, gradients and optimizer state are " +
+                        std::string(c10::toString(o.param_dtype)) +
+                        "; an update smaller than half an ulp of its weight is lost (the seeds' stalled Mistral "
+                        "run). Use mixed_precision: bf16 for an fp32 master.");
+  }
+  return o;
+}
+
+namespace {
+
+/// The communicators of `plan` over `world`: HYBRID_SHARD shards within each
+/// machine and all-reduces across the machines' same local ranks; initial
+/// values are always synchronised over the whole world.
+engine::EngineGroups make_groups(const comm::CommunicatorPtr& world, const engine::EnginePlan& plan) {
+  engine::EngineGroups groups{world, nullptr, world};
+  const int local = plan.hybrid_shard_size;
+  if (local == 0) return groups;
+  const int W = world->world_size();
+  ST_CHECK_T(ConfigError, W % local == 0, plan.name, ": the world size ", W,
+             " is not a multiple of the processes per machine (", local, ")");
+  std::vector<std::vector<int>> machines, replicas;
+  for (int m = 0; m < W / local; ++m) {
+    machines.emplace_back();
+    for (int l = 0; l < local; ++l) machines.back().push_back(m * local + l);
+  }
+  for (int l = 0; l < local; ++l) {
+    replicas.emplace_back();
+    for (int m = 0; m < W / local; ++m) replicas.back().push_back(m * local + l);
+  }
+  groups.shard = world->split(machines);
+  groups.replicate = world->split(replicas);
+  return groups;
 }
 
 }  // namespace
 
-FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, const FsdpOptions& options)
-    : FsdpEngine(std::move(model), configure(world, options)) {}
-
-FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> model,
-                       std::pair<comm::CommunicatorPtr, engine::ShardingOptions> setup)
-    : ShardedEngine(std::move(model), std::move(setup.first), std::move(setup.second)) {}
+FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan)
+    : ShardedEngine(std::move(model), make_groups(world, plan), plan) {}
 
 }  // namespace shardtrain::fsdp

@@ -29,23 +29,11 @@
 
 namespace shardtrain::fsdp {
 
-struct FsdpOptions {
-  FsdpConfig config;
-  /// Resolved dtypes.
-  at::ScalarType compute_dtype = at::kFloat;
-  at::ScalarType param_dtype = at::kFloat;
-  at::ScalarType reduce_dtype = at::kFloat;
-  bool pure_low_precision = false;
-  /// Resolved fsdp_buffer_dtype (unset: buffers are not cast).
-  std::optional<at::ScalarType> buffer_dtype;
-  /// Fills the shards of parameters built without storage (else rank 0 sends them).
-  WeightSource weight_source;
-  /// Processes per machine (HYBRID_SHARD shards within a machine).
-  int local_world_size = 1;
-  LossScaleConfig loss_scale;
-  bool fp16 = false;
-  engine::OptimizerSpec optimizer;
-};
+/// The FSDP plan of a resolved `config` (its fsdp_config section and the
+/// mixed-precision keys, as Accelerate resolves them). A HYBRID_SHARD world
+/// that is not a whole number of machines is a ConfigError here, before any
+/// communicator exists.
+engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context);
 
 /// FSDP's gradient pre/post-divide factors for a world size: the largest power
 /// of two f with f*f <= W dividing W (so both divisions stay well scaled), and W/f.
@@ -53,10 +41,9 @@ std::pair<double, double> gradient_divide_factors(int world_size);
 
 class FsdpEngine final : public engine::ShardedEngine {
  public:
-  FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, const FsdpOptions& options);
-
- private:
-  FsdpEngine(std::shared_ptr<torch::nn::Module> model, std::pair<comm::CommunicatorPtr, engine::ShardingOptions> setup);
+  /// Runs `plan` (fsdp::plan's) over `world`: HYBRID_SHARD splits it into a
+  /// shard group per machine and a replica group per local rank.
+  FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan);
 };
 
 }  // namespace shardtrain::fsdp

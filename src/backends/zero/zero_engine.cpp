@@ -1,46 +1,58 @@
+// The ZeRO backend's decisions: what each stage shards, when it frees, how it
+// reduces (see zero_engine.h), from the config's zero_optimization section.
+
 #include "backends/zero/zero_engine.h"
 
-#include "shardtrain/error.h"
+#include <string>
+#include <utility>
 
 namespace shardtrain::zero {
-namespace {
 
-engine::ShardingOptions to_sharding(const ZeroOptions& z) {
-  ST_CHECK_T(ConfigError, z.stage >= 0 && z.stage <= 3, "zero_optimization.stage must be 0, 1, 2 or 3, got ", z.stage);
-  engine::ShardingOptions o;
-  o.name = z.stage == 0 ? "ddp (zero-0)" : "zero-" + std::to_string(z.stage);
+engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context) {
+  // The stage was validated with the config (config_resolve.cpp), once.
+  const int stage = config.distributed_type == DistributedType::kDeepSpeed ? config.zero.stage : 0;
+  const ZeroConfig& z = config.zero;
+  const DType low = config.compute_dtype();
+  engine::EnginePlan o;
+  o.name = stage == 0 ? "ddp (zero-0)" : "zero-" + std::to_string(stage);
   o.layout = engine::UnitLayout::Kind::kPerParam;
-  o.shard_params = z.stage != 0;
-  o.reshard = z.stage == 3 ? engine::Reshard::kAfterForward : engine::Reshard::kNever;
-  o.reduce_at_boundary_only = z.stage == 1;
-  o.compute_dtype = z.compute_dtype;
-  o.param_dtype = z.param_dtype;
-  o.reduce_dtype = z.reduce_dtype;
+  o.shard_params = stage != 0;
+  o.reshard = stage == 3 ? engine::Reshard::kAfterForward : engine::Reshard::kNever;
+  o.reduce_at_boundary_only = stage == 1;
+  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
+  o.compute_dtype = (low == DType::kFp16 && !context.on_cuda) ? at::kFloat : engine::scalar_type(low);
+  o.param_dtype = engine::scalar_type(low);
+  o.reduce_dtype = engine::scalar_type(config.communication_data_type.value_or(low));
   o.average = true;  // DeepSpeed averages: sum in fp32, one division, one rounding
-  o.overlap_comm = z.overlap_comm;
-  o.reduce_bucket_size = z.reduce_bucket_size;
+  o.overlap_comm = z.overlap_comm.value_or(stage == 3);
+  o.reduce_bucket_size = z.reduce_bucket_size.value_or(ZeroConfig::kDefaultReduceBucketSize);
   o.sub_group_size = z.sub_group_size;
-  o.prefetch_bucket_size = z.prefetch_bucket_size;
+  o.prefetch_bucket_size = z.stage3_prefetch_bucket_size.value_or(ZeroConfig::kDefaultPrefetchBucketSize);
   o.backward_prefetch = engine::BackwardPrefetchMode::kPre;
-  o.param_persistence_threshold = z.stage == 3 ? z.param_persistence_threshold : 0;
-  o.max_live_parameters = z.max_live_parameters;
-  o.max_reuse_distance = z.stage == 3 ? z.max_reuse_distance : 0;
+  o.param_persistence_threshold =
+      stage == 3 ? z.stage3_param_persistence_threshold.value_or(ZeroConfig::kDefaultParamPersistenceThreshold) : 0;
+  o.max_live_parameters = z.stage3_max_live_parameters;
+  o.max_reuse_distance = stage == 3 ? z.stage3_max_reuse_distance : 0;
   o.allgather_bucket_size = z.allgather_bucket_size;
-  o.offload_optimizer = z.offload_optimizer;
-  o.activation_checkpointing = z.activation_checkpointing;
+  o.offload_optimizer = z.offload_optimizer != OffloadDevice::kNone;
+  if (z.offload_optimizer == OffloadDevice::kNvme) {
+    o.notices.push_back("zero_optimization.offload_optimizer.device nvme is not implemented; the optimizer is "
+                        "offloaded to CPU memory instead");
+  }
+  if (z.offload_param != OffloadDevice::kNone) {
+    o.notices.push_back("zero_optimization.offload_param is not implemented: parameter shards stay on the compute "
+                        "device (the optimizer offload, offload_optimizer, is)");
+  }
+  o.activation_checkpointing = config.gradient_checkpointing;
   o.sync_module_states = true;
-  o.loss_scale = z.loss_scale;
-  o.fp16 = z.fp16;
-  o.optimizer = z.optimizer;
-  o.weight_source = z.weight_source;
-  o.rank0_loads_weights = z.zero3_init && z.stage == 3;
+  o.loss_scale = config.fp16;
+  o.fp16 = low == DType::kFp16;
+  o.optimizer = engine::optimizer_spec(config);
+  o.rank0_loads_weights = config.zero3_init_flag && stage == 3;
   return o;
 }
 
-}  // namespace
-
-ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr comm,
-                       const ZeroOptions& options)
-    : ShardedEngine(std::move(model), std::move(comm), to_sharding(options)) {}
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan)
+    : ShardedEngine(std::move(model), engine::EngineGroups{std::move(world), nullptr, nullptr}, std::move(plan)) {}
 
 }  // namespace shardtrain::zero

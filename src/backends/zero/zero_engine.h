@@ -21,41 +21,15 @@
 
 namespace shardtrain::zero {
 
-struct ZeroOptions {
-  int stage = 3;
-  /// dtype the module computes in: bf16, fp16 on CUDA, fp32 (also for fp16 on
-  /// CPU, which has no fp16 matmul).
-  at::ScalarType compute_dtype = at::kFloat;
-  /// dtype of the low-precision partition and of the all-gather.
-  at::ScalarType param_dtype = at::kFloat;
-  /// dtype of the gradient reduction (communication_data_type).
-  at::ScalarType reduce_dtype = at::kFloat;
-  bool overlap_comm = true;
-  // Defaults: DeepSpeed's, from ZeroConfig (shardtrain/config.h).
-  int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;
-  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;
-  int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< elements gathered ahead (stage 3)
-  /// Units smaller than this stay gathered (stage 3).
-  int64_t param_persistence_threshold = ZeroConfig::kDefaultParamPersistenceThreshold;
-  int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
-  /// Stage 3: keep units reused within this many elements.
-  int64_t max_reuse_distance = ZeroConfig::kDefaultMaxReuseDistance;
-  /// Stages 1/2: elements per post-step all-gather.
-  int64_t allgather_bucket_size = ZeroConfig::kDefaultAllgatherBucketSize;
-  bool offload_optimizer = false;
-  bool activation_checkpointing = false;  ///< recompute each unit in backward (gradient_checkpointing)
-  LossScaleConfig loss_scale;
-  bool fp16 = false;
-  engine::OptimizerSpec optimizer;
-  /// Fills the shards of parameters built without storage (zero3_init_flag; else rank 0 sends them).
-  WeightSource weight_source;
-  /// zero3_init_flag at stage 3: ranks other than 0 are expected to build the model without its weights.
-  bool zero3_init = false;
-};
+/// The ZeRO plan of a resolved `config`: its zero_optimization section at
+/// the configured stage under DEEPSPEED, stage 0 (data parallel) under every
+/// other distributed type but FSDP. Defaults are DeepSpeed's (ZeroConfig).
+engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context);
 
 class ZeroEngine final : public engine::ShardedEngine {
  public:
-  ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr comm, const ZeroOptions& options);
+  /// Runs `plan` (zero::plan's) over `world`, every rank one shard.
+  ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan);
 };
 
 }  // namespace shardtrain::zero

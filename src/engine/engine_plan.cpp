@@ -1,0 +1,36 @@
+// What the engine plan takes from the config outside any backend's section:
+// the optimizer and the dtype mapping (see engine_plan.h).
+
+#include "engine/engine_plan.h"
+
+#include <array>
+
+namespace shardtrain::engine {
+
+at::ScalarType scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32: return at::kFloat;
+    case DType::kBf16: return at::kBFloat16;
+    case DType::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+OptimizerSpec optimizer_spec(const TrainingConfig& config) {
+  const OptimizerConfig& oc = config.optimizer;
+  OptimizerSpec spec;
+  spec.type = oc.type;
+  const auto betas = oc.betas.value_or(std::array<double, 2>{0.9, 0.999});
+  spec.beta1 = betas[0];
+  spec.beta2 = betas[1];
+  spec.eps = oc.eps.value_or(1e-8);
+  // torch.optim.AdamW's default weight decay is 0.01; Adam's and SGD's 0.
+  spec.weight_decay = oc.weight_decay.value_or(spec.type == "AdamW" ? 0.01 : 0.0);
+  spec.momentum = oc.momentum;
+  spec.nesterov = oc.nesterov;
+  spec.audit_sample_period = config.precision_audit.sample_period();
+  if (spec.type == "Adam" && oc.adam_w_mode.value_or(false)) spec.type = "AdamW";
+  return spec;
+}
+
+}  // namespace shardtrain::engine

@@ -1,0 +1,141 @@
+#pragma once
+// The engine plan: what a run's sharded engine does, resolved once from the
+// config by the sharding backend that config names (src/backends/zero,
+// src/backends/fsdp; src/engine_factory.h picks one), then only read. The
+// engine core runs it, and the precision plan the user sees is printed from
+// it (precision_plan.cpp), so no decision is derived twice. A plan holds no
+// communicator: `shardtrain config check` plans a run without starting one.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include "engine/engine.h"
+#include "engine/unit_layout.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config.h"
+#include "shardtrain/weight_loading.h"
+
+namespace shardtrain::engine {
+
+/// When a unit's gathered parameters are freed.
+enum class Reshard {
+  kNever,          ///< kept gathered (zero 0-2, NO_SHARD): re-gathered after each optimizer step
+  kAfterBackward,  ///< gathered for forward, freed once the unit's gradients are reduced (SHARD_GRAD_OP)
+  kAfterForward,   ///< freed after forward, gathered again for backward (zero 3, FULL_SHARD)
+};
+
+/// Which unit to gather ahead during backward.
+enum class BackwardPrefetchMode { kNone, kPre, kPost };
+
+/// Everything the engine core runs by. Each sharding backend sets every field
+/// it cares about from its own config section (src/backends/*/: ZeRO's
+/// defaults are ZeroConfig's, FSDP's are its config's); the values here are
+/// the neutral ones a backend gets for a feature it does not have, and the
+/// size limits are DeepSpeed's, taken from ZeroConfig.
+struct EnginePlan {
+  /// The one name of this engine, in logs, errors and the precision plan:
+  /// "zero-3", "ddp (zero-0)", "fsdp FULL_SHARD standard", ...
+  std::string name = "sharded";
+  /// What rank 0 warns about when the engine starts (a key with no effect
+  /// here, a mode that loses updates), decided with the plan.
+  std::vector<std::string> notices;
+  UnitLayout::Kind layout = UnitLayout::Kind::kPerParam;
+  /// false: every rank holds everything and gradients are all-reduced (zero 0, NO_SHARD).
+  bool shard_params = true;
+  Reshard reshard = Reshard::kAfterForward;
+  /// zero 1: gradients accumulate unreduced (full size, fp32) until the accumulation boundary.
+  bool reduce_at_boundary_only = false;
+  /// fsdp pure low precision: shard, gradients and optimizer state in param_dtype; no fp32 master.
+  bool pure_low_precision = false;
+  /// fsdp keep_low_precision_grads: the sharded gradient the optimizer reads
+  /// stays in param_dtype (the kernels widen it to fp32 as they read it)
+  /// instead of an fp32 gradient partition. Half the gradient memory with a
+  /// 16-bit param_dtype; gradients accumulate rounded to that dtype.
+  bool keep_low_precision_grads = false;
+  /// fsdp buffer_dtype: floating-point buffers are cast to it for compute
+  /// (FSDP1's MixedPrecision.buffer_dtype); full_state_dict returns them in
+  /// their original dtype. Unset: buffers are left as the model made them.
+  std::optional<at::ScalarType> buffer_dtype;
+  /// Fills the shards of parameters built without storage
+  /// (release_parameter_storage); without one they come from rank 0.
+  WeightSource weight_source;
+  /// fsdp_cpu_ram_efficient_loading / zero3_init_flag is on: rank 0 warns when
+  /// no other rank built the model without its weights (nothing was saved).
+  bool rank0_loads_weights = false;
+  at::ScalarType compute_dtype = at::kFloat;  ///< dtype the module computes in
+  at::ScalarType param_dtype = at::kFloat;    ///< shard at rest / all-gather dtype
+  at::ScalarType reduce_dtype = at::kFloat;   ///< gradient reduction dtype
+  /// Gradient scaling around the reduction, as FSDP computes it: divide by
+  /// `predivide` before, by `postdivide` after a SUM. {1, 1} with average=true
+  /// is ZeRO's mean (sum, then one division in fp32).
+  bool average = true;
+  double predivide = 1.0;
+  double postdivide = 1.0;
+  /// HYBRID_SHARD: ranks per shard group (one machine); gradients are then
+  /// all-reduced over the replica groups across machines. 0: the shard group
+  /// is the whole world.
+  int hybrid_shard_size = 0;
+  bool overlap_comm = true;
+  int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;  ///< gradient elements per reduction
+  int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices (0: one per parameter)
+  int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< forward prefetch window, elements (0 = none)
+  int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
+  BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
+  int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered
+  /// kAfterForward: a unit whose backward use comes within this many gathered
+  /// elements of its forward (per the recorded order) is not freed in between
+  /// (DeepSpeed's stage3_max_reuse_distance). 0 = always free: FSDP's
+  /// behaviour; ZeRO-3 sets ZeroConfig's default.
+  int64_t max_reuse_distance = 0;
+  /// Parameter all-gathers after an optimizer step (units kept gathered) are
+  /// combined into collectives of up to this many elements (allgather_bucket_size).
+  int64_t allgather_bucket_size = 1;
+  int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
+  bool offload_optimizer = false;
+  /// Unit selection among the model's shardtrain::Unit modules (outermost wins):
+  /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
+  bool wrap_units = true;
+  std::vector<std::string> unit_classes;
+  int64_t min_unit_params = 0;
+  /// Recompute every unit's forward during its backward (activation checkpointing).
+  bool activation_checkpointing = false;
+  /// Rank 0's initial values are broadcast (fsdp_sync_module_states; zero
+  /// always) over the shard group, or over the whole world with HYBRID_SHARD.
+  bool sync_module_states = true;
+  LossScaleConfig loss_scale;
+  bool fp16 = false;
+  OptimizerSpec optimizer;
+};
+
+/// What a backend plans from besides the config: the run's shape and the
+/// model's load dtype (the pure-low-precision rule depends on it).
+struct PlanContext {
+  int world_size = 1;
+  /// Processes per machine (HYBRID_SHARD shards within one); 0: world_size.
+  int local_world_size = 0;
+  /// Compute happens on a GPU (fp16 then computes in fp16; on a CPU in fp32).
+  bool on_cuda = false;
+  std::string load_dtype = "fp32";
+};
+
+/// The communicators a plan runs over, made from the world by its backend.
+struct EngineGroups {
+  comm::CommunicatorPtr shard;      ///< the ranks one copy of the model states is sharded over
+  comm::CommunicatorPtr replicate;  ///< HYBRID_SHARD: the same shard on every machine; else null
+  comm::CommunicatorPtr sync;       ///< where rank 0's initial values are broadcast (null: `shard`)
+};
+
+/// The ScalarType of a config dtype.
+at::ScalarType scalar_type(DType dtype);
+
+/// The optimizer the config's optimizer block asks for, with the defaults of
+/// torch.optim / DeepSpeed where it leaves a value out (lr excepted: the
+/// scheduler's base lr; weight decay 0.01 for AdamW, else 0). Adam with
+/// adam_w_mode is AdamW.
+OptimizerSpec optimizer_spec(const TrainingConfig& config);
+
+}  // namespace shardtrain::engine
