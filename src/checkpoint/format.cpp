@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <sstream>
 #include <system_error>
 
@@ -68,6 +69,10 @@ Index read_index(const fs::path& dir) {
     index.engine = raw.value("engine", std::string("?"));
     index.world_size = index_integer_or<int>(raw, "world_size", 0, "the header's");
     index.training_state = raw.value("training_state", json::object());
+    // Another version's layout is not this one's: its header is all that can
+    // be read, and the reader reports the version (load refuses it, verify
+    // lists it) instead of a field that "is malformed".
+    if (index.format_version != kFormatVersion) return index;
     where = "\"files\"";
     for (const auto& [name, meta] : raw.at("files").items()) {
       where = "file " + name;
@@ -90,6 +95,9 @@ Index read_index(const fs::path& dir) {
       for (int64_t extent : param.shape) {
         ST_CHECK(extent >= 0, "checkpoint ", index_path.string(), ": parameter '", name, "' has shape ",
                  shape_text(param.shape), " with a negative extent");
+        ST_CHECK(extent == 0 || param.numel <= std::numeric_limits<int64_t>::max() / extent, "checkpoint ",
+                 index_path.string(), ": parameter '", name, "' has shape ", shape_text(param.shape),
+                 ", more elements than an int64 counts; the index is damaged");
         param.numel *= extent;
       }
       for (const auto& s : meta.at("slices")) {

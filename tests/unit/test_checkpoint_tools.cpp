@@ -300,6 +300,20 @@ TEST_F(UnitCheckpointTools, VerifyReportsAnIndexThatDisagreesWithItsFile) {
   EXPECT_NE(all.find("parameter 'b': elements [0, 1) are in no slice"), std::string::npos) << all;
 }
 
+TEST_F(UnitCheckpointTools, AnotherFormatVersionIsReportedAsSuchWhateverItsLayout) {
+  // A later version may lay out files and params differently: the version is
+  // the one problem to report, not a field of this version's layout.
+  write_index({{"format_version", 2}, {"files", {{"shards", json::array()}}}});
+  expect_one_problem({"format version 2", "this shardtrain reads version 1"});
+}
+
+TEST_F(UnitCheckpointTools, AShapeWithMoreElementsThanAnInt64IsRefusedByName) {
+  json index = read_index();
+  index["params"]["b"]["shape"] = {int64_t{1} << 40, int64_t{1} << 40};
+  write_index(index);
+  expect_one_problem({"parameter 'b'", "more elements than an int64 counts"});
+}
+
 TEST_F(UnitCheckpointTools, InspectListsParametersFilesAndState) {
   const std::string text = ck::inspect(root_.string());
   for (const std::string needle : {"w", "b", "layer.norm", "[3, 5]", "[5]", "[2, 2]", "Float", "15",
