@@ -32,12 +32,6 @@ double PrecisionPlan::optimizer_bytes_per_param_total() const {
   return (master_bytes + optimizer_bytes + (master_is_params ? params_bytes : 0.0)) * shard_count;
 }
 
-bool fsdp_pure_low_precision(const TrainingConfig& config, const std::string& load_dtype) {
-  if (config.fsdp.pure_low_precision) return *config.fsdp.pure_low_precision;
-  return config.mixed_precision == MixedPrecision::kNo && config.compute_dtype() == DType::kFp32 &&
-         (load_dtype == "bf16" || load_dtype == "fp16");
-}
-
 PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
                              const std::string& load_dtype, int local_world_size) {
   engine::PlanContext context;

@@ -50,8 +50,4 @@ struct PrecisionPlan {
 PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, int world_size, bool on_cuda,
                              const std::string& load_dtype = "fp32", int local_world_size = 0);
 
-/// The fsdp pure-low-precision rule (Accelerate's): the explicit
-/// fsdp_pure_low_precision key, else a bf16/fp16 load with mixed_precision: no.
-bool fsdp_pure_low_precision(const TrainingConfig& config, const std::string& load_dtype);
-
 }  // namespace shardtrain

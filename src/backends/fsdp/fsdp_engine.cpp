@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "shardtrain/error.h"
-#include "shardtrain/precision_plan.h"
 
 namespace shardtrain::fsdp {
 
@@ -21,9 +20,21 @@ std::pair<double, double> gradient_divide_factors(int world_size) {
   return {static_cast<double>(factor), static_cast<double>(world_size) / factor};
 }
 
+namespace {
+
+/// The pure-low-precision rule (Accelerate's): the explicit
+/// fsdp_pure_low_precision key, else a bf16/fp16 load with mixed_precision: no.
+bool pure_low_precision(const TrainingConfig& config, const std::string& load_dtype) {
+  if (config.fsdp.pure_low_precision) return *config.fsdp.pure_low_precision;
+  return config.mixed_precision == MixedPrecision::kNo && config.compute_dtype() == DType::kFp32 &&
+         (load_dtype == "bf16" || load_dtype == "fp16");
+}
+
+}  // namespace
+
 engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context) {
   const FsdpConfig& c = config.fsdp;
-  const bool pure = fsdp_pure_low_precision(config, context.load_dtype);
+  const bool pure = pure_low_precision(config, context.load_dtype);
   // Standard mode computes in the mixed-precision dtype; pure mode in the load dtype.
   const DType shard = c.param_dtype.value_or(pure ? (context.load_dtype == "fp16" ? DType::kFp16 : DType::kBf16)
                                                   : config.compute_dtype());
