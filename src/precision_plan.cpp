@@ -13,7 +13,6 @@ namespace shardtrain {
 namespace {
 
 double size_of(DType d) { return d == DType::kFp32 ? 4.0 : 2.0; }
-const char* name_of(DType d) { return d == DType::kFp32 ? "fp32" : d == DType::kBf16 ? "bf16" : "fp16"; }
 DType dtype_of(at::ScalarType t) { return t == at::kBFloat16 ? DType::kBf16 : t == at::kHalf ? DType::kFp16 : DType::kFp32; }
 
 std::string human(double bytes) {
@@ -52,17 +51,17 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   const bool pure = engine_plan.pure_low_precision;
   const DType low = dtype_of(engine_plan.param_dtype);
   const bool fp16_on_cpu = low == DType::kFp16 && !context.on_cuda;
-  plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : name_of(low);
-  plan.shard_dtype = name_of(low);
+  plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : to_string(low);
+  plan.shard_dtype = to_string(low);
   if (context.on_cuda) {
-    plan.gemm = std::string(name_of(low)) + " (cuBLAS, fp32 accumulation)";
+    plan.gemm = std::string(to_string(low)) + " (cuBLAS, fp32 accumulation)";
   } else if (low == DType::kBf16) {
     plan.gemm = "bf16 " + nn::cpu_low_precision_gemm().describe();
   } else {
     plan.gemm = "fp32 (LibTorch's BLAS)";
   }
   const DType reduce = dtype_of(engine_plan.reduce_dtype);
-  plan.reduce_dtype = name_of(reduce);
+  plan.reduce_dtype = to_string(reduce);
   const engine::OptimizerSpec& optimizer = engine_plan.optimizer;
   const double states = optimizer.type == "SGD" ? (optimizer.momentum != 0.0 ? 1.0 : 0.0) : 2.0;
 
@@ -79,9 +78,9 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);
   // fsdp_keep_low_precision_grads: the gradient shard stays in the 16-bit param dtype.
   const bool low_grads = pure || engine_plan.keep_low_precision_grads;
-  plan.grad_dtype = low_grads ? name_of(low) : "fp32";
+  plan.grad_dtype = low_grads ? to_string(low) : "fp32";
   plan.master_dtype = pure ? "none" : "fp32";
-  plan.optimizer_dtype = pure ? name_of(low) : "fp32";
+  plan.optimizer_dtype = pure ? to_string(low) : "fp32";
   plan.params_bytes = shard / shards;
   plan.master_is_params = !pure && low == DType::kFp32;
   plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
@@ -94,7 +93,7 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";
   if (low_grads && !pure) {
-    plan.notes += "keep_low_precision_grads: gradients are kept (and accumulated) in " + std::string(name_of(low)) +
+    plan.notes += "keep_low_precision_grads: gradients are kept (and accumulated) in " + std::string(to_string(low)) +
                   "; the optimizer widens them as it reads them. ";
   }
   if (pure) {
