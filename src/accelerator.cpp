@@ -263,23 +263,17 @@ void Accelerator::step() {
   double norm = -1;
   if (!s.clipped_this_window && clip > 0) norm = engine().clip_grad_norm(clip);
   const double lr = current_lr();
-  engine::StepResult result = engine().step(lr);
-  s.last.lr = lr;
-  s.last.grad_norm = result.grad_norm >= 0 ? result.grad_norm : norm;
-  s.last.loss_scale = result.loss_scale;
-  s.last.skipped = result.skipped;
-  s.last.non_finite = result.non_finite;
-  s.last.lost_update_frac = result.lost_update_frac;
-  s.last.lost_update_frac_if_bf16 = result.lost_update_frac_if_bf16;
-  if (result.skipped) {
-    ++s.last.skipped_total;
-  } else {
-    ++s.last.step;
-  }
+  // The engine fills what it knows of the step; the counts and the lr are the Accelerator's.
+  StepInfo result = engine().step(lr);
+  result.lr = lr;
+  if (result.grad_norm < 0) result.grad_norm = norm;
+  result.step = s.last.step + (result.skipped ? 0 : 1);
+  result.skipped_total = s.last.skipped_total + (result.skipped ? 1 : 0);
+  result.non_finite_total = s.last.non_finite_total + (result.non_finite ? 1 : 0);
+  s.last = result;
   s.micro_in_window = 0;
   s.clipped_this_window = false;
   if (result.non_finite) {
-    ++s.last.non_finite_total;
     // The update was not applied and the gradients are zeroed: stopping here
     // leaves the weights and optimizer state as they were after the last good step.
     ST_CHECK(s.config.non_finite_policy != NonFinitePolicy::kStop, "after step ", s.last.step,
@@ -433,16 +427,7 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
 
 MemoryReport Accelerator::memory() const {
   MemoryReport report;
-  if (state_->engine) {
-    engine::MemoryStats m = state_->engine->memory();
-    report.params = m.params;
-    report.grads = m.grads;
-    report.master = m.master;
-    report.optimizer = m.optimizer;
-    report.gathered = m.gathered;
-    report.gathered_peak = m.gathered_peak;
-    report.load_peak = m.load_peak;
-  }
+  if (state_->engine) report = state_->engine->memory();
   report.peak_rss = peak_rss_bytes();
   return report;
 }

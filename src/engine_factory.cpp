@@ -6,20 +6,24 @@
 
 #include "backends/fsdp/fsdp_engine.h"
 #include "backends/zero/zero_engine.h"
+#include "engine/sharded_engine.h"
 
 namespace shardtrain {
 
+const engine::ShardingBackend& sharding_backend(DistributedType type) {
+  // A new backend (one folder under src/backends/) is one more line here.
+  if (type == DistributedType::kFsdp) return fsdp::backend();
+  return zero::backend();
+}
+
 engine::EnginePlan plan_engine(const TrainingConfig& config, const engine::PlanContext& context) {
-  if (config.distributed_type == DistributedType::kFsdp) return fsdp::plan(config, context);
-  return zero::plan(config, context);
+  return sharding_backend(config.distributed_type).plan(config, context);
 }
 
 std::unique_ptr<engine::Engine> make_engine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world,
                                             DistributedType type, engine::EnginePlan plan) {
-  if (type == DistributedType::kFsdp) {
-    return std::make_unique<fsdp::FsdpEngine>(std::move(model), std::move(world), std::move(plan));
-  }
-  return std::make_unique<zero::ZeroEngine>(std::move(model), std::move(world), std::move(plan));
+  engine::EngineGroups groups = sharding_backend(type).groups(world, plan);
+  return std::make_unique<engine::ShardedEngine>(std::move(model), std::move(groups), std::move(plan));
 }
 
 }  // namespace shardtrain

@@ -9,6 +9,7 @@
 
 #include "engine/engine.h"
 #include "engine/engine_plan.h"
+#include "engine/sharding_backend.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config.h"
 
@@ -17,6 +18,11 @@ class Module;
 }
 
 namespace shardtrain {
+
+/// The backend that runs a config of distributed type `type`: FSDP's for
+/// FSDP, ZeRO's (stage 0, data parallel, unless DEEPSPEED says otherwise) for
+/// every other type.
+const engine::ShardingBackend& sharding_backend(DistributedType type);
 
 /// The engine plan of a resolved `config`: FSDP's for distributed_type FSDP,
 /// ZeRO's (stage 0, data parallel, unless DEEPSPEED says otherwise) for every

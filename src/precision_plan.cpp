@@ -13,8 +13,6 @@ namespace shardtrain {
 namespace {
 
 double size_of(DType d) { return d == DType::kFp32 ? 4.0 : 2.0; }
-DType dtype_of(at::ScalarType t) { return t == at::kBFloat16 ? DType::kBf16 : t == at::kHalf ? DType::kFp16 : DType::kFp32; }
-
 std::string human(double bytes) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(2);
@@ -49,8 +47,9 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   plan.load_dtype = context.load_dtype;
   plan.engine = engine_plan.name;
   const bool pure = engine_plan.pure_low_precision;
-  const DType low = dtype_of(engine_plan.param_dtype);
-  const bool fp16_on_cpu = low == DType::kFp16 && !context.on_cuda;
+  const DType low = engine::dtype_of(engine_plan.param_dtype);
+  // The plan decided it (engine::compute_dtype): the compute dtype differs from the shard's only for fp16 on a CPU.
+  const bool fp16_on_cpu = engine_plan.compute_dtype != engine_plan.param_dtype;
   plan.compute_dtype = fp16_on_cpu ? "fp32 (on fp16-rounded values: no fp16 matmul on CPU)" : to_string(low);
   plan.shard_dtype = to_string(low);
   if (context.on_cuda) {
@@ -60,7 +59,7 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   } else {
     plan.gemm = "fp32 (LibTorch's BLAS)";
   }
-  const DType reduce = dtype_of(engine_plan.reduce_dtype);
+  const DType reduce = engine::dtype_of(engine_plan.reduce_dtype);
   plan.reduce_dtype = to_string(reduce);
   const engine::OptimizerSpec& optimizer = engine_plan.optimizer;
   const double states = optimizer.type == "SGD" ? (optimizer.momentum != 0.0 ? 1.0 : 0.0) : 2.0;

@@ -35,6 +35,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/config.h"
+#include "shardtrain/step_report.h"
 #include "shardtrain/data.h"
 #include "shardtrain/precision_plan.h"
 #include "shardtrain/weight_loading.h"
@@ -116,34 +117,6 @@ struct OptimizerOptions {
   std::optional<std::array<double, 2>> betas;
   /// Escape hatch: any torch::optim optimizer over the fp32 master shards.
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> custom_factory;
-};
-
-/// What the last optimizer step did (also written to the metrics file).
-struct StepInfo {
-  int64_t step = 0;        ///< optimizer steps taken so far (not counting skipped ones)
-  double lr = 0;
-  double grad_norm = -1;   ///< -1 when not computed
-  double loss_scale = 1;
-  bool skipped = false;
-  int64_t skipped_total = 0;
-  /// bf16/fp32: this step was skipped because a gradient held inf or NaN
-  /// (non_finite_policy: skip), and how many steps were so far.
-  bool non_finite = false;
-  int64_t non_finite_total = 0;
-  /// The lost-update detector (config precision_audit), the same on every
-  /// rank: the fraction of parameter elements whose non-zero update was
-  /// rounded away when stored (in pure low precision the bf16/fp16 shard; else
-  /// the fp32 master, near 0), and the fraction a bf16 master would have lost
-  /// with the same updates. -1: not measured this step.
-  double lost_update_frac = -1;
-  double lost_update_frac_if_bf16 = -1;
-};
-
-/// Bytes of model state on this rank (see PrecisionPlan for the prediction).
-struct MemoryReport {
-  int64_t params = 0, grads = 0, master = 0, optimizer = 0, gathered = 0, gathered_peak = 0, peak_rss = 0;
-  /// Most bytes of unsharded parameter values held at once while prepare() sharded the model.
-  int64_t load_peak = 0;
 };
 
 class Accelerator;

@@ -13,6 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "shardtrain/step_report.h"
 #include "shardtrain/unit.h"
 
 namespace torch::optim {
@@ -20,35 +21,6 @@ class Optimizer;
 }
 
 namespace shardtrain::engine {
-
-/// Bytes of model state held by this rank, by kind (the precision plan's rows).
-struct MemoryStats {
-  int64_t params = 0;     ///< low-precision shards / replicated params at rest
-  int64_t grads = 0;      ///< gradient partitions / buffers at rest
-  int64_t master = 0;     ///< fp32 master copies that are not the params themselves
-  int64_t optimizer = 0;  ///< optimizer state (m, v, momentum)
-  int64_t gathered = 0;   ///< currently gathered (unsharded) parameter buffers
-  int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
-  /// The most bytes of unsharded parameter values this rank held at once
-  /// while the engine sharded the model: the module's own parameter storage
-  /// not yet replaced by shards, plus the engine's gathered and loading
-  /// buffers. With weights loaded on rank 0 only (cpu_ram_efficient_loading)
-  /// the other ranks stay near one unit; a normal load holds the whole model.
-  int64_t load_peak = 0;
-};
-
-struct StepResult {
-  bool skipped = false;    ///< fp16 overflow or non-finite gradients: the update was not applied
-  bool non_finite = false; ///< bf16/fp32: skipped because a gradient was inf or NaN
-  double grad_norm = -1;   ///< global (unscaled) gradient norm, -1 if not computed
-  double loss_scale = 1;   ///< loss scale in effect for this step
-  /// The lost-update audit (kernels::UpdateAudit), summed over ranks: the
-  /// fraction of audited elements whose non-zero update left the stored value
-  /// unchanged, and what a bf16 master would have lost. -1: not measured
-  /// (audit off, a custom optimizer, a skipped step).
-  double lost_update_frac = -1;
-  double lost_update_frac_if_bf16 = -1;
-};
 
 /// Optimizer the engine runs over its fp32 master shards.
 struct OptimizerSpec {
@@ -98,8 +70,10 @@ class Engine : public UnitHooks {
   /// Global gradient norm (fp64 over shards), unscaled; remembers the clip
   /// coefficient min(1, max_norm / (norm + 1e-6)) for the next step().
   virtual double clip_grad_norm(double max_norm) = 0;
-  /// Applies the optimizer with learning rate `lr` (skips on fp16 overflow).
-  virtual StepResult step(double lr) = 0;
+  /// Applies the optimizer with learning rate `lr` (skips on fp16 overflow
+  /// or non-finite gradients). Fills what the engine knows of the step:
+  /// skipped, non_finite, grad_norm, loss_scale and the lost-update audit.
+  virtual StepInfo step(double lr) = 0;
   virtual void zero_grad() = 0;
   /// Multiplies the loss before backward (fp16 loss scaling; 1 otherwise).
   virtual double loss_scale() const = 0;
@@ -107,7 +81,8 @@ class Engine : public UnitHooks {
   /// Every parameter's full fp32 value by fully-qualified name, then every
   /// buffer in its original dtype (as a state dict holds them). Collective.
   virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
-  virtual MemoryStats memory() const = 0;
+  /// Every field but peak_rss (the process's, which the Accelerator adds).
+  virtual MemoryReport memory() const = 0;
   virtual void reset_gathered_peak() = 0;
 
   // ---- checkpoints: what the checkpoint format reads and writes, the same

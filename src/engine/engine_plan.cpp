@@ -16,6 +16,14 @@ at::ScalarType scalar_type(DType dtype) {
   return at::kFloat;
 }
 
+DType dtype_of(at::ScalarType type) {
+  return type == at::kBFloat16 ? DType::kBf16 : type == at::kHalf ? DType::kFp16 : DType::kFp32;
+}
+
+at::ScalarType compute_dtype(DType low, const PlanContext& context) {
+  return low == DType::kFp16 && !context.on_cuda ? at::kFloat : scalar_type(low);
+}
+
 OptimizerSpec optimizer_spec(const TrainingConfig& config) {
   const OptimizerConfig& oc = config.optimizer;
   OptimizerSpec spec;

@@ -129,8 +129,15 @@ struct EngineGroups {
   comm::CommunicatorPtr sync;       ///< where rank 0's initial values are broadcast (null: `shard`)
 };
 
-/// The ScalarType of a config dtype.
+/// The ScalarType of a config dtype, and back: the one mapping between the
+/// config's dtypes and the tensors'.
 at::ScalarType scalar_type(DType dtype);
+DType dtype_of(at::ScalarType type);
+
+/// The dtype a module computes in when its parameters are held in `low`:
+/// `low` itself, except fp16 off a GPU, which computes in fp32 on fp16-rounded
+/// values (LibTorch has no fp16 matmul on a CPU).
+at::ScalarType compute_dtype(DType low, const PlanContext& context);
 
 /// The optimizer the config's optimizer block asks for, with the defaults of
 /// torch.optim / DeepSpeed where it leaves a value out (lr excepted: the

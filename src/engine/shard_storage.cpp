@@ -1,115 +1,141 @@
 // Where the shards live: the model's device (checked against the
 // communicators'), the flat partitions (master, low-precision copy,
-// gradient, optimizer state), the optimizer offload's host copies, and
-// unit buffers that own no memory until gathered.
+// gradient, optimizer state) and each unit entry's views into them, the
+// optimizer offload's host copies, and unit buffers that own no memory until
+// gathered.
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <numeric>
-#include <unordered_set>
+#include "engine/shard_storage.h"
+
+#include <string>
 
 #include <ATen/ATen.h>
 
-#include "engine/storage_resize.h"
-#include "engine/engine_state.h"
 #include "shardtrain/error.h"
-#include "shardtrain/logging.h"
 
 namespace shardtrain::engine {
+namespace {
 
-at::Tensor ShardedEngine::State::unallocated_buffer(int64_t numel, const at::TensorOptions& options) {
-  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(options.dtype().toScalarType());
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, at::DataPtr(nullptr, options.device()),
-                       c10::GetAllocator(options.device().type()), /*resizable=*/true);
-  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
-}
-
-void ShardedEngine::State::bind_device() {
-  // Checked once here, so a model left on the CPU under NCCL (or moved to a
-  // GPU under Gloo) fails with the fix instead of inside the first collective.
-  device = comm->device();
-  {
-    const std::string* first_name = nullptr;
-    for (const auto& u : units) {
-      for (std::size_t k = 0; k < u.params.size(); ++k) {
-        const at::Device d = u.params[k].device();
-        if (first_name == nullptr) {
-          first_name = &u.names[k];
-          device = d;
-        }
-        ST_CHECK(d == device, plan.name, ": parameter '", u.names[k], "' is on ", d, " but '", *first_name,
-                 "' is on ", device, "; move the whole model to one device (model->to(device)) before prepare()");
+/// The model's device, from its parameters; every one must be on it, and so
+/// must the communicators' tensors. Checked once here, so a model left on the
+/// CPU under NCCL (or moved to a GPU under Gloo) fails with the fix instead of
+/// inside the first collective.
+at::Device bind_device(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups) {
+  at::Device device = groups.shard().device();
+  const std::string* first_name = nullptr;
+  for (const auto& u : units.entries()) {
+    for (std::size_t k = 0; k < u.params.size(); ++k) {
+      const at::Device d = u.params[k].device();
+      if (first_name == nullptr) {
+        first_name = &u.names[k];
+        device = d;
       }
+      ST_CHECK(d == device, plan.name, ": parameter '", u.names[k], "' is on ", d, " but '", *first_name,
+               "' is on ", device, "; move the whole model to one device (model->to(device)) before prepare()");
     }
   }
-  for (comm::Communicator* group : {comm.get(), sync_comm.get()}) {
+  for (comm::Communicator* group : {&groups.shard(), groups.separate_sync()}) {
     if (group == nullptr) continue;
     ST_CHECK_T(ConfigError, group->device() == device, plan.name, ": the model is on ", device,
                " but the ", group->backend(), " communicator moves tensors on ", group->device(),
                "; move the model there before prepare() (model->to(accelerator.device())), or pick the backend "
                "for the model's device (gloo for cpu, nccl for cuda:LOCAL_RANK)");
   }
+  return device;
 }
 
-void ShardedEngine::State::allocate_partitions() {
+}  // namespace
+
+at::Tensor ShardStorage::unallocated_buffer(int64_t numel, const at::TensorOptions& options) {
+  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(options.dtype().toScalarType());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, at::DataPtr(nullptr, options.device()),
+                       c10::GetAllocator(options.device().type()), /*resizable=*/true);
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
+}
+
+ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups)
+    : plan_(plan), device_(bind_device(plan, units, groups)) {
+  const bool pure = plan.pure_low_precision;
   const at::TensorOptions fp32 = fp32_options();
   const at::TensorOptions low = fp32.dtype(plan.param_dtype);
-  const at::TensorOptions state_options = pure() ? low : fp32;  // dtype the optimizer steps in
-  int64_t total_shard = 0;
-  for (auto& u : units) {
-    std::vector<int64_t> numels;
-    for (const auto& p : u.params) numels.push_back(p.numel());
-    u.layout = std::make_unique<UnitLayout>(plan.layout, numels, layout_world(), /*align=*/1);
-    u.persistent = u.layout->total_param_numel() < plan.param_persistence_threshold;
-    u.pending_grads.resize(u.params.size());
-    if (u.trainable) {
-      u.shard_offset = total_shard;
-      total_shard += u.layout->shard_numel();
-    }
-  }
-  if (!pure()) master_flat = at::zeros({total_shard}, fp32);
+  const at::TensorOptions state_options = pure ? low : fp32;  // dtype the optimizer steps in
+  const int64_t total_shard = units.trainable_shard_numel();
+  if (!pure) master_ = at::zeros({total_shard}, fp32);
   // keep_low_precision_grads: the reduced gradient stays in param_dtype (the
   // optimizer kernels widen it as they read it), as FSDP1 leaves flat_param.grad.
-  const bool low_grads = pure() || (plan.keep_low_precision_grads && plan.param_dtype != at::kFloat);
+  const bool low_grads = pure || (plan.keep_low_precision_grads && plan.param_dtype != at::kFloat);
   const at::TensorOptions grad_options = low_grads ? low : fp32;
-  grad_flat = at::zeros({total_shard}, grad_options);
-  lp_flat = (!pure() && plan.param_dtype == at::kFloat) ? master_flat : at::zeros({total_shard}, low);
+  grad_ = at::zeros({total_shard}, grad_options);
+  lp_ = (!pure && plan.param_dtype == at::kFloat) ? master_ : at::zeros({total_shard}, low);
   const std::string& opt = plan.optimizer.type;
   if (!plan.optimizer.custom_factory) {
     if (opt == "AdamW" || opt == "Adam") {
-      exp_avg_flat = at::zeros({total_shard}, state_options);
-      exp_avg_sq_flat = at::zeros({total_shard}, state_options);
+      exp_avg_ = at::zeros({total_shard}, state_options);
+      exp_avg_sq_ = at::zeros({total_shard}, state_options);
     } else if (opt == "SGD") {
-      if (plan.optimizer.momentum != 0.0) momentum_flat = at::zeros({total_shard}, fp32);
+      if (plan.optimizer.momentum != 0.0) momentum_ = at::zeros({total_shard}, fp32);
     } else {
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
   }
-  if (plan.offload_optimizer && !pure()) {
+  if (plan.offload_optimizer && !pure) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
     // Pinned next to a GPU, as DeepSpeed's offload buffers are: copies between
     // pinned host memory and the device run at full bus speed and can overlap.
-    const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device.is_cuda());
-    if (!master_flat.is_cpu()) {
+    const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
+    if (!master_.is_cpu()) {
       auto to_host = [&](at::Tensor& t) {
         if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
       };
-      to_host(master_flat);
-      to_host(exp_avg_flat);
-      to_host(exp_avg_sq_flat);
-      to_host(momentum_flat);
+      to_host(master_);
+      to_host(exp_avg_);
+      to_host(exp_avg_sq_);
+      to_host(momentum_);
     }
-    host_grad_flat = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    host_lp_flat = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
+    host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+  }
+
+  shards_.resize(static_cast<std::size_t>(units.size()));
+  for (int i = 0; i < units.size(); ++i) {
+    const UnitEntry& u = units[i];
+    UnitShard& shard = shards_[static_cast<std::size_t>(i)];
+    const int64_t S = u.layout->shard_numel();
+    if (u.trainable) {
+      if (!pure) shard.master = master_.narrow(0, u.shard_offset, S);
+      shard.grad = grad_.narrow(0, u.shard_offset, S);
+      shard.lp = lp_.narrow(0, u.shard_offset, S);
+      if (exp_avg_.defined()) {
+        shard.exp_avg = exp_avg_.narrow(0, u.shard_offset, S);
+        shard.exp_avg_sq = exp_avg_sq_.narrow(0, u.shard_offset, S);
+      }
+    } else {
+      shard.lp = at::zeros({S}, low);
+      if (!pure) shard.master = at::zeros({S}, fp32);
+    }
   }
 }
 
-void ShardedEngine::State::release(UnitState& u) {
-  if (!u.gathered || u.views_shard) return;
-  engine::resize_storage_bytes(u.full, 0);
-  add_gathered(-full_bytes(u));
-  u.gathered = false;
+void ShardStorage::zero_grads() {
+  // step() leaves the gradients zeroed; a second pass over them would be the
+  // only work of zero_grad.
+  if (!grads_zero_) grad_.zero_();
+  grads_zero_ = true;
+}
+
+void ShardStorage::clear_grads() {
+  grad_.zero_();
+  grads_zero_ = true;
+}
+
+void ShardStorage::add_memory(MemoryReport& stats) const {
+  const bool master_is_lp = lp_.is_same(master_);
+  stats.params += bytes_of(lp_);
+  stats.master += master_is_lp ? 0 : bytes_of(master_);
+  stats.grads += bytes_of(grad_) + bytes_of(host_grad_);
+  stats.optimizer += bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
+  for (const UnitShard& shard : shards_) {
+    if (!shard.grad.defined()) stats.params += bytes_of(shard.lp);  // a frozen entry's own shard
+  }
 }
 
 }  // namespace shardtrain::engine

@@ -1,74 +1,295 @@
-// ShardedEngine: the constructor, which runs the set-up phases in order (see
-// engine_state.h for where each lives), and the engine's identity.
+// ShardedEngine: the composition of its parts, each owning its own state, and
+// the Engine interface over them. The constructor runs the set-up in order:
+// the unit table picks the units and lays them out, the shard storage binds
+// the device and allocates the partitions, the loader fills them and points
+// the parameters at the gather scheduler's buffers, the gradient reducer
+// hooks the trainable parameters; the sharded optimizer and the checkpoint
+// view read the storage. A part reaches another only through its interface.
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include "engine/sharded_engine.h"
+
 #include <numeric>
-#include <unordered_set>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
-#include "engine/storage_resize.h"
-#include "engine/engine_state.h"
+#include "engine/activation_recompute.h"
+#include "engine/gather_scheduler.h"
+#include "engine/gradient_reducer.h"
+#include "engine/shard_groups.h"
+#include "engine/shard_loader.h"
+#include "engine/shard_storage.h"
+#include "engine/sharded_optimizer.h"
+#include "engine/unit_table.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
 namespace shardtrain::engine {
+namespace {
+
+/// What no part can check for itself: a model to shard, and a plan the
+/// engine core runs. Rank 0 reports the plan's notices before anything else.
+std::shared_ptr<torch::nn::Module> checked_model(std::shared_ptr<torch::nn::Module> model, const EnginePlan& plan,
+                                                 const ShardGroups& groups) {
+  ST_CHECK(model != nullptr, plan.name, ": the model is null");
+  if (groups.sync().rank() == 0) {
+    for (const std::string& notice : plan.notices) ST_LOG_WARN("{}", notice);
+  }
+  ST_CHECK(!(plan.pure_low_precision && plan.optimizer.type == "SGD"), plan.name,
+           ": pure low precision runs AdamW/Adam on low-precision state; SGD is not supported there");
+  ST_CHECK(!(plan.pure_low_precision && plan.optimizer.custom_factory), plan.name,
+           ": a custom optimizer needs an fp32 master; it cannot run in pure low precision");
+  return model;
+}
+
+}  // namespace
+
+struct ShardedEngine::State {
+  State(std::shared_ptr<torch::nn::Module> m, EngineGroups g, EnginePlan p)
+      : plan(std::move(p)),
+        groups(std::move(g), plan.shard_params),
+        model(checked_model(std::move(m), plan, groups)),
+        units(*model, plan, groups.layout_world(), /*logs=*/groups.shard().rank() == 0),
+        storage(plan, units, groups),
+        gather(plan, groups, units, storage),
+        reducer(plan, groups, units, storage, gather),
+        loader(*model, plan, groups, units, storage, gather),
+        optimizer(plan, groups, units, storage),
+        checkpoint(groups, units, storage) {}
+
+  const EnginePlan plan;
+  const ShardGroups groups;
+  const std::shared_ptr<torch::nn::Module> model;
+  UnitTable units;
+  ShardStorage storage;
+  GatherScheduler gather;
+  GradientReducer reducer;
+  ShardLoader loader;
+  ShardedOptimizer optimizer;
+  CheckpointView checkpoint;
+};
+
+ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGroups groups, EnginePlan plan)
+    : state_(std::make_unique<State>(std::move(model), std::move(groups), std::move(plan))) {
+  State& s = *state_;
+  s.loader.load();
+  // A failure part-way (a parameter that is not a leaf) leaves no unit
+  // pointing at this half-built engine.
+  try {
+    for (int i = 0; i < s.units.size(); ++i) {
+      s.reducer.attach(i);
+      if (s.units[i].unit) s.units[i].unit->attach_unit_hooks(this, i);
+    }
+  } catch (...) {
+    for (const auto& u : s.units.entries()) {
+      if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
+    }
+    throw;
+  }
+  s.optimizer.create_custom_optimizer();
+  const int64_t trainable =
+      std::accumulate(s.units.entries().begin(), s.units.entries().end(), int64_t{0},
+                      [](int64_t a, const UnitEntry& u) { return a + (u.trainable ? u.layout->total_param_numel() : 0); });
+  ST_LOG_INFO("{}: {} unit states, {} trainable elements over {} ranks; compute {}, shard {}, reduce {}{}{}",
+              s.plan.name, s.units.size(), trainable, s.groups.layout_world(), c10::toString(s.plan.compute_dtype),
+              c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
+              s.plan.pure_low_precision ? ", pure low precision (no fp32 master)" : "",
+              s.plan.offload_optimizer ? ", optimizer offloaded to CPU" : "");
+}
 
 ShardedEngine::~ShardedEngine() {
   State& s = *state_;
-  for (auto& u : s.units) {
+  for (const auto& u : s.units.entries()) {
     if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
   }
   // A gather or reduction still in flight (a prefetch no forward consumed, a
-  // forward or backward that threw) writes into buffers this state owns:
-  // the communicator's threads must be done with them before they are freed.
-  // Every wait is bounded by the communicator's timeout; a failure here is
-  // logged, since a destructor must not throw.
-  auto settle = [&](const comm::WorkPtr& work, const std::string& what) {
-    if (!work) return;
-    try {
-      work->wait();
-    } catch (const std::exception& e) {
-      ST_LOG_WARN("{}: {} still in flight at shutdown failed: {}", s.plan.name, what, e.what());
-    }
-  };
-  for (auto& u : s.units) settle(u.gather_work, "the gather of " + u.label());
-  for (auto& bucket : s.in_flight) {
-    for (auto& work : bucket.works) settle(work, "a gradient reduction");
-  }
+  // forward or backward that threw) writes into buffers the parts own: the
+  // communicator's threads must be done with them before they are freed.
+  // Every wait is bounded by the communicator's timeout.
+  s.gather.settle_in_flight(s.plan.name);
+  s.reducer.settle_in_flight(s.plan.name);
 }
 
 std::string ShardedEngine::name() const { return state_->plan.name; }
 
 const EnginePlan& ShardedEngine::plan() const { return state_->plan; }
 
-ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGroups groups, EnginePlan plan)
-    : state_(std::make_unique<State>(std::move(model), std::move(groups), std::move(plan))) {
-  State& s = *state_;
-  ST_CHECK(s.model != nullptr, s.plan.name, ": the model is null");
-  if (s.sync_group().rank() == 0) {
-    for (const std::string& notice : s.plan.notices) ST_LOG_WARN("{}", notice);
-  }
-  ST_CHECK(!(s.plan.pure_low_precision && s.plan.optimizer.type == "SGD"), s.plan.name,
-           ": pure low precision runs AdamW/Adam on low-precision state; SGD is not supported there");
-  ST_CHECK(!(s.plan.pure_low_precision && s.plan.optimizer.custom_factory), s.plan.name,
-           ": a custom optimizer needs an fp32 master; it cannot run in pure low precision");
+// ---- forward and backward -----------------------------------------------------
 
-  s.register_units();
-  s.bind_device();
-  s.allocate_partitions();
-  s.shard_initial_values(this, s.agree_on_load_modes());
-  s.create_custom_optimizer();
-  const int64_t trainable = std::accumulate(s.units.begin(), s.units.end(), int64_t{0}, [](int64_t a, const UnitState& u) {
-    return a + (u.trainable ? u.layout->total_param_numel() : 0);
-  });
-  ST_LOG_INFO("{}: {} unit states, {} trainable elements over {} ranks; compute {}, shard {}, reduce {}{}{}",
-              s.plan.name, s.units.size(), trainable, s.layout_world(), c10::toString(s.plan.compute_dtype),
-              c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
-              s.pure() ? ", pure low precision (no fp32 master)" : "",
-              s.plan.offload_optimizer ? ", optimizer offloaded to CPU" : "");
+void ShardedEngine::begin_forward() {
+  state_->units.begin_forward();
+  state_->gather.gather_root();
 }
+
+void ShardedEngine::before_unit_forward(Unit& unit) {
+  State& s = *state_;
+  ST_CHECK(s.units.manages(unit), "unit '", unit.unit_class_name(), "' is not managed by this engine");
+  const std::size_t pos = s.units.record(unit, s.plan.name);
+  s.gather.gather_unit(unit);
+  s.gather.prefetch_after(s.units.trace(), pos, s.plan.prefetch_bucket_size);
+}
+
+at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
+  State& s = *state_;
+  // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
+  const bool reused_soon = at::GradMode::is_enabled() && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
+                           s.units.reuse_distance(unit) <= s.plan.max_reuse_distance;
+  if (!reused_soon) s.gather.release_unit(unit, /*after_forward=*/true);
+  bool frees = false;
+  for (int idx : s.units.entries_of(unit)) frees = frees || s.gather.frees_after_forward(idx);
+  if (output.requires_grad() && (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre)) {
+    GatherScheduler* gather = &s.gather;
+    const bool prefetch = s.plan.backward_prefetch == BackwardPrefetchMode::kPre;
+    const Unit* key = &unit;
+    // The gradient of the unit's output arrives just before the unit's own
+    // backward runs: gather its parameters then (FSDP's pre-backward hook).
+    output.register_hook([gather, prefetch, key](const at::Tensor&) {
+      gather->gather_unit(*key);
+      if (prefetch) gather->prefetch_for_backward(*key);
+    });
+  }
+  return output;
+}
+
+bool ShardedEngine::recompute_in_backward(const Unit& unit) const {
+  return state_->plan.activation_checkpointing && state_->units.manages(unit);
+}
+
+at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,
+                                         const at::Tensor& input) {
+  State& s = *state_;
+  std::vector<at::Tensor> trainable;
+  for (int idx : s.units.entries_of(unit)) {
+    if (s.units[idx].trainable) trainable = s.units[idx].params;
+  }
+  if (!at::GradMode::is_enabled()) return body(input);  // nothing to recompute for
+  return run_with_recompute(std::move(body), input, trainable);
+}
+
+at::Tensor ShardedEngine::end_forward(at::Tensor output) {
+  state_->units.end_forward();
+  return output;
+}
+
+void ShardedEngine::backward(const at::Tensor& loss, bool sync) {
+  State& s = *state_;
+  ST_CHECK(loss.numel() == 1, "backward: the loss must be a scalar, got shape ", loss.sizes());
+  const double scale = s.optimizer.loss_scale();
+  s.reducer.backward(scale == 1.0 ? loss : loss * scale, sync);
+  s.gather.release_after_backward();
+}
+
+// ---- the optimizer ----------------------------------------------------------------
+
+double ShardedEngine::clip_grad_norm(double max_norm) { return state_->optimizer.clip_grad_norm(max_norm); }
+
+StepInfo ShardedEngine::step(double lr) {
+  State& s = *state_;
+  StepInfo result = s.optimizer.step(lr);
+  if (!result.skipped) s.gather.regather_after_step();
+  return result;
+}
+
+void ShardedEngine::zero_grad() {
+  state_->storage.zero_grads();
+  state_->reducer.clear_window();
+}
+
+double ShardedEngine::loss_scale() const { return state_->optimizer.loss_scale(); }
+
+int64_t ShardedEngine::optimizer_steps() const { return state_->optimizer.steps(); }
+
+void ShardedEngine::set_optimizer_steps(int64_t steps) { state_->optimizer.set_steps(steps); }
+
+std::vector<double> ShardedEngine::loss_scaler_state() const {
+  const LossScalerState st = state_->optimizer.scaler_state();
+  return {st.scale, static_cast<double>(st.cur_hysteresis), static_cast<double>(st.cur_iter),
+          static_cast<double>(st.last_overflow_iter), static_cast<double>(st.skipped_steps)};
+}
+
+void ShardedEngine::load_loss_scaler_state(const std::vector<double>& v) {
+  ST_CHECK(v.size() == 5, "loss scaler state needs 5 values, got ", v.size());
+  LossScalerState st;
+  st.scale = v[0];
+  st.cur_hysteresis = static_cast<int>(v[1]);
+  st.cur_iter = static_cast<int64_t>(v[2]);
+  st.last_overflow_iter = static_cast<int64_t>(v[3]);
+  st.skipped_steps = static_cast<int64_t>(v[4]);
+  state_->optimizer.load_scaler_state(st);
+}
+
+std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
+  if (!state_->plan.pure_low_precision) return std::nullopt;
+  return state_->plan.param_dtype;
+}
+
+// ---- state dicts, checkpoints, memory -----------------------------------------------
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict() {
+  State& s = *state_;
+  std::vector<std::pair<std::string, at::Tensor>> result;
+  for (int i = 0; i < s.units.size(); ++i) {
+    const UnitEntry& u = s.units[i];
+    const UnitShard& shard = s.storage.unit(i);
+    const at::Tensor source = (shard.master.defined() ? shard.master : shard.lp.to(at::kFloat)).contiguous();
+    at::Tensor full = source;  // without sharding the shard is the full buffer
+    if (s.plan.shard_params) {
+      full = at::empty({u.layout->full_numel()}, source.options());
+      s.gather.gather_pieces(*u.layout, source, full)->wait();
+    }
+    for (std::size_t k = 0; k < u.params.size(); ++k) {
+      result.emplace_back(u.names[k], full.narrow(0, u.layout->param_offset_in_full(static_cast<int>(k)),
+                                                  u.params[k].numel()).view(u.shapes[k]).clone());
+    }
+  }
+  s.loader.append_buffers(result);
+  return result;
+}
+
+std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const { return state_->checkpoint.slices(); }
+
+void ShardedEngine::load_slices(const SliceSource& source) {
+  state_->checkpoint.load(source);
+  // The gathered parameters held the old values: free them, regather what stays gathered.
+  state_->gather.refresh_all();
+}
+
+MemoryReport ShardedEngine::memory() const {
+  const State& s = *state_;
+  MemoryReport m;
+  s.storage.add_memory(m);
+  m.grads += s.reducer.accumulator_bytes();
+  m.gathered = s.gather.live_bytes();
+  m.gathered_peak = s.gather.peak_bytes();
+  m.load_peak = s.loader.peak_bytes();
+  return m;
+}
+
+void ShardedEngine::reset_gathered_peak() { state_->gather.reset_peak(); }
+
+// ---- introspection (tests) -------------------------------------------------------------
+
+const at::Tensor& ShardedEngine::parameter_partition() const { return state_->storage.stepped(); }
+
+const at::Tensor& ShardedEngine::master_partition() const { return state_->storage.master(); }
+
+const at::Tensor& ShardedEngine::low_precision_partition() const { return state_->storage.low_precision(); }
+
+const at::Tensor& ShardedEngine::gradient_partition() const {
+  state_->storage.note_grads_written();  // the caller may write into it
+  return state_->storage.grad();
+}
+
+const at::Tensor& ShardedEngine::exp_avg_partition() const { return state_->storage.exp_avg(); }
+
+const at::Tensor& ShardedEngine::exp_avg_sq_partition() const { return state_->storage.exp_avg_sq(); }
+
+std::vector<std::string> ShardedEngine::unit_paths() const {
+  std::vector<std::string> paths;
+  for (const auto& u : state_->units.entries()) paths.push_back(u.path);
+  return paths;
+}
+
+std::vector<OwnedRange> ShardedEngine::owned_ranges() const { return state_->checkpoint.owned_ranges(); }
 
 }  // namespace shardtrain::engine

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/checkpoint_view.h"
 #include "engine/engine.h"
 #include "engine/engine_plan.h"
 #include "engine/unit_layout.h"
@@ -44,11 +45,11 @@ class ShardedEngine : public Engine {
   at::Tensor end_forward(at::Tensor output) override;
   void backward(const at::Tensor& loss, bool sync) override;
   double clip_grad_norm(double max_norm) override;
-  StepResult step(double lr) override;
+  StepInfo step(double lr) override;
   void zero_grad() override;
   double loss_scale() const override;
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
-  MemoryStats memory() const override;
+  MemoryReport memory() const override;
   void reset_gathered_peak() override;
 
   // ---- introspection (tests, checkpoints)
@@ -66,12 +67,6 @@ class ShardedEngine : public Engine {
   const at::Tensor& exp_avg_sq_partition() const;
   /// Module paths of the units ("" is the root), in setup order.
   std::vector<std::string> unit_paths() const;
-  struct OwnedRange {
-    std::string name;
-    int64_t begin;          ///< element offset in the flattened parameter
-    int64_t length;
-    int64_t master_offset;  ///< offset in parameter_partition()
-  };
   /// Trainable parameter ranges this rank owns.
   std::vector<OwnedRange> owned_ranges() const;
   const EnginePlan& plan() const;
@@ -86,6 +81,9 @@ class ShardedEngine : public Engine {
   std::optional<at::ScalarType> pure_low_precision_dtype() const override;
 
  private:
+  /// The parts the engine composes (sharded_engine.cpp): the unit table, the
+  /// shard storage, the gather scheduler, the gradient reducer, the loader,
+  /// the sharded optimizer and the checkpoint view.
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -11,6 +11,7 @@
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 #include "backends/zero/zero_engine.h"
+#include "engine/sharded_engine.h"
 
 namespace {
 
@@ -74,7 +75,8 @@ TEST(DistZeroBf16, Stage3MastersAreFp32AndTheLowPrecisionCopyIsTheirRounding) {
     run.micro_batch_size = 4;
     run.hidden_size = model_config.hidden;
     auto prepared = accelerator.prepare(model, {}, run);
-    auto& engine = dynamic_cast<shardtrain::zero::ZeroEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
+    auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
+    ASSERT_EQ(engine.name(), "zero-3");
     for (int step = 0; step < 3; ++step) {
       at::Tensor tokens = at::stack({tiny::synthetic_sample(1, step * 8 + ctx.rank() * 4, model_config),
                                      tiny::synthetic_sample(1, step * 8 + ctx.rank() * 4 + 1, model_config)});
@@ -122,7 +124,9 @@ TEST(DistZeroPartition, OddSizedParameterIsSplitWithThePaddedTailOnTheLastRank) 
     config.zero.stage3_param_persistence_threshold = 0;
     shardtrain::engine::PlanContext context;
     context.world_size = ctx.comm->world_size();
-    shardtrain::zero::ZeroEngine engine(model, ctx.comm, shardtrain::zero::plan(config, context));
+    const auto& backend = shardtrain::zero::backend();
+    const shardtrain::engine::EnginePlan plan = backend.plan(config, context);
+    shardtrain::engine::ShardedEngine engine(model, backend.groups(ctx.comm, plan), plan);
     auto ranges = engine.owned_ranges();
     ASSERT_EQ(ranges.size(), 1u);
     EXPECT_EQ(ranges[0].name, "weight");

@@ -41,8 +41,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   engine::EnginePlan o;
   o.layout = engine::UnitLayout::Kind::kFlat;
   o.param_dtype = engine::scalar_type(shard);
-  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
-  o.compute_dtype = (shard == DType::kFp16 && !context.on_cuda) ? at::kFloat : o.param_dtype;
+  o.compute_dtype = engine::compute_dtype(shard, context);
   o.reduce_dtype = engine::scalar_type(c.reduce_dtype.value_or(shard));
   o.pure_low_precision = pure;
   // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
@@ -148,9 +147,21 @@ engine::EngineGroups make_groups(const comm::CommunicatorPtr& world, const engin
   return groups;
 }
 
+class FsdpBackend final : public engine::ShardingBackend {
+ public:
+  engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context) const override {
+    return fsdp::plan(config, context);
+  }
+  engine::EngineGroups groups(const comm::CommunicatorPtr& world, const engine::EnginePlan& plan) const override {
+    return make_groups(world, plan);
+  }
+};
+
 }  // namespace
 
-FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan)
-    : ShardedEngine(std::move(model), make_groups(world, plan), plan) {}
+const engine::ShardingBackend& backend() {
+  static const FsdpBackend instance;
+  return instance;
+}
 
 }  // namespace shardtrain::fsdp

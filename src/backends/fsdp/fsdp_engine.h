@@ -25,7 +25,7 @@
 // ranks build the model without parameter storage (see
 // shardtrain/weight_loading.h) and receive only their shard from rank 0.
 
-#include "engine/sharded_engine.h"
+#include "engine/sharding_backend.h"
 
 namespace shardtrain::fsdp {
 
@@ -39,11 +39,8 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
 /// of two f with f*f <= W dividing W (so both divisions stay well scaled), and W/f.
 std::pair<double, double> gradient_divide_factors(int world_size);
 
-class FsdpEngine final : public engine::ShardedEngine {
- public:
-  /// Runs `plan` (fsdp::plan's) over `world`: HYBRID_SHARD splits it into a
-  /// shard group per machine and a replica group per local rank.
-  FsdpEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan);
-};
+/// The FSDP backend: fsdp::plan, over the whole world, or for HYBRID_SHARD a
+/// shard group per machine and a replica group per local rank.
+const engine::ShardingBackend& backend();
 
 }  // namespace shardtrain::fsdp

@@ -19,8 +19,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.shard_params = stage != 0;
   o.reshard = stage == 3 ? engine::Reshard::kAfterForward : engine::Reshard::kNever;
   o.reduce_at_boundary_only = stage == 1;
-  // LibTorch has no fp16 matmul on CPU: compute in fp32 on fp16-rounded values.
-  o.compute_dtype = (low == DType::kFp16 && !context.on_cuda) ? at::kFloat : engine::scalar_type(low);
+  o.compute_dtype = engine::compute_dtype(low, context);
   o.param_dtype = engine::scalar_type(low);
   o.reduce_dtype = engine::scalar_type(config.communication_data_type.value_or(low));
   o.average = true;  // DeepSpeed averages: sum in fp32, one division, one rounding
@@ -52,7 +51,24 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   return o;
 }
 
-ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan)
-    : ShardedEngine(std::move(model), engine::EngineGroups{std::move(world), nullptr, nullptr}, std::move(plan)) {}
+namespace {
+
+class ZeroBackend final : public engine::ShardingBackend {
+ public:
+  engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context) const override {
+    return zero::plan(config, context);
+  }
+  /// Every rank is one shard of the whole world; initial values are broadcast over it.
+  engine::EngineGroups groups(const comm::CommunicatorPtr& world, const engine::EnginePlan&) const override {
+    return engine::EngineGroups{world, nullptr, nullptr};
+  }
+};
+
+}  // namespace
+
+const engine::ShardingBackend& backend() {
+  static const ZeroBackend instance;
+  return instance;
+}
 
 }  // namespace shardtrain::zero

@@ -17,7 +17,7 @@
 //    forward/backward and freed after, prefetching the next units in the order
 //    recorded on the first step; units below the persistence threshold stay gathered.
 
-#include "engine/sharded_engine.h"
+#include "engine/sharding_backend.h"
 
 namespace shardtrain::zero {
 
@@ -26,10 +26,7 @@ namespace shardtrain::zero {
 /// other distributed type but FSDP. Defaults are DeepSpeed's (ZeroConfig).
 engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext& context);
 
-class ZeroEngine final : public engine::ShardedEngine {
- public:
-  /// Runs `plan` (zero::plan's) over `world`, every rank one shard.
-  ZeroEngine(std::shared_ptr<torch::nn::Module> model, comm::CommunicatorPtr world, engine::EnginePlan plan);
-};
+/// The ZeRO backend: zero::plan, over the whole world as one shard group.
+const engine::ShardingBackend& backend();
 
 }  // namespace shardtrain::zero

@@ -3,23 +3,55 @@
 // only this rank's slices; one collective first settles which, identically
 // everywhere. Also the module buffers (broadcast, buffer_dtype).
 
+#include "engine/shard_loader.h"
+
 #include <algorithm>
-#include <cmath>
 #include <limits>
-#include <numeric>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include "engine/storage_resize.h"
-#include "engine/engine_state.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/weight_loading.h"
 
 namespace shardtrain::engine {
+namespace {
 
-std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
+using comm::ReduceOp;
+
+/// All-reduces a small host tensor of control values (flags, hashes)
+/// through `group`, which needs its tensors on its own device; the result
+/// comes back into `values`.
+void all_reduce_control(comm::Communicator& group, at::Tensor& values, ReduceOp op) {
+  if (group.world_size() == 1) return;
+  if (values.device() == group.device()) {
+    group.all_reduce(values, op);
+    return;
+  }
+  at::Tensor moved = values.to(group.device());
+  group.all_reduce(moved, op);
+  values.copy_(moved);  // from a GPU: waits for the collective's stream
+}
+
+}  // namespace
+
+ShardLoader::ShardLoader(torch::nn::Module& model, const EnginePlan& plan, const ShardGroups& groups,
+                         const UnitTable& units, ShardStorage& storage, GatherScheduler& gather)
+    : model_(model), plan_(plan), groups_(groups), units_(units), storage_(storage), gather_(gather),
+      loads_released_(static_cast<std::size_t>(units.size()), false),
+      original_storage_bytes_(static_cast<std::size_t>(units.size()), 0) {}
+
+at::Tensor ShardLoader::reuse(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
+  if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
+  return buffer.narrow(0, 0, numel);
+}
+
+void ShardLoader::note_peak() { peak_ = std::max(peak_, held_ + gather_.live_bytes() + transient_); }
+
+std::vector<std::vector<ShardLoader::Source>> ShardLoader::agree_on_sources() {
   // ---- which parameters some rank built without storage ------------------------
   // One collective settles, identically on every rank, how each parameter's
   // shard is filled: parameters some rank released (release_parameter_storage:
@@ -27,11 +59,11 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
   // loading path below; the others keep the plain one. The same all-reduce
   // checks that the ranks built the same model and agree on the weight source,
   // so a mismatch fails here with a message instead of hanging in a collective.
-  comm::Communicator& sync = sync_group();
-  std::vector<std::vector<LoadMode>> modes(units.size());
+  comm::Communicator& sync = groups_.sync();
+  std::vector<std::vector<Source>> modes(static_cast<std::size_t>(units_.size()));
   {
     int64_t count = 0;
-    for (const auto& u : units) count += static_cast<int64_t>(u.params.size());
+    for (const auto& u : units_.entries()) count += static_cast<int64_t>(u.params.size());
     at::Tensor flags = at::zeros({2 * count + 4}, at::TensorOptions().dtype(at::kDouble));
     double* f = flags.data_ptr<double>();
     uint64_t hash = 1469598103934665603ull;  // FNV-1a over names, shapes, dtypes, requires_grad
@@ -41,7 +73,8 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
     };
     int64_t idx = 0;
     std::unordered_set<const c10::StorageImpl*> seen;
-    for (auto& u : units) {
+    for (int i = 0; i < units_.size(); ++i) {
+      const UnitEntry& u = units_[i];
       for (std::size_t k = 0; k < u.params.size(); ++k, ++idx) {
         const at::Tensor& p = u.params[k];
         const bool released = is_storage_released(p);
@@ -55,212 +88,183 @@ std::vector<std::vector<LoadMode>> ShardedEngine::State::agree_on_load_modes() {
         mix(&grad, sizeof grad);
         if (p.has_storage() && seen.insert(p.storage().unsafeGetStorageImpl()).second) {
           const int64_t bytes = static_cast<int64_t>(p.storage().nbytes());
-          u.original_storage_bytes += bytes;
-          load_held += bytes;
+          original_storage_bytes_[static_cast<std::size_t>(i)] += bytes;
+          held_ += bytes;
         }
       }
     }
-    const bool has_source = static_cast<bool>(plan.weight_source);
+    const bool has_source = static_cast<bool>(plan_.weight_source);
     const double h = static_cast<double>(hash >> 12);  // 52 bits: exact in a double
     f[2 * count] = has_source ? 1.0 : 0.0;
     f[2 * count + 1] = has_source ? 0.0 : 1.0;
     f[2 * count + 2] = h;
     f[2 * count + 3] = -h;
-    note_load();
+    note_peak();
     all_reduce_control(sync, flags, ReduceOp::kMax);
-    ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], plan.name,
+    ST_CHECK(f[2 * count + 2] == -f[2 * count + 3], plan_.name,
              ": the ranks built different models (parameter names, shapes, dtypes or requires_grad differ between "
              "ranks); every rank must construct the same architecture, with or without its weights");
-    ST_CHECK_T(ConfigError, !(f[2 * count] > 0 && f[2 * count + 1] > 0), plan.name,
+    ST_CHECK_T(ConfigError, !(f[2 * count] > 0 && f[2 * count + 1] > 0), plan_.name,
                ": a weight source (RunInfo::weight_source) was given on some ranks but not on others; give it on "
                "every rank or on none");
     idx = 0;
     int64_t released_params = 0, released_elements = 0;
-    for (std::size_t i = 0; i < units.size(); ++i) {
-      UnitState& u = units[i];
+    for (int i = 0; i < units_.size(); ++i) {
+      const UnitEntry& u = units_[i];
       for (std::size_t k = 0; k < u.params.size(); ++k, ++idx) {
-        LoadMode mode = plan.sync_module_states ? LoadMode::kFromRoot : LoadMode::kLocal;
+        Source mode = plan_.sync_module_states ? Source::kFromRoot : Source::kLocal;
         if (f[idx] > 0) {
           ++released_params;
           released_elements += u.params[k].numel();
           if (has_source) {
-            mode = LoadMode::kSource;
+            mode = Source::kWeights;
           } else {
-            ST_CHECK(f[count + idx] == 0, plan.name, ": parameter '", u.names[k],
+            ST_CHECK(f[count + idx] == 0, plan_.name, ": parameter '", u.names[k],
                      "' has no storage on rank 0 and no weight source was given. Rank 0 must build the model with "
                      "its weights (accelerator.materialize_full_weights() is true there), or pass "
                      "RunInfo::weight_source to read every rank's slices");
-            mode = LoadMode::kFromRoot;
+            mode = Source::kFromRoot;
           }
-          u.loads_released = true;
+          loads_released_[static_cast<std::size_t>(i)] = true;
         }
-        modes[i].push_back(mode);
+        modes[static_cast<std::size_t>(i)].push_back(mode);
       }
     }
-    if (sync.rank() == 0 && released_params == 0 && plan.rank0_loads_weights && sync.world_size() > 1) {
+    if (sync.rank() == 0 && released_params == 0 && plan_.rank0_loads_weights && sync.world_size() > 1) {
       ST_LOG_WARN("{}: rank-0-only loading (fsdp_cpu_ram_efficient_loading / zero3_init_flag) is on, but every "
                   "rank built the model with its weights, so every rank held the full model. Build it without "
                   "them where accelerator.materialize_full_weights() is false (shardtrain::release_parameter_"
-                  "storage, models::make_llama_without_weights)", plan.name);
+                  "storage, models::make_llama_without_weights)", plan_.name);
     }
     if (sync.rank() == 0 && released_params > 0) {
       ST_LOG_INFO("{}: {} parameters ({} elements) were built without storage on some rank; their shards are "
-                  "filled {}, one unit at a time", plan.name, released_params, released_elements,
+                  "filled {}, one unit at a time", plan_.name, released_params, released_elements,
                   has_source ? "from the weight source (each rank reads its own slices)" : "from rank 0");
     }
   }
   return modes;
 }
 
-void ShardedEngine::State::shard_initial_values(ShardedEngine* engine,
-                                                const std::vector<std::vector<LoadMode>>& modes) {
-  comm::Communicator& sync = sync_group();
-  const at::TensorOptions fp32 = fp32_options();
-  const at::TensorOptions low = fp32.dtype(plan.param_dtype);
-  // ---- shard the initial values ----------------------------------------------
-  // A failure part-way (a weight source that throws) leaves no unit pointing
-  // at this half-built engine.
-  try {
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    UnitState& u = units[i];
+void ShardLoader::load() {
+  const std::vector<std::vector<Source>> sources = agree_on_sources();
+  comm::Communicator& sync = groups_.sync();
+  const bool pure = plan_.pure_low_precision;
+  const at::TensorOptions fp32 = storage_.fp32_options();
+  const at::TensorOptions low = fp32.dtype(plan_.param_dtype);
+  for (int i = 0; i < units_.size(); ++i) {
+    const UnitEntry& u = units_[i];
+    const UnitShard& unit_shard = storage_.unit(i);
+    const bool released = loads_released_[static_cast<std::size_t>(i)];
     const int64_t S = u.layout->shard_numel();
-    if (u.trainable) {
-      if (!pure()) u.master = master_flat.narrow(0, u.shard_offset, S);
-      u.grad = grad_flat.narrow(0, u.shard_offset, S);
-      u.lp_shard = lp_flat.narrow(0, u.shard_offset, S);
-      if (exp_avg_flat.defined()) {
-        u.exp_avg = exp_avg_flat.narrow(0, u.shard_offset, S);
-        u.exp_avg_sq = exp_avg_sq_flat.narrow(0, u.shard_offset, S);
-      }
-    } else {
-      // Frozen weights: a shard to gather from and an fp32 copy for state dicts; no optimizer.
-      u.lp_shard = at::zeros({S}, low);
-      if (!pure()) u.master = at::zeros({S}, fp32);
-    }
-    const at::TensorOptions init_options = (pure() ? low : fp32).device(device);
-    at::Tensor shard_init = u.loads_released ? load_buffer(load_shard_buffer, S, init_options)
-                                             : at::empty({S}, init_options);
+    const at::TensorOptions init_options = pure ? low : fp32;
+    at::Tensor shard_init = released ? reuse(shard_buffer_, S, init_options) : at::empty({S}, init_options);
     std::vector<at::Tensor> values;
-    if (!u.loads_released) {
+    if (!released) {
       int64_t value_bytes = 0;
-      for (auto& p : u.params) {
+      for (const auto& p : u.params) {
         // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
-        at::Tensor v = p.detach().to(pure() ? plan.param_dtype : at::kFloat).contiguous();
-        if (plan.sync_module_states) sync.broadcast(v, 0);
+        at::Tensor v = p.detach().to(pure ? plan_.param_dtype : at::kFloat).contiguous();
+        if (plan_.sync_module_states) sync.broadcast(v, 0);
         if (!v.is_alias_of(p)) value_bytes += bytes_of(v);
         values.push_back(v);
       }
-      load_transient = value_bytes;
-      u.layout->pack_shard(values, layout_rank(), shard_init);
+      transient_ = value_bytes;
+      u.layout->pack_shard(values, groups_.layout_rank(), shard_init);
     } else {
-      fill_released_unit(u, modes[i], shard_init, sync);
+      fill_released(i, sources[static_cast<std::size_t>(i)], shard_init);
     }
-    if (u.master.defined()) u.master.copy_(shard_init);
-    if (!u.lp_shard.is_same(u.master)) u.lp_shard.copy_(shard_init);
+    if (unit_shard.master.defined()) unit_shard.master.copy_(shard_init);
+    if (!unit_shard.lp.is_same(unit_shard.master)) unit_shard.lp.copy_(shard_init);
     shard_init = at::Tensor();
     // The module's parameters become views into one compute-dtype buffer:
     // when the shard is the whole unit (one rank, or no sharding) and holds
     // that dtype, the shard itself, so the optimizer's writes are the next
     // forward's values and nothing is ever gathered or copied.
-    u.views_shard = layout_world() == 1 && !u.loads_released && plan.param_dtype == plan.compute_dtype &&
-                    u.lp_shard.numel() == u.layout->full_numel();
-    if (u.views_shard) {
-      u.full = u.lp_shard;
+    const bool views_shard = groups_.layout_world() == 1 && !released && plan_.param_dtype == plan_.compute_dtype &&
+                             unit_shard.lp.numel() == u.layout->full_numel();
+    if (views_shard) {
+      gather_.bind(i, unit_shard.lp, true);
     } else {
-      u.full = u.loads_released ? unallocated_buffer(u.layout->full_numel(), fp32.dtype(plan.compute_dtype))
-                                : at::empty({u.layout->full_numel()}, fp32.dtype(plan.compute_dtype));
+      const at::TensorOptions compute = fp32.dtype(plan_.compute_dtype);
+      gather_.bind(i,
+                   released ? ShardStorage::unallocated_buffer(u.layout->full_numel(), compute)
+                            : at::empty({u.layout->full_numel()}, compute),
+                   false);
     }
-    if (!u.loads_released && !u.views_shard) {
-      load_transient += full_bytes(u);
-      note_load();
+    const at::Tensor& full = gather_.full(i);
+    if (!released && !views_shard) {
+      transient_ += gather_.full_bytes(i);
+      note_peak();
     }
     for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
-      at::Tensor view = u.full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
+      at::Tensor view = full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
       // Compute on the values the shard holds (fp16-on-CPU computes in fp32 on fp16-rounded values).
-      if (!u.loads_released) view.copy_(values[k].to(plan.param_dtype));
-      u.params[k].set_data(view);
+      if (!released) view.copy_(values[k].to(plan_.param_dtype));
+      // set_data replaces the parameter's TensorImpl contents; the handle is shared with the module.
+      at::Tensor param = u.params[k];
+      param.set_data(view);
     }
-    // A unit with released parameters: its buffer owns no memory; make its
+    // An entry with released parameters: its buffer owns no memory; make its
     // byte size say so too (this rank holds only its shard until it is gathered).
-    if (u.loads_released) engine::resize_storage_bytes(u.full, 0);
+    if (released) engine::resize_storage_bytes(full, 0);
     values.clear();
-    load_transient = 0;
-    load_held -= u.original_storage_bytes;  // the module's own storage is replaced (as far as the engine holds it)
-    if (!u.loads_released) {
-      u.gathered = true;
-      if (!u.views_shard) add_gathered(full_bytes(u));
-      note_load();
+    transient_ = 0;
+    held_ -= original_storage_bytes_[static_cast<std::size_t>(i)];  // the module's own storage is replaced
+    if (!released) {
+      gather_.mark_gathered(i);
+      note_peak();
     }
-    if (plan.reduce_at_boundary_only && u.trainable && !adds_grads_directly()) {
-      u.boundary_grad_accumulator = at::zeros({u.layout->full_numel()}, fp32);
-    }
-    if (u.trainable) {
-      State* state = this;
-      const int state_index = static_cast<int>(i);
-      for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
-        ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), plan.name, ": trainable parameter '",
-                 u.names[k], "' must be a leaf that requires grad");
-        grad_hooks.push_back(std::make_unique<GradReadyHook>(
-            u.params[k], [state, state_index, k]() { state->on_grad_accumulated(state_index, k); }));
-      }
-    }
-    if (u.unit) u.unit->attach_unit_hooks(engine, static_cast<int>(i));
-    const bool stays_gathered = plan.reshard == Reshard::kNever || u.persistent;
-    if (!u.loads_released) {
-      if (!stays_gathered) release(u);
-    } else if (stays_gathered) {
+    if (!released) {
+      if (!gather_.stays_gathered(i)) gather_.release(i);
+    } else if (gather_.stays_gathered(i)) {
       // Its values exist only as shards: gather them like any later regather.
-      start_gather(u);
-      finish_gather(u);
-      note_load();
+      gather_.start(i);
+      gather_.finish(i);
+      note_peak();
     }
-  }
-  } catch (...) {
-    for (auto& u : units) {
-      if (u.unit) u.unit->attach_unit_hooks(nullptr, -1);
-    }
-    throw;
   }
   // Set-up held every unit at once; the working-set peak counts from here.
-  gathered_peak = gathered_bytes;
-  load_shard_buffer = at::Tensor();
-  load_chunk_buffer = at::Tensor();
-  setup_buffers(sync);
+  gather_.reset_peak();
+  shard_buffer_ = at::Tensor();
+  chunk_buffer_ = at::Tensor();
+  setup_buffers();
 }
 
-void ShardedEngine::State::fill_released_unit(UnitState& u, const std::vector<LoadMode>& modes, const at::Tensor& shard,
-                        comm::Communicator& sync) {
+void ShardLoader::fill_released(int i, const std::vector<Source>& modes, const at::Tensor& shard) {
+  const UnitEntry& u = units_[i];
+  comm::Communicator& sync = groups_.sync();
+  const int layout_rank = groups_.layout_rank();
   const int64_t S = u.layout->shard_numel();
-  const auto segments = u.layout->segments_of_rank(layout_rank());
+  const auto segments = u.layout->segments_of_rank(layout_rank);
   shard.zero_();  // the padding
   bool from_root = false, from_source = false;
-  for (LoadMode m : modes) {
-    from_root = from_root || m == LoadMode::kFromRoot;
-    from_source = from_source || m == LoadMode::kSource;
+  for (Source m : modes) {
+    from_root = from_root || m == Source::kFromRoot;
+    from_source = from_source || m == Source::kWeights;
   }
   if (from_root) {
     std::vector<at::Tensor> root_values(u.params.size());
     if (sync.rank() == 0) {
       for (std::size_t k = 0; k < u.params.size(); ++k) {
-        if (modes[k] == LoadMode::kFromRoot) root_values[k] = u.params[k].detach();
+        if (modes[k] == Source::kFromRoot) root_values[k] = u.params[k].detach();
       }
     }
-    at::Tensor chunk = load_buffer(load_chunk_buffer, S, shard.options());
-    load_transient = bytes_of(chunk);
-    note_load();
-    for (int r = 0; r < layout_world(); ++r) {
+    at::Tensor chunk = reuse(chunk_buffer_, S, shard.options());
+    transient_ = bytes_of(chunk);
+    note_peak();
+    for (int r = 0; r < groups_.layout_world(); ++r) {
       if (sync.rank() == 0) u.layout->pack_shard(root_values, r, chunk);
       if (sync.world_size() > 1) sync.broadcast(chunk, 0);
-      if (r != layout_rank()) continue;
+      if (r != layout_rank) continue;
       for (const auto& seg : segments) {
-        if (modes[seg.param_index] != LoadMode::kFromRoot) continue;
+        if (modes[seg.param_index] != Source::kFromRoot) continue;
         shard.narrow(0, seg.shard_offset, seg.length).copy_(chunk.narrow(0, seg.shard_offset, seg.length));
       }
     }
-    load_transient = 0;
+    transient_ = 0;
   }
   for (const auto& seg : segments) {
-    if (modes[seg.param_index] != LoadMode::kLocal) continue;
+    if (modes[seg.param_index] != Source::kLocal) continue;
     shard.narrow(0, seg.shard_offset, seg.length)
         .copy_(u.params[seg.param_index].detach().reshape({-1}).narrow(0, seg.param_offset, seg.length));
   }
@@ -268,11 +272,11 @@ void ShardedEngine::State::fill_released_unit(UnitState& u, const std::vector<Lo
   std::string failure;
   try {
     for (const auto& seg : segments) {
-      if (modes[seg.param_index] != LoadMode::kSource) continue;
+      if (modes[seg.param_index] != Source::kWeights) continue;
       at::Tensor out = shard.narrow(0, seg.shard_offset, seg.length);
       // NaN first: a source that returns without writing (or rebinds `out`) is caught below.
       out.fill_(std::numeric_limits<double>::quiet_NaN());
-      plan.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
+      plan_.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
       ST_CHECK(!out.isnan().any().item<bool>(), "the weight source left elements of '", u.names[seg.param_index],
                "' [", seg.param_offset, ", +", seg.length, ") unwritten (or wrote NaN); it must copy into `out`");
     }
@@ -283,25 +287,26 @@ void ShardedEngine::State::fill_released_unit(UnitState& u, const std::vector<Lo
   at::Tensor failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::TensorOptions().dtype(at::kDouble));
   all_reduce_control(sync, failed, ReduceOp::kMax);
   if (!failure.empty()) {
-    ST_THROW(Error, plan.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
+    ST_THROW(Error, plan_.name, ": loading unit '", u.path.empty() ? "<root>" : u.path,
              "' from the weight source failed: ", failure);
   }
-  ST_CHECK(failed.item<double>() == 0, plan.name, ": another rank failed to read its slices of unit '",
+  ST_CHECK(failed.item<double>() == 0, plan_.name, ": another rank failed to read its slices of unit '",
            u.path.empty() ? "<root>" : u.path, "' from the weight source (its log names the cause)");
 }
 
-at::Tensor ShardedEngine::State::cast_buffer(const at::Tensor& value) const {
-  at::Tensor cast = value.detach().to(*plan.buffer_dtype);
+at::Tensor ShardLoader::cast_buffer(const at::Tensor& value) const {
+  at::Tensor cast = value.detach().to(*plan_.buffer_dtype);
   if (cast.scalar_type() == at::kHalf && cast.is_cpu()) cast = cast.to(at::kFloat);
   return cast;
 }
 
-void ShardedEngine::State::setup_buffers(comm::Communicator& sync) {
+void ShardLoader::setup_buffers() {
+  comm::Communicator& sync = groups_.sync();
   at::NoGradGuard no_grad;
-  for (const auto& item : model->named_buffers(/*recurse=*/true)) {
+  for (const auto& item : model_.named_buffers(/*recurse=*/true)) {
     at::Tensor b = item.value();
     if (!b.defined()) continue;
-    if (plan.sync_module_states && sync.world_size() > 1 && b.numel() > 0) {
+    if (plan_.sync_module_states && sync.world_size() > 1 && b.numel() > 0) {
       at::Tensor wire = b.detach().contiguous();
       if (!comm::is_supported_dtype(wire.scalar_type()) && !at::isComplexType(wire.scalar_type())) {
         // Exact widenings for the wire (bool, int8..int32, uint8; float64 has its own support).
@@ -310,10 +315,10 @@ void ShardedEngine::State::setup_buffers(comm::Communicator& sync) {
       sync.broadcast(wire, 0);
       if (!wire.is_same(b)) b.detach().copy_(wire);
     }
-    BufferState state;
+    Buffer state;
     state.name = item.key();
     state.buffer = b;
-    if (plan.buffer_dtype && at::isFloatingType(b.scalar_type())) {
+    if (plan_.buffer_dtype && at::isFloatingType(b.scalar_type())) {
       at::Tensor cast = cast_buffer(b);
       if (cast.scalar_type() != b.scalar_type() || !at::equal(cast, b)) {
         state.original = b.detach();  // keeps the full-precision storage; b gets a new one
@@ -321,7 +326,21 @@ void ShardedEngine::State::setup_buffers(comm::Communicator& sync) {
         state.cast = true;
       }
     }
-    buffers.push_back(std::move(state));
+    buffers_.push_back(std::move(state));
+  }
+}
+
+void ShardLoader::append_buffers(std::vector<std::pair<std::string, at::Tensor>>& out) const {
+  for (const auto& b : buffers_) {
+    if (!b.cast) {
+      out.emplace_back(b.name, b.buffer.detach().clone());
+    } else if (at::equal(b.buffer, cast_buffer(b.original))) {
+      // Unchanged since the cast (constants such as rotary tables): the original full-precision values.
+      out.emplace_back(b.name, b.original.clone());
+    } else {
+      // Changed in forward (running statistics): the current values widened, as FSDP1's state_dict does.
+      out.emplace_back(b.name, b.buffer.detach().to(b.original.scalar_type()));
+    }
   }
 }
 

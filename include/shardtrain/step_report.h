@@ -1,0 +1,52 @@
+#pragma once
+/// @file step_report.h
+/// What an optimizer step did and how many bytes of model state a rank
+/// holds: the engine fills them, the Accelerator adds what only it knows
+/// (the step count, the learning rate, the totals, the process's peak RSS)
+/// and returns them (Accelerator::last_step(), Accelerator::memory()).
+
+#include <cstdint>
+
+namespace shardtrain {
+
+/// What the last optimizer step did (also written to the metrics file).
+struct StepInfo {
+  int64_t step = 0;        ///< optimizer steps taken so far (not counting skipped ones)
+  double lr = 0;
+  double grad_norm = -1;   ///< global (unscaled) gradient norm; -1 when not computed
+  double loss_scale = 1;
+  /// fp16 overflow or non-finite gradients: the update was not applied.
+  bool skipped = false;
+  int64_t skipped_total = 0;
+  /// bf16/fp32: this step was skipped because a gradient held inf or NaN
+  /// (non_finite_policy: skip), and how many steps were so far.
+  bool non_finite = false;
+  int64_t non_finite_total = 0;
+  /// The lost-update detector (config precision_audit), the same on every
+  /// rank: the fraction of parameter elements whose non-zero update was
+  /// rounded away when stored (in pure low precision the bf16/fp16 shard; else
+  /// the fp32 master, near 0), and the fraction a bf16 master would have lost
+  /// with the same updates. -1: not measured this step.
+  double lost_update_frac = -1;
+  double lost_update_frac_if_bf16 = -1;
+};
+
+/// Bytes of model state on this rank, by kind (the precision plan's rows;
+/// see PrecisionPlan for the prediction).
+struct MemoryReport {
+  int64_t params = 0;     ///< low-precision shards / replicated params at rest
+  int64_t grads = 0;      ///< gradient partitions / buffers at rest
+  int64_t master = 0;     ///< fp32 master copies that are not the params themselves
+  int64_t optimizer = 0;  ///< optimizer state (m, v, momentum)
+  int64_t gathered = 0;   ///< currently gathered (unsharded) parameter buffers
+  int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
+  /// The most bytes of unsharded parameter values this rank held at once
+  /// while prepare() sharded the model: the module's own parameter storage
+  /// not yet replaced by shards, plus the engine's gathered and loading
+  /// buffers. With weights loaded on rank 0 only (cpu_ram_efficient_loading)
+  /// the other ranks stay near one unit; a normal load holds the whole model.
+  int64_t load_peak = 0;
+  int64_t peak_rss = 0;   ///< the process's peak resident set (the Accelerator's, not the engine's)
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,106 @@
+#pragma once
+// The gather scheduler: when each unit's full parameters exist. It owns the
+// buffers the module's parameters view, gathers them from the low-precision
+// shards around each unit's forward and backward, prefetches along the
+// recorded unit order within the prefetch window and the live-parameter
+// budget, frees them by the plan's reshard policy, and counts the bytes
+// gathered at once.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "comm/work_util.h"
+#include "engine/engine_plan.h"
+#include "engine/shard_groups.h"
+#include "engine/shard_storage.h"
+#include "engine/unit_table.h"
+
+namespace shardtrain::engine {
+
+class GatherScheduler {
+ public:
+  GatherScheduler(const EnginePlan& plan, const ShardGroups& groups, const UnitTable& units,
+                  const ShardStorage& storage);
+  GatherScheduler(const GatherScheduler&) = delete;
+  GatherScheduler& operator=(const GatherScheduler&) = delete;
+
+  // ---- set-up: the buffer entry i's parameters view ---------------------------
+  /// Gives entry i its full buffer (compute dtype), not yet counted as
+  /// gathered. `views_shard`: the buffer is the shard itself (one rank or no
+  /// sharding, and the shard holds the compute dtype), so gathering and
+  /// releasing it are nothing to do.
+  void bind(int i, at::Tensor full, bool views_shard);
+  const at::Tensor& full(int i) const { return slots_[static_cast<std::size_t>(i)].full; }
+  bool views_shard(int i) const { return slots_[static_cast<std::size_t>(i)].views_shard; }
+  /// The buffer was filled in place at set-up: it counts as gathered.
+  void mark_gathered(int i);
+  /// Bytes of entry i's full buffer.
+  int64_t full_bytes(int i) const;
+
+  // ---- the reshard policy --------------------------------------------------------
+  bool frees_after_forward(int i) const;
+  bool frees_after_backward(int i) const;
+  /// Kept gathered between steps (reshard never, or a persistent unit).
+  bool stays_gathered(int i) const;
+
+  // ---- gathering and freeing -----------------------------------------------------
+  /// Issues entry i's all-gather (nothing when gathered, in flight or a shard view).
+  void start(int i);
+  /// Waits for entry i's gather (issuing it first if needed).
+  void finish(int i);
+  void release(int i);
+  void gather_unit(const Unit& unit);
+  void release_unit(const Unit& unit, bool after_forward);
+  /// The root entries (parameters outside every unit), around the whole forward.
+  void gather_root();
+  /// After backward: frees what the reshard policy frees then.
+  void release_after_backward();
+  /// Issues gathers for the units after position `pos` of `order` while they
+  /// fit in the prefetch window (elements, units) and the live-parameter budget.
+  void prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements);
+  void prefetch_for_backward(const Unit& current);
+  /// After the optimizer step: frees the stepped entries' stale values and
+  /// regathers the ones kept gathered, bucketed by allgather_bucket_size.
+  void regather_after_step();
+  /// After the shards were overwritten (a checkpoint load): frees every
+  /// entry, then regathers the ones kept gathered.
+  void refresh_all();
+  /// All-gathers `shard`'s pieces into `target`, a full-layout buffer of the
+  /// shard's dtype: each piece lands where the parameters view it.
+  comm::WorkPtr gather_pieces(const UnitLayout& layout, const at::Tensor& shard, const at::Tensor& target) const;
+
+  // ---- accounting --------------------------------------------------------------
+  int64_t live_bytes() const { return live_bytes_; }
+  int64_t peak_bytes() const { return peak_bytes_; }
+  void reset_peak() { peak_bytes_ = live_bytes_; }
+  /// Waits (bounded by the communicator's timeout) for gathers still in
+  /// flight, which write into buffers this scheduler owns; failures are
+  /// logged, as this runs on the engine's destruction.
+  void settle_in_flight(const std::string& engine_name) noexcept;
+
+ private:
+  struct Slot {
+    at::Tensor full;       ///< compute dtype; the parameters are views into it
+    bool gathered = false;
+    bool views_shard = false;
+    comm::WorkPtr work;    ///< the gather in flight
+    at::Tensor staging;    ///< param-dtype landing buffer when the compute dtype differs (fp16 on a CPU)
+  };
+  bool gathered_or_pending(const Unit& unit) const;
+  void gather_bucket(const std::vector<int>& bucket);
+  void add_live(int64_t delta);
+
+  const EnginePlan& plan_;
+  const ShardGroups& groups_;
+  const UnitTable& units_;
+  const ShardStorage& storage_;
+  std::vector<Slot> slots_;
+  int64_t live_bytes_ = 0;
+  int64_t peak_bytes_ = 0;
+};
+
+}  // namespace shardtrain::engine

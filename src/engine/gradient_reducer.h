@@ -1,0 +1,123 @@
+#pragma once
+// The gradient reducer: takes each parameter's gradient from autograd's
+// post-accumulate hook, reduce-scatters (or all-reduces) it in buckets
+// straight from where autograd left it, and adds the result into the shard's
+// gradient. It owns the hooks, the gradients waiting for their unit, ZeRO-1's
+// boundary accumulators, the bucket being filled and the ones in flight.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "comm/work_util.h"
+#include "engine/engine_plan.h"
+#include "engine/gather_scheduler.h"
+#include "engine/grad_ready_hook.h"
+#include "engine/shard_groups.h"
+#include "engine/shard_storage.h"
+#include "engine/unit_table.h"
+
+namespace shardtrain::engine {
+
+class GradientReducer {
+ public:
+  /// `gather` frees each unit once its gradients are in, and prefetches the
+  /// next one in backward (post-backward prefetch).
+  GradientReducer(const EnginePlan& plan, const ShardGroups& groups, const UnitTable& units, ShardStorage& storage,
+                  GatherScheduler& gather);
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  /// Set-up, per trainable entry: the hooks on its parameters, and ZeRO-1's
+  /// boundary accumulator.
+  void attach(int i);
+  /// Runs backward of the (already scaled) loss and every reduction it
+  /// starts, through to the gradients in the shards. `sync`: the last
+  /// micro-batch of a gradient-accumulation window.
+  void backward(const at::Tensor& scaled_loss, bool sync);
+  /// zero_grad's part: ZeRO-1's accumulators, when a window left them non-zero.
+  void clear_window();
+  /// Bytes of ZeRO-1's boundary accumulators (gradients at rest).
+  int64_t accumulator_bytes() const;
+  /// Waits for reductions still in flight (they write into buffers this
+  /// reducer owns); failures are logged, as this runs on the engine's destruction.
+  void settle_in_flight(const std::string& engine_name) noexcept;
+
+ private:
+  /// Gradient reductions issued together. Each entry reduces `input` (a
+  /// parameter's gradient, or a piece of a full-layout gradient buffer) and
+  /// adds the result to entry `unit`'s gradient at [grad_offset, +length).
+  struct Bucket {
+    struct Entry {
+      int unit = 0;
+      at::Tensor input;
+      int64_t grad_offset = 0;
+      int64_t length = 0;
+      std::vector<int64_t> splits;  ///< uneven reduce-scatter counts per rank; empty: even chunks
+    };
+    std::vector<Entry> entries;
+    int64_t numel = 0;                 ///< input elements queued
+    std::vector<comm::WorkPtr> works;  ///< in issue order
+    at::Tensor output;                 ///< sharded: the reduced chunks, entry after entry
+  };
+  /// One entry's gradients on their way.
+  struct Pending {
+    std::vector<at::Tensor> grads;  ///< autograd's gradients, moved out of .grad()
+    int seen = 0;
+    at::Tensor boundary_accumulator;  ///< zero 1: fp32, in the full layout
+    bool boundary_reduced = false;    ///< zero 1: its accumulator went out during this boundary backward
+  };
+
+  /// Gradients go straight into the shard's gradient (one rank, no replicas).
+  /// Not with ZeRO-1's boundary accumulation in a 16-bit reduce dtype: that
+  /// rounds the accumulated sum once, not each micro-batch's gradient.
+  bool adds_grads_directly() const;
+  /// After autograd accumulated into a parameter's .grad(): takes that tensor
+  /// (autograd's own output, not a copy) and leaves .grad() empty.
+  void on_grad_accumulated(int i, int param_index);
+  void unit_grads_ready(int i);
+  /// A pending gradient in the reduce dtype, flattened (zeros where the
+  /// parameter got none: every rank reduces the same pieces).
+  at::Tensor reduce_input(int i, int k) const;
+  /// `splits` (one count per rank) makes it an uneven reduce-scatter; empty: even chunks of `length`.
+  void enqueue(int i, at::Tensor input, int64_t grad_offset, int64_t length, std::vector<int64_t> splits = {});
+  /// Queues the reduction of gradients held in entry i's full layout, one piece at a time.
+  void enqueue_full_layout(int i, const at::Tensor& full_input);
+  /// Issues the queued reductions as one coalesced collective: reduce-scatters
+  /// of the pieces into one output buffer, or (unsharded) all-reduces in place.
+  void flush_bucket();
+  void finish_reductions();
+  /// zero 1: queues the reduction of one entry's accumulator (a copy in the
+  /// reduce dtype) and zeroes it for the next window.
+  void reduce_accumulator(int i);
+  /// zero 1, at the boundary: reduces the accumulators not yet reduced during
+  /// backward (entries that got no gradient) and waits for all of them.
+  void reduce_boundary_accumulators();
+
+  const EnginePlan& plan_;
+  const ShardGroups& groups_;
+  const UnitTable& units_;
+  ShardStorage& storage_;
+  GatherScheduler& gather_;
+  std::vector<Pending> pending_;
+  /// on_grad_accumulated's hooks on the trainable parameters; removed with the reducer.
+  std::vector<std::unique_ptr<GradReadyHook>> hooks_;
+  Bucket filling_;
+  std::vector<Bucket> in_flight_;
+  /// zero 1: the running backward ends an accumulation window, so each unit's
+  /// accumulator is reduced as soon as its gradients are in (overlapping the
+  /// rest of backward, as ZeRO-2's reductions do) instead of after backward.
+  bool boundary_backward_ = false;
+  /// zero 1: a backward without sync has added to the accumulators since the
+  /// last boundary. When none has (an accumulation window of one micro-batch,
+  /// every step with gradient_accumulation_steps 1), the accumulator would hold
+  /// 0 + g: the boundary backward reduces each gradient straight from autograd
+  /// instead, as zero 2 does, with the same sums and the same bits, and no
+  /// full-size fp32 add, copy and zeroing per step.
+  bool accumulated_in_window_ = false;
+};
+
+}  // namespace shardtrain::engine

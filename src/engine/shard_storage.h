@@ -1,0 +1,99 @@
+#pragma once
+// The shard storage: where this rank's part of the model states lives. The
+// flat partitions (fp32 master, low-precision copy, gradient, optimizer
+// moments), every unit entry's views into them, the frozen entries' own
+// shards, the optimizer offload's host copies, and the model's device.
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "engine/engine.h"
+#include "engine/engine_plan.h"
+#include "engine/shard_groups.h"
+#include "engine/unit_table.h"
+
+namespace shardtrain::engine {
+
+inline int64_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+/// A unit entry's pieces of the model states: views into the flat partitions
+/// (trainable entries) or its own tensors (frozen ones: a shard to gather
+/// from and an fp32 copy for state dicts, no optimizer state).
+struct UnitShard {
+  at::Tensor master;                 ///< fp32; undefined in pure low precision
+  at::Tensor lp;                     ///< param_dtype: what the all-gather sends
+  at::Tensor grad;                   ///< the reduced gradient (trainable)
+  at::Tensor exp_avg, exp_avg_sq;    ///< Adam's moments (trainable, Adam only)
+  /// What a checkpoint and the state dict read as the value: the master, or
+  /// the low-precision shard where there is none.
+  const at::Tensor& value() const { return master.defined() ? master : lp; }
+};
+
+class ShardStorage {
+ public:
+  /// Binds the model's device (checked against the communicators') and
+  /// allocates every partition for `units`.
+  ShardStorage(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups);
+
+  /// The model's device: every buffer, flag and scalar the engine creates
+  /// lives there (the optimizer offload's host copies excepted).
+  at::Device device() const { return device_; }
+  /// fp32 on the model's device: masters, moments, fp32 gradients.
+  at::TensorOptions fp32_options() const { return at::TensorOptions().dtype(at::kFloat).device(device_); }
+
+  UnitShard& unit(int i) { return shards_[static_cast<std::size_t>(i)]; }
+  const UnitShard& unit(int i) const { return shards_[static_cast<std::size_t>(i)]; }
+
+  // ---- the flat partitions (trainable entries' shards, one after another)
+  const at::Tensor& master() const { return master_; }
+  /// The low-precision partition (aliases the master when param_dtype is fp32).
+  const at::Tensor& low_precision() const { return lp_; }
+  /// What the optimizer steps: the master, or in pure low precision the low-precision partition.
+  const at::Tensor& stepped() const { return plan_.pure_low_precision ? lp_ : master_; }
+  const at::Tensor& grad() const { return grad_; }
+  const at::Tensor& exp_avg() const { return exp_avg_; }
+  const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
+  const at::Tensor& momentum() const { return momentum_; }
+  /// Optimizer offload: host copies the step reads the gradient from and
+  /// writes the low-precision values to (undefined without offload).
+  const at::Tensor& host_grad() const { return host_grad_; }
+  const at::Tensor& host_low_precision() const { return host_lp_; }
+  /// The low-precision partition is a copy of its own, written after each step.
+  bool separate_low_precision() const { return !plan_.pure_low_precision && !lp_.is_same(master_); }
+
+  /// The gradients are known to be zero (zero_grad need not write them again).
+  bool grads_zero() const { return grads_zero_; }
+  /// Something wrote into the gradient partition.
+  void note_grads_written() { grads_zero_ = false; }
+  /// zero_grad: zeroes the gradients unless they are known to be zero.
+  void zero_grads();
+  /// Zeroes the gradients whatever they hold (after a step, applied or skipped).
+  void clear_grads();
+
+  /// Bytes held at rest, by kind (MemoryReport' params, master, grads, optimizer).
+  void add_memory(MemoryReport& stats) const;
+
+  /// A 1-D tensor of `numel` elements whose storage claims their bytes but owns
+  /// no memory (a null data pointer). ATen bounds-checks views against the
+  /// storage's byte size, so the module's parameters can become views into a
+  /// unit's buffer before anything is allocated; resize_storage_bytes() gives
+  /// it memory when the unit is gathered. Loading parameters built without
+  /// storage must not allocate (and touch) a full unit per unit: glibc keeps
+  /// freed heap memory resident, so that churn alone grew a rank's resident set
+  /// by most of the model (measured: 52 MB over 8 layers of a 60 MB model).
+  static at::Tensor unallocated_buffer(int64_t numel, const at::TensorOptions& options);
+
+ private:
+  const EnginePlan& plan_;
+  at::Device device_{at::kCPU};
+  at::Tensor master_, lp_, grad_, exp_avg_, exp_avg_sq_, momentum_;
+  at::Tensor host_grad_, host_lp_;
+  std::vector<UnitShard> shards_;
+  bool grads_zero_ = true;
+};
+
+}  // namespace shardtrain::engine
