@@ -52,6 +52,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "llama2", "mistral", "none"}))
       ->capture_default_str();
   app.add_option("--seq-len", options.seq_len, "Tokens per packed row")->capture_default_str();
+  app.add_option("--truncation", options.truncation,
+                 "A record longer than --seq-len: drop it, or truncate it (its end and EOS are then not trained)")
+      ->check(CLI::IsMember({"drop", "truncate"}))
+      ->capture_default_str();
   app.add_option("--activation-checkpointing", options.activation_checkpointing,
                  "none; selective (recompute the core attention in backward); full (recompute each decoder layer)")
       ->check(CLI::IsMember({"none", "selective", "full"}))

@@ -27,6 +27,36 @@
 namespace shardtrain {
 namespace {
 
+/// What differs between the batch a checkpoint was trained with (its training
+/// state) and this run's: the world, the global batch and its split into
+/// micro-batch x accumulation x world. Empty when nothing did, or when the
+/// checkpoint predates these fields.
+std::string describe_batch_change(const nlohmann::json& saved, const TrainingConfig& config, int64_t accumulation,
+                                  int world) {
+  if (!saved.contains("train_batch_size") || !saved.contains("world_size")) return "";
+  const int64_t saved_world = saved.at("world_size").get<int64_t>();
+  const int64_t saved_global = saved.at("train_batch_size").get<int64_t>();
+  const int64_t saved_micro = saved.value("micro_batch_size", int64_t{0});
+  const int64_t saved_accumulation = saved.value("gradient_accumulation_steps", int64_t{1});
+  const int64_t micro = config.train_micro_batch_size_per_gpu.value_or(0);
+  const int64_t global = config.train_batch_size.value_or(0);
+  if (saved_world == world && saved_global == global && saved_micro == micro && saved_accumulation == accumulation) {
+    return "";
+  }
+  auto split = [](int64_t g, int64_t m, int64_t a, int64_t w) {
+    return std::to_string(g) + " (micro-batch " + std::to_string(m) + " x accumulation " + std::to_string(a) +
+           " x world " + std::to_string(w) + ")";
+  };
+  std::string text = "the checkpoint was saved at world " + std::to_string(saved_world) + " with global batch " +
+                     split(saved_global, saved_micro, saved_accumulation, saved_world) + ", this run has world " +
+                     std::to_string(world) + " and global batch " + split(global, micro, accumulation, world);
+  if (saved_global != global) {
+    text += "; each step now averages " + std::to_string(global) + " samples instead of " +
+            std::to_string(saved_global) + " (pin train_batch_size in the config to keep it across world sizes)";
+  }
+  return text;
+}
+
 MixedPrecision parse_mixed_precision(const std::string& text) {
   if (text == "no") return MixedPrecision::kNo;
   if (text == "fp16") return MixedPrecision::kFp16;
@@ -355,6 +385,9 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"samples_seen", (s.last.step + s.last.skipped_total) * global_batch},
                              {"skipped_total", s.last.skipped_total},
                              {"world_size", num_processes()},
+                             {"train_batch_size", global_batch},
+                             {"micro_batch_size", s.config.train_micro_batch_size_per_gpu.value_or(0)},
+                             {"gradient_accumulation_steps", s.accumulation},
                              {"optimizer_steps", running.optimizer_steps()},
                              {"loss_scaler", running.loss_scaler_state()},
                              {"extras", s.extras}};
@@ -378,26 +411,17 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
 
 void Accelerator::save_model(const std::string& out_dir, const std::string& dtype, uint64_t max_shard_bytes,
                              const std::string& config_json) {
+  comm::CollectiveScope scope("save_model()");
   State& s = *state_;
   std::string resolved = dtype;
   if (resolved == "auto") resolved = s.config.zero.stage3_gather_16bit_weights_on_model_save ? "bf16" : "fp32";
   ST_CHECK_T(ConfigError, resolved == "fp32" || resolved == "bf16", "save_model: dtype '", dtype,
              "' is not one of auto, fp32, bf16");
-  // Every rank writes its own slices (no rank gathers the model); rank 0 then
-  // streams them into the Hugging Face layout one parameter at a time.
-  const std::string staging = out_dir + "/.shardtrain-export";
-  const std::string written = save_state(staging, "weights");
-  ST_CHECK_T(CheckpointSaveError, !written.empty(), "save_model: writing the weights to ", staging,
-             " failed (the warning above says why); nothing was exported to ", out_dir);
-  if (is_main_process()) {
-    checkpoint::ExportOptions options;
-    options.dtype = resolved;
-    options.max_shard_bytes = max_shard_bytes;
-    options.config_json_path = config_json;
-    checkpoint::export_hf(written, out_dir, options);
-    std::filesystem::remove_all(staging);
-  }
-  wait_for_everyone();
+  checkpoint::ExportOptions options;
+  options.dtype = resolved;
+  options.max_shard_bytes = max_shard_bytes;
+  options.config_json_path = config_json;
+  checkpoint::save_model(engine(), *s.comm, out_dir, options);
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {
@@ -423,6 +447,14 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
   }
   s.micro_in_window = 0;
   s.clipped_this_window = false;
+  if (is_main_process()) {
+    const std::string changed = describe_batch_change(training, s.config, s.accumulation, num_processes());
+    if (!changed.empty()) {
+      ST_LOG_WARN("resuming {} at step {}: {}. The run goes on with this run's config, as DeepSpeed and "
+                  "Accelerate do; the learning-rate schedule continues at step {}, and the sampler after the "
+                  "same number of samples", dir, s.last.step, changed, s.last.step);
+    }
+  }
 }
 
 MemoryReport Accelerator::memory() const {

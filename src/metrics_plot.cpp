@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain {
@@ -58,7 +59,7 @@ std::map<std::string, Series> read_run(const std::string& path) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(line);
+      j = parse_json_within_depth<Error, nlohmann::json>(line, "plot: " + path + " line " + std::to_string(number));
     } catch (const nlohmann::json::exception& e) {
       ST_THROW(Error, "plot: ", path, " line ", number, " is not JSON (", e.what(),
                "); pass a metrics file written by --metrics-out");

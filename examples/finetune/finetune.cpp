@@ -63,9 +63,13 @@ struct ModelSpec {
 ModelSpec model_spec(const FinetuneOptions& options) {
   const std::string path = options.model_dir.empty() ? options.model_config : options.model_dir + "/config.json";
   ST_CHECK(!path.empty(), "no model: pass --model-dir DIR (a Hugging Face directory) or --model-config config.json");
+  const std::string text = read_text(path);
+  // The library's reader first: it refuses a file without the model's sizes
+  // or one nested beyond its depth limit, naming the problem.
+  (void)models::LlamaConfig::from_json_string(text, path);
   json j;
   try {
-    j = json::parse(read_text(path));
+    j = json::parse(text);
   } catch (const json::exception& e) {
     ST_THROW(shardtrain::ConfigError, path, ": invalid JSON: ", e.what());
   }
@@ -354,6 +358,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   models::InstructionDataOptions data_options;
   data_options.chat_format = chat;
   data_options.seq_len = options.seq_len;
+  data_options.truncation = models::parse_truncation_policy(options.truncation);
   data_options.packing = !options.no_packing;
   data_options.vocab_size = mc.vocab_size;
   Dataset train, eval;

@@ -23,6 +23,8 @@ struct FinetuneOptions {
   std::string data, eval_data;
   std::string chat_format = "auto";
   int64_t seq_len = 128;
+  /// drop | truncate: what happens to a record longer than seq_len.
+  std::string truncation = "drop";
   /// none | selective (core attention recomputed in backward) | full (whole decoder layers)
   std::string activation_checkpointing = "none";
   bool no_packing = false;

@@ -245,8 +245,11 @@ class Accelerator {
   /// or shards of at most `max_shard_bytes` with model.safetensors.index.json;
   /// `config_json` copied to config.json when given). dtype "auto": bf16 when
   /// zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save is on,
-  /// else fp32. Streams one parameter at a time: no rank holds the whole model.
-  /// Collective.
+  /// else fp32. Streams from the live shards: the ranks gather one unit at a
+  /// time and rank 0 writes each parameter as it arrives, so no rank holds
+  /// the whole model and nothing but the export is written to disk (no
+  /// optimizer state). A failure (a full disk) throws CheckpointSaveError on
+  /// every rank and leaves no partial export. Collective.
   void save_model(const std::string& out_dir, const std::string& dtype = "auto",
                   uint64_t max_shard_bytes = 5000000000ULL, const std::string& config_json = "");
   /// Integers stored with the checkpoint for the training loop (data position, epoch, ...).

@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint.h"
+#include "json_depth.h"
 #include "shardtrain/checkpoint_location.h"
 
 #include <fcntl.h>
@@ -59,7 +60,7 @@ nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   ST_CHECK(in.good(), "checkpoint: ", path.string(), " is missing");
   try {
-    return nlohmann::json::parse(in);
+    return parse_json_within_depth<Error, nlohmann::json>(in, "checkpoint: " + path.string());
   } catch (const nlohmann::json::exception& e) {
     ST_THROW(Error, "checkpoint: ", path.string(), " is not valid JSON (", e.what(),
              "); the checkpoint is damaged — load another tag");
@@ -251,6 +252,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         }
         index["params"] = params;
         index["files"] = files;
+        seal_index(index);
         injected_failure(rank, "index", (tmp / kIndexFile).string());
         write_text(tmp / kIndexFile, index.dump(1));
         sync_path(tmp, true);
@@ -301,6 +303,40 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
   return final_dir.string();
 }
 
+void save_model(engine::Engine& engine, comm::Communicator& comm, const std::string& out_dir,
+                const ExportOptions& options) {
+  std::unique_ptr<HfWeightsWriter> writer;
+  std::string failure;  // rank 0's first error; it keeps gathering so no rank waits for it
+  auto attempt = [&](const std::function<void()>& body) {
+    if (!failure.empty()) return;
+    try {
+      body();
+    } catch (const std::exception& e) {
+      failure = e.what();
+      writer.reset();  // removes the partial export
+    }
+  };
+  const bool writes = comm.rank() == 0;
+  if (writes) {
+    attempt([&] {
+      std::vector<ExportTensor> tensors;
+      for (auto& [name, shape] : engine.parameter_shapes()) tensors.push_back({name, shape});
+      writer = std::make_unique<HfWeightsWriter>(std::move(tensors), out_dir, options);
+    });
+  }
+  engine.visit_full_parameters([&](const std::string& name, const at::Tensor& value) {
+    if (writer) attempt([&] { writer->write(name, value); });
+  });
+  if (auto failed = agree_on_failure(comm, writes, [&] {
+        if (!failure.empty()) throw Error(failure);
+        writer->finish();
+      })) {
+    writer.reset();
+    ST_THROW(CheckpointSaveError, "save_model to ", out_dir, " failed on ", *failed,
+             ". The partial export was removed; the model and its training state are unchanged");
+  }
+}
+
 nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag_or_empty) {
   const std::string tag = tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty;
@@ -308,8 +344,14 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (", describe_checkpoints_under(dir),
            ")");
   const Index index = read_index(ckpt);
-  ST_CHECK(index.format_version == kFormatVersion, "checkpoint ", ckpt.string(), " has format version ",
-           index.format_version, "; this shardtrain reads version ", kFormatVersion);
+  ST_CHECK(index.format_version >= kOldestReadableVersion && index.format_version <= kFormatVersion, "checkpoint ",
+           ckpt.string(), " has format version ", index.format_version, "; this shardtrain reads ",
+           readable_versions());
+  if (!index.checksummed && comm.rank() == 0) {
+    ST_LOG_WARN("checkpoint {} has format version {}, written before the index had checksums: an edit to its "
+                "training state cannot be detected. Save it again to get a checked index", ckpt.string(),
+                index.format_version);
+  }
 
   // Damage is found before anything is loaded: no partial load.
   for (const FileEntry& file : index.files) {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/format.h"
+#include "checkpoint/hf_writer.h"
 #include "engine/engine.h"
 #include "shardtrain/comm/communicator.h"
 
@@ -31,6 +32,16 @@ namespace shardtrain::checkpoint {
 std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                  const std::string& tag, const nlohmann::json& training_state, const std::string& config_yaml,
                  const std::string& precision_plan, int keep_last = 0);
+
+/// Collective. Writes the model's parameters as a Hugging Face weights
+/// directory (hf_writer.h) straight from the live shards: the engine gathers
+/// one unit at a time and rank 0 writes each parameter as it arrives. Nothing
+/// else is written (no optimizer state, no staging checkpoint), so the export
+/// needs only its own size on disk. A failure on rank 0 (a full disk) fails
+/// every rank together with CheckpointSaveError naming it, after every rank
+/// has finished the gathers; the partial export is removed.
+void save_model(engine::Engine& engine, comm::Communicator& comm, const std::string& out_dir,
+                const ExportOptions& options);
 
 /// Collective. Verifies every file (size, CRC-32) and that the checkpoint
 /// holds exactly the model's parameters with their shapes, loads every slice

@@ -1,7 +1,7 @@
-#include "checkpoint/export.h"
+// The offline checkpoint tools (see export.h): verify, inspect, and the export of
+// a checkpoint's fp32 masters as a Hugging Face directory through HfWeightsWriter.
 
-#include <fcntl.h>
-#include <unistd.h>
+#include "checkpoint/export.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -16,8 +16,10 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "json_depth.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
+#include "checkpoint/hf_writer.h"
 #include "shardtrain/error.h"
 #include "shardtrain/safetensors.h"
 
@@ -124,9 +126,9 @@ VerifyReport verify_index(const Index& index) {
   report.files = index.files.size();
   report.params = index.params.size();
   auto& problems = report.problems;
-  if (index.format_version != kFormatVersion) {
+  if (index.format_version < kOldestReadableVersion || index.format_version > kFormatVersion) {
     problems.push_back("index.json has format version " + std::to_string(index.format_version) +
-                       "; this shardtrain reads version " + std::to_string(kFormatVersion));
+                       "; this shardtrain reads " + readable_versions());
   }
   for (const auto& file : index.files) {
     if (!plain_file_name(file.name)) {
@@ -172,83 +174,6 @@ VerifyReport verify_index(const Index& index) {
 
 // ---- export ------------------------------------------------------------------
 
-at::ScalarType export_dtype(const std::string& name) {
-  if (name == "fp32" || name == "float32" || name == "f32") return at::kFloat;
-  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  ST_THROW(Error, "export: dtype '", name, "' is not supported; use fp32 or bf16");
-}
-
-/// One output file: which parameters it holds, in order.
-struct Shard {
-  std::string file;
-  std::vector<const ParamEntry*> params;
-  uint64_t bytes = 0;
-};
-
-/// Writes to a file descriptor, turning short writes and errno into Errors
-/// that name the file.
-class OutFile {
- public:
-  explicit OutFile(const fs::path& path) : path_(path.string()) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    ST_CHECK(fd_ >= 0, "export: cannot create ", path_, ": ", std::strerror(errno));
-  }
-  ~OutFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  OutFile(const OutFile&) = delete;
-  OutFile& operator=(const OutFile&) = delete;
-
-  void write(const void* data, uint64_t count) {
-    const char* p = static_cast<const char*>(data);
-    while (count > 0) {
-      const ssize_t n = ::write(fd_, p, std::min<uint64_t>(count, 1ULL << 30));
-      if (n < 0 && errno == EINTR) continue;
-      ST_CHECK(n > 0, "export: writing ", path_, " failed: ", n < 0 ? std::strerror(errno) : "no progress",
-               " (disk full?)");
-      p += n;
-      count -= static_cast<uint64_t>(n);
-      written_ += static_cast<uint64_t>(n);
-    }
-  }
-
-  /// fsync + close: the rename that publishes the export must not reach the
-  /// disk before the data does, and close() can report deferred write errors.
-  void finish() {
-    ST_CHECK(::fsync(fd_) == 0, "export: fsync of ", path_, " failed: ", std::strerror(errno));
-    const int fd = fd_;
-    fd_ = -1;
-    ST_CHECK(::close(fd) == 0, "export: closing ", path_, " failed: ", std::strerror(errno));
-  }
-
-  uint64_t written() const { return written_; }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-};
-
-/// The safetensors header of a shard, from the index alone (offsets follow
-/// from shapes and the export dtype), so the data can then be streamed.
-std::string shard_header(const Shard& shard, at::ScalarType dtype) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  header["__metadata__"] = {{"format", "pt"}};  // what transformers expects
-  const uint64_t element_size = at::elementSize(dtype);
-  uint64_t offset = 0;
-  for (const ParamEntry* param : shard.params) {
-    const uint64_t nbytes = static_cast<uint64_t>(param->numel) * element_size;
-    header[param->name] = {{"dtype", safetensors::dtype_name(dtype)},
-                           {"shape", param->shape},
-                           {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-  }
-  std::string text = header.dump();
-  // The data buffer starts 8-byte aligned, as the reference writer pads it.
-  text.append((8 - text.size() % 8) % 8, ' ');
-  return text;
-}
-
 /// Assembles `param` from its master slices, cast to `dtype`: the only
 /// tensor-sized allocation export makes, one parameter at a time.
 at::Tensor assemble(const Index& index, const ParamEntry& param, at::ScalarType dtype,
@@ -270,63 +195,41 @@ at::Tensor assemble(const Index& index, const ParamEntry& param, at::ScalarType 
   return full;
 }
 
-void write_shard(const Index& index, const Shard& shard, const fs::path& path, at::ScalarType dtype,
-                 std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
-  const std::string header = shard_header(shard, dtype);
-  OutFile out(path);
-  const uint64_t header_len = header.size();
-  out.write(&header_len, 8);  // little-endian host, as safetensors.cpp asserts
-  out.write(header.data(), header.size());
-  for (const ParamEntry* param : shard.params) {
-    const at::Tensor full = assemble(index, *param, dtype, readers);
-    out.write(full.data_ptr(), static_cast<uint64_t>(full.numel()) * full.element_size());
+}  // namespace
+
+namespace {
+
+/// Where a checkpoint's index should be but is not: `path` itself when it
+/// holds rank files (a DIR/TAG that lost its index), or the tag DIR/latest
+/// names. Empty when `path` does not look like a checkpoint at all.
+fs::path checkpoint_without_index(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return {};
+  if (has_latest(path)) {
+    const fs::path tagged = path / latest_tag(path.string());
+    return is_checkpoint(tagged) ? fs::path() : tagged;
   }
-  ST_CHECK(out.written() == 8 + header_len + shard.bytes, "export: ", path.string(), " has ", out.written(),
-           " bytes, expected ", 8 + header_len + shard.bytes);
-  out.finish();
-}
-
-void write_text_file(const fs::path& path, const std::string& text) {
-  OutFile out(path);
-  out.write(text.data(), text.size());
-  out.finish();
-}
-
-/// Hugging Face weight files: what a fresh export replaces in `out_dir`.
-bool is_weight_file(const std::string& name) {
-  const std::string suffix = ".safetensors";
-  if (name == "model.safetensors" || name == "model.safetensors.index.json") return true;
-  return name.rfind("model-", 0) == 0 && name.size() > suffix.size() &&
-         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-         name.find("-of-") != std::string::npos;
-}
-
-/// Publishes the finished `tmp` as `out`. A new `out` is a single rename; into
-/// an existing one (a model directory with tokenizer files, say) each file is
-/// renamed in, and weight files of an earlier export that this one did not
-/// write are removed, since a stale model.safetensors next to a new shard
-/// index would be loaded instead of it.
-void publish(const fs::path& tmp, const fs::path& out) {
-  if (!fs::exists(out)) {
-    fs::rename(tmp, out);
-    return;
-  }
-  ST_CHECK(fs::is_directory(out), "export: ", out.string(), " exists and is not a directory");
-  std::vector<std::string> produced;
-  for (const auto& entry : fs::directory_iterator(tmp)) produced.push_back(entry.path().filename().string());
-  for (const auto& entry : fs::directory_iterator(out)) {
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
     const std::string name = entry.path().filename().string();
-    if (is_weight_file(name) && std::find(produced.begin(), produced.end(), name) == produced.end()) {
-      fs::remove(entry.path());
-    }
+    if (name.rfind("rank", 0) == 0 && entry.path().extension() == ".safetensors") return path;
   }
-  for (const auto& name : produced) fs::rename(tmp / name, out / name);
-  fs::remove(tmp);
+  return {};
 }
 
 }  // namespace
 
 VerifyReport verify(const std::string& path) {
+  // A checkpoint that lost its index is damaged (verify's exit 1), not "no
+  // checkpoint here" (an error, exit 2).
+  const fs::path lost = checkpoint_without_index(path);
+  if (!lost.empty() && !is_checkpoint(path)) {
+    VerifyReport report;
+    report.checkpoint_dir = lost.string();
+    report.problems.push_back((lost / kIndexFile).string() + " is missing" +
+                              (fs::exists(lost) ? "" : " (the directory " + lost.string() + " does not exist)") +
+                              "; without its index the checkpoint cannot be read");
+    return report;
+  }
   const std::string dir = resolve_checkpoint_dir(path);
   try {
     return verify_index(read_index(dir));
@@ -390,10 +293,6 @@ std::string inspect(const std::string& path) {
 }
 
 void export_hf(const std::string& path, const std::string& out_dir, const ExportOptions& options) {
-  const at::ScalarType dtype = export_dtype(options.dtype);
-  ST_CHECK(options.max_shard_bytes > 0, "export: max shard size must be positive");
-  ST_CHECK(!out_dir.empty(), "export: no output directory given");
-
   const VerifyReport report = verify(path);
   if (!report.ok()) {
     std::ostringstream message;
@@ -404,75 +303,13 @@ void export_hf(const std::string& path, const std::string& out_dir, const Export
   }
   const Index index = read_index(report.checkpoint_dir);
   ST_CHECK(!index.params.empty(), "export: checkpoint ", index.dir.string(), " holds no parameters");
-  if (!options.config_json_path.empty()) {
-    // Parsed only to catch a wrong file early; it is copied byte for byte.
-    std::ifstream in(options.config_json_path);
-    ST_CHECK(in.good(), "export: config file ", options.config_json_path, " cannot be read");
-    try {
-      const json parsed = json::parse(in);
-      ST_CHECK(parsed.is_object(), "export: config file ", options.config_json_path, " is not a JSON object");
-    } catch (const json::exception& e) {
-      ST_THROW(Error, "export: config file ", options.config_json_path, " is not valid JSON (", e.what(), ")");
-    }
-  }
-
-  // Greedy packing in name order, as save_pretrained does: start a new shard
-  // when the next tensor would push the current one past the limit.
-  const uint64_t element_size = at::elementSize(dtype);
-  std::vector<Shard> shards(1);
-  uint64_t total_bytes = 0;
-  for (const auto& param : index.params) {
-    ST_CHECK(param.name != "__metadata__", "export: checkpoint ", index.dir.string(),
-             ": a parameter named '__metadata__' cannot be stored in a safetensors file");
-    const uint64_t nbytes = static_cast<uint64_t>(param.numel) * element_size;
-    if (!shards.back().params.empty() && shards.back().bytes + nbytes > options.max_shard_bytes) {
-      shards.emplace_back();
-    }
-    shards.back().params.push_back(&param);
-    shards.back().bytes += nbytes;
-    total_bytes += nbytes;
-  }
-  const std::size_t count = shards.size();
-  for (std::size_t i = 0; i < count; ++i) {
-    if (count == 1) {
-      shards[i].file = "model.safetensors";
-    } else {
-      std::ostringstream name;
-      name << "model-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5) << std::setfill('0')
-           << count << ".safetensors";
-      shards[i].file = name.str();
-    }
-  }
-
-  fs::path out = fs::absolute(fs::path(out_dir)).lexically_normal();
-  if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir
-  fs::create_directories(out.parent_path());
-  const fs::path tmp = out.parent_path() / ("." + out.filename().string() + ".tmp-export-" + std::to_string(::getpid()));
-  fs::remove_all(tmp);  // an export of this process killed earlier
-  fs::create_directories(tmp);
-  try {
-    std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
-    for (const auto& shard : shards) write_shard(index, shard, tmp / shard.file, dtype, readers);
-    if (count > 1) {
-      json weight_map = json::object();
-      for (const auto& shard : shards)
-        for (const ParamEntry* param : shard.params) weight_map[param->name] = shard.file;
-      const json shard_index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-      write_text_file(tmp / "model.safetensors.index.json", shard_index.dump(2) + "\n");
-    }
-    if (!options.config_json_path.empty()) {
-      fs::copy_file(options.config_json_path, tmp / "config.json", fs::copy_options::overwrite_existing);
-    }
-    publish(tmp, out);
-  } catch (const fs::filesystem_error& e) {
-    std::error_code ignored;
-    fs::remove_all(tmp, ignored);  // leave no half-written export behind
-    ST_THROW(Error, "export to ", out.string(), " failed: ", e.what());
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(tmp, ignored);
-    throw;
-  }
+  std::vector<ExportTensor> tensors;  // name order, as the index (and save_pretrained) has them
+  for (const auto& param : index.params) tensors.push_back({param.name, param.shape});
+  HfWeightsWriter writer(std::move(tensors), out_dir, options);
+  const at::ScalarType dtype = options.dtype == "bf16" || options.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  for (const auto& param : index.params) writer.write(param.name, assemble(index, param, dtype, readers));
+  writer.finish();
 }
 
 }  // namespace shardtrain::checkpoint

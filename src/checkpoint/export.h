@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/hf_writer.h"
+
 namespace shardtrain::checkpoint {
 
 /// What verify() found. `problems` empty means the checkpoint is intact.
@@ -34,16 +36,6 @@ VerifyReport verify(const std::string& path);
 /// and training state. Throws shardtrain::Error on an unreadable index.
 std::string inspect(const std::string& path);
 
-struct ExportOptions {
-  /// "fp32" or "bf16": the dtype of the exported weights.
-  std::string dtype = "fp32";
-  /// Tensor bytes per output file before another shard is started (Hugging
-  /// Face's save_pretrained default, 5 GB). One parameter larger than this
-  /// gets a shard of its own: tensors are never split across files.
-  uint64_t max_shard_bytes = 5000000000ULL;
-  /// When non-empty, this JSON file is copied to OUT/config.json.
-  std::string config_json_path;
-};
 
 /// Writes the checkpoint's parameters (assembled from their "master" slices,
 /// under their own names and shapes) as a Hugging Face weights directory:

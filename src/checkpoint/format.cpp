@@ -10,6 +10,9 @@
 #include <sstream>
 #include <system_error>
 
+#include <zlib.h>
+
+#include "json_depth.h"
 #include "checkpoint/index_fields.h"
 #include "shardtrain/checkpoint_location.h"
 #include "shardtrain/error.h"
@@ -26,6 +29,71 @@ std::string rank_file(int rank, const char* extension) {
 
 std::string slice_key(const std::string& name, int64_t begin, const std::string& kind) {
   return name + "@" + std::to_string(begin) + "/" + kind;
+}
+
+std::string readable_versions() {
+  std::string text = kOldestReadableVersion == kFormatVersion ? "version " : "versions ";
+  for (int v = kOldestReadableVersion; v <= kFormatVersion; ++v) {
+    text += std::to_string(v) + (v + 1 < kFormatVersion ? ", " : v + 1 == kFormatVersion ? " and " : "");
+  }
+  return text;
+}
+
+namespace {
+
+/// Field path -> CRC-32 of its canonical text (nlohmann's dump: keys sorted,
+/// no spaces), for every field of `index` but the checksums themselves.
+std::map<std::string, uint32_t> field_checksums(const json& index) {
+  std::map<std::string, uint32_t> sums;
+  auto add = [&](const std::string& path, const json& value) {
+    const std::string text = value.dump();
+    sums[path] = static_cast<uint32_t>(
+        ::crc32(0L, reinterpret_cast<const Bytef*>(text.data()), static_cast<uInt>(text.size())));
+  };
+  for (const auto& [key, value] : index.items()) {
+    if (key == "checksums") continue;
+    // One checksum per entry of the containers, so a mismatch names the entry.
+    if ((key == "training_state" || key == "params" || key == "files") && value.is_object()) {
+      add(key, json(value.size()));  // an entry added or removed shows in the count as well as by name
+      for (const auto& [name, entry] : value.items()) add(key + "." + name, entry);
+    } else {
+      add(key, value);
+    }
+  }
+  return sums;
+}
+
+/// The fields of a format-2 index that differ from what its checksums say.
+std::vector<std::string> edited_fields(const json& raw) {
+  std::vector<std::string> edited;
+  const auto found = raw.find("checksums");
+  if (found == raw.end() || !found->is_object()) return {"checksums (missing)"};
+  std::map<std::string, uint32_t> recorded;
+  for (const auto& [path, value] : found->items()) {
+    if (!value.is_number_unsigned()) return {"checksums." + path + " (not a checksum)"};
+    recorded[path] = value.get<uint32_t>();
+  }
+  const std::map<std::string, uint32_t> computed = field_checksums(raw);
+  for (const auto& [path, sum] : computed) {
+    const auto it = recorded.find(path);
+    if (it == recorded.end()) {
+      edited.push_back(path + " (added)");
+    } else if (it->second != sum) {
+      edited.push_back(path);
+    }
+  }
+  for (const auto& [path, sum] : recorded) {
+    if (computed.count(path) == 0) edited.push_back(path + " (removed)");
+  }
+  return edited;
+}
+
+}  // namespace
+
+void seal_index(json& index) {
+  json sums = json::object();
+  for (const auto& [path, sum] : field_checksums(index)) sums[path] = sum;
+  index["checksums"] = std::move(sums);
 }
 
 bool SliceEntry::has(const std::string& kind) const {
@@ -55,7 +123,7 @@ Index read_index(const fs::path& dir) {
   ST_CHECK(in.good(), "checkpoint ", dir.string(), ": ", index_path.string(), " is missing");
   json raw;
   try {
-    raw = json::parse(in);
+    raw = parse_json_within_depth<Error, json>(in, "checkpoint " + dir.string() + ": " + index_path.string());
   } catch (const json::exception& e) {
     ST_THROW(Error, "checkpoint ", dir.string(), ": ", index_path.string(), " is not valid JSON (", e.what(),
              "); the checkpoint is damaged — load another tag");
@@ -72,7 +140,17 @@ Index read_index(const fs::path& dir) {
     // Another version's layout is not this one's: its header is all that can
     // be read, and the reader reports the version (load refuses it, verify
     // lists it) instead of a field that "is malformed".
-    if (index.format_version != kFormatVersion) return index;
+    if (index.format_version < kOldestReadableVersion || index.format_version > kFormatVersion) return index;
+    if (index.format_version >= 2) {
+      const std::vector<std::string> edited = edited_fields(raw);
+      std::string list;
+      for (const auto& field : edited) list += (list.empty() ? "" : ", ") + field;
+      ST_CHECK(edited.empty(), "checkpoint ", dir.string(), ": ", kIndexFile,
+               " was edited after the save; these fields no longer match their checksums: ", list,
+               ". A resume would continue the saved weights with the edited state, so the index is refused: "
+               "restore the original ", kIndexFile, " or load another tag");
+      index.checksummed = true;
+    }
     where = "\"files\"";
     for (const auto& [name, meta] : raw.at("files").items()) {
       where = "file " + name;

@@ -9,7 +9,9 @@
 //   DIR/TAG/index.json          format version; per parameter its shape, dtype and which
 //                               file holds which element range with which state kinds;
 //                               per file its size and CRC-32; the training state; the
-//                               resolved config and its precision plan
+//                               resolved config and its precision plan; and a CRC-32 of
+//                               each of those fields ("checksums"), so an index edited
+//                               after the save is refused by the name of what changed
 //   DIR/TAG/rankNNNNN.safetensors  one per writing rank: "<name>@<begin>/<kind>" tensors
 //                               (kind: master, exp_avg, exp_avg_sq, momentum) and the rank's RNG
 //   DIR/TAG/rankNNNNN.json      the rank's manifest (what the index is built from)
@@ -29,7 +31,13 @@
 
 namespace shardtrain::checkpoint {
 
-constexpr int kFormatVersion = 1;
+/// The version save() writes: 2 adds the index's checksums ("checksums").
+constexpr int kFormatVersion = 2;
+/// The oldest version load() and the tools still read (1: no checksums, so
+/// an edited index cannot be told from the original).
+constexpr int kOldestReadableVersion = 1;
+/// "versions 1 and 2", for messages about a version this build cannot read.
+std::string readable_versions();
 /// DIR/TAG/<this>: the index of one checkpoint.
 inline constexpr const char* kIndexFile = "index.json";
 /// DIR/<this>: the tag of the newest complete checkpoint.
@@ -72,6 +80,8 @@ struct FileEntry {
 struct Index {
   std::filesystem::path dir;
   int format_version = 0;
+  /// Its checksums were checked (format 2); false for a format-1 index.
+  bool checksummed = false;
   std::string engine;
   int world_size = 0;
   nlohmann::json training_state;
@@ -84,8 +94,15 @@ struct Index {
   const ParamEntry* param(const std::string& name) const;
 };
 
+/// Adds "checksums" to an index about to be written: a CRC-32 of the
+/// canonical JSON of every field a resume or an export reads, one per
+/// training-state key, parameter and file, so a mismatch names the field.
+void seal_index(nlohmann::json& index);
+
 /// Reads and checks DIR/TAG/index.json; throws shardtrain::Error naming the
-/// file and the field when it is missing, not JSON, or malformed.
+/// file and the field when it is missing, not JSON, malformed, or (format 2)
+/// edited after the save: a field whose checksum no longer matches, or one
+/// added or removed.
 Index read_index(const std::filesystem::path& dir);
 
 /// "[2, 3]".

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 
 // The format is little-endian and we copy bytes straight into tensor storage.
@@ -256,7 +257,7 @@ Reader::Reader(const std::string& path) : path_(path) {
   };
   ordered_json header;
   try {
-    header = ordered_json::parse(text, on_event);
+    header = parse_json_within_depth<Error, ordered_json>(text, path + ": the header", on_event);
   } catch (const nlohmann::json::exception& e) {
     ST_THROW(Error, path, ": header is not valid JSON: ", e.what());
   }

@@ -75,7 +75,9 @@ void register_checkpoint_command(CLI::App& app, int& exit_code) {
   });
 
   auto* verify = checkpoint->add_subcommand(
-      "verify", "Check file sizes, CRC-32s and slice coverage; exit 0 if intact, 1 if damaged");
+      "verify",
+      "Check the index's checksums, file sizes, CRC-32s and slice coverage; exit 0 if intact, 1 if damaged "
+      "(a missing index included), 2 if PATH holds no checkpoint");
   auto verify_path = std::make_shared<std::string>();
   verify->add_option("PATH", *verify_path, "Checkpoint DIR (uses DIR/latest) or DIR/TAG")->required();
   verify->callback([verify_path, &exit_code]() {

@@ -22,6 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using config_detail::add_accelerate_keys;
+using config_detail::check_document_size;
+using config_detail::summarise_repeated_warnings;
 using config_detail::add_deepspeed_keys;
 using config_detail::apply_plugin_values;
 using config_detail::describe;
@@ -46,6 +48,9 @@ std::string read_text_file(const std::string& path, const std::string& what) {
   if (fs::is_directory(path, ignored)) ST_THROW(ConfigError, what, " ", path, " is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) ST_THROW(ConfigError, what, " ", path, " cannot be read (permissions?)");
+  // Refused before it is read: a huge file would take the memory the limit protects.
+  const auto size = fs::file_size(path, ignored);
+  if (!ignored) check_document_size(static_cast<std::size_t>(size), what + " " + path);
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
@@ -277,6 +282,7 @@ TrainingConfig read_text(const std::string& text, const std::string& format, con
   const Node root = parse_document(text, format, source, document_warnings);
   TrainingConfig config = read_config(root, format, source, base_dir, overrides);
   config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
+  summarise_repeated_warnings(config.warnings);
   return config;
 }
 

@@ -14,8 +14,10 @@
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::config_detail {
@@ -242,9 +244,32 @@ Node scalar_from_yaml(const YAML::Node& yaml) {
   return node;
 }
 
-Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallback_line,
-                    std::vector<std::string>& warnings) {
+/// What a YAML document has expanded to so far (see kMaxConfigValues).
+struct Expansion {
+  std::size_t values = 0;
+  std::size_t bytes = 0;
+};
+
+Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallback_line, int depth,
+                    Expansion& expansion, std::vector<std::string>& warnings) {
   const int line = yaml.Mark().is_null() ? fallback_line : yaml.Mark().line + 1;
+  if (++expansion.values > kMaxConfigValues) {
+    ST_THROW(ConfigError, source, ":", line, ": the document expands to more than ", kMaxConfigValues,
+             " values; a config holds tens. YAML aliases (*name) repeat everything their anchor (&name) holds, "
+             "so nested aliases multiply; refused before it takes this rank's memory");
+  }
+  if (depth > kMaxConfigDepth) {
+    ST_THROW(ConfigError, source, ":", line, ": mappings and lists nest deeper than ", kMaxConfigDepth,
+             " levels; a config needs a few, so the document is refused as malformed");
+  }
+  if (yaml.Type() == YAML::NodeType::Scalar) {
+    expansion.bytes += yaml.Scalar().size();
+    if (expansion.bytes > kMaxConfigExpandedBytes) {
+      ST_THROW(ConfigError, source, ":", line, ": the document's values expand to more than ",
+               kMaxConfigExpandedBytes >> 20, " MiB of text (YAML aliases repeat their anchor's values); a config "
+               "holds kilobytes, so it is refused before it takes this rank's memory");
+    }
+  }
   switch (yaml.Type()) {
     case YAML::NodeType::Undefined:
     case YAML::NodeType::Null: {
@@ -260,7 +285,7 @@ Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallb
     case YAML::NodeType::Sequence: {
       Node node = Node::list();
       node.line = line;
-      for (const auto& item : yaml) node.push(node_from_yaml(item, source, line, warnings));
+      for (const auto& item : yaml) node.push(node_from_yaml(item, source, line, depth + 1, expansion, warnings));
       return node;
     }
     case YAML::NodeType::Map: {
@@ -273,7 +298,7 @@ Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallb
           ST_THROW(ConfigError, source, ":", key_line, ": a mapping key must be a plain name");
         }
         const std::string key = member.first.Scalar();
-        Node value = node_from_yaml(member.second, source, key_line, warnings);
+        Node value = node_from_yaml(member.second, source, key_line, depth + 1, expansion, warnings);
         if (!key_lines.emplace(key, key_line).second) {
           // PyYAML, and so Accelerate, keeps the last value in the first
           // one's place; so does this reader, saying which lines collided.
@@ -296,16 +321,23 @@ Node node_from_yaml(const YAML::Node& yaml, const std::string& source, int fallb
 }  // namespace
 
 Node parse_yaml_document(const std::string& text, const std::string& source, std::vector<std::string>& warnings) {
+  check_document_size(text.size(), source);
   YAML::Node root;
   try {
     root = YAML::Load(text);
+  } catch (const YAML::DeepRecursion& e) {
+    // yaml-cpp's own guard (2000 levels) says only "bad file".
+    ST_THROW(ConfigError, source, ":", e.mark.line + 1, ": mappings and lists nest deeper than yaml-cpp reads (",
+             e.depth(), " levels at line ", e.mark.line + 1, "); a config needs a few, so the document is refused "
+             "as malformed");
   } catch (const YAML::ParserException& e) {
     ST_THROW(ConfigError, source, ":", e.mark.line + 1, ":", e.mark.column + 1,
              ": malformed YAML at line ", e.mark.line + 1, ", column ", e.mark.column + 1, ": ", e.msg);
   } catch (const YAML::Exception& e) {
     ST_THROW(ConfigError, source, ": malformed YAML: ", e.what());
   }
-  return node_from_yaml(root, source, 1, warnings);
+  Expansion expansion;
+  return node_from_yaml(root, source, 1, 0, expansion, warnings);
 }
 
 // ---------------------------------------------------------------- JSON in
@@ -349,6 +381,7 @@ Node node_from_json(const OrderedJson& json) {
 }  // namespace
 
 Node parse_json_document(const std::string& text, const std::string& source) {
+  check_document_size(text.size(), source);
   // One set of keys per open object: nlohmann keeps the last of two equal
   // keys silently, and a silently dropped setting is the worst outcome.
   std::vector<std::set<std::string>> open_objects;
@@ -372,7 +405,7 @@ Node parse_json_document(const std::string& text, const std::string& source) {
       };
   OrderedJson json;
   try {
-    json = OrderedJson::parse(text, watch_keys, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    json = parse_json_within_depth<ConfigError, OrderedJson>(text, source, watch_keys, /*ignore_comments=*/true);
   } catch (const OrderedJson::parse_error& e) {
     // e.byte is the 1-based offset of the character the parser stopped at.
     std::size_t line = 1;
@@ -403,6 +436,63 @@ Node parse_json_document(const std::string& text, const std::string& source) {
              "' in one JSON object (DeepSpeed rejects these too); keep one of them");
   }
   return node_from_json(json);
+}
+
+// ---------------------------------------------------------------- limits
+
+void check_document_size(std::size_t bytes, const std::string& source) {
+  if (bytes <= kMaxConfigTextBytes) return;
+  ST_THROW(ConfigError, source, ": ", bytes, " bytes is over the ", kMaxConfigTextBytes >> 20,
+           " MiB a config file may be; a config is a few kilobytes (is this the right file?)");
+}
+
+namespace {
+
+/// A warning's kind: its text without digits (line numbers, counts), and
+/// with `names` also without what it quotes.
+std::string warning_kind(const std::string& warning, bool without_names) {
+  std::string kind;
+  bool quoted = false;
+  for (char c : warning) {
+    if (without_names && c == '\'') {
+      quoted = !quoted;
+      kind += c;
+      continue;
+    }
+    if (quoted || (c >= '0' && c <= '9')) continue;
+    kind += c;
+  }
+  return kind;
+}
+
+}  // namespace
+
+void summarise_repeated_warnings(std::vector<std::string>& warnings) {
+  // Two passes: the same message about the same name (a key given again and
+  // again), then the same message about any names (thousands of unknown keys).
+  for (bool without_names : {false, true}) {
+    std::map<std::string, std::size_t> seen;
+    std::map<std::string, std::size_t> summary_at;  // kind -> index of its summary line in `kept`
+    std::map<std::string, std::size_t> left_out;
+    std::vector<std::string> kept;
+    for (std::string& warning : warnings) {
+      const std::string kind = warning_kind(warning, without_names);
+      if (++seen[kind] <= kWarningsShownPerKind) {
+        kept.push_back(std::move(warning));
+        continue;
+      }
+      if (left_out[kind]++ == 0) {
+        summary_at[kind] = kept.size();
+        kept.emplace_back();
+      }
+    }
+    for (const auto& [kind, index] : summary_at) {
+      kept[index] = std::to_string(left_out[kind]) + " more warning(s) like the " +
+                    std::to_string(kWarningsShownPerKind) + " above were not shown (" + kind.substr(0, 80) +
+                    (kind.size() > 80 ? "..." : "") + ")";
+    }
+    warnings = std::move(kept);
+  }
 }
 
 // ---------------------------------------------------------------- YAML out

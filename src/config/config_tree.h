@@ -47,6 +47,30 @@ struct Node {
   bool is_scalar() const { return kind != Kind::kMap && kind != Kind::kList; }
 };
 
+/// What one config document may hold. Real configs are a few kilobytes:
+/// tens of keys, at most four levels deep. The limits sit orders of magnitude
+/// above that and stop a document that nests, or expands through YAML aliases
+/// (`*name` repeats everything `&name` holds), without bound before it takes a
+/// rank's memory or stack: a 288-byte alias bomb grew to 1.36 GB, a JSON file
+/// nested 15,000 deep crashed the reader. Every rank reads the config.
+inline constexpr std::size_t kMaxConfigTextBytes = std::size_t{4} << 20;  ///< the document's text
+inline constexpr int kMaxConfigDepth = 64;  ///< nested mappings and lists (kMaxJsonDepth for JSON)
+/// Values (scalars, mappings, lists) after YAML aliases are expanded: each
+/// expansion counts every value it repeats.
+inline constexpr std::size_t kMaxConfigValues = 100000;
+inline constexpr std::size_t kMaxConfigExpandedBytes = std::size_t{16} << 20;  ///< scalar text after expansion
+/// Warnings of one kind shown before the rest are counted in one line.
+inline constexpr std::size_t kWarningsShownPerKind = 5;
+
+/// Throws ConfigError when `text` is over kMaxConfigTextBytes.
+void check_document_size(std::size_t bytes, const std::string& source);
+
+/// Keeps the first kWarningsShownPerKind warnings of each kind (the same
+/// message but for its line numbers and quoted names: "unknown key '…' in f")
+/// and replaces the rest by one line that counts them, in place of the first
+/// one left out.
+void summarise_repeated_warnings(std::vector<std::string>& warnings);
+
 /// Throws ConfigError "<source>: malformed YAML at line L, column C: ..." on
 /// syntax errors. A duplicate key keeps its last value, as PyYAML does, and
 /// adds a warning naming both lines to `warnings`.

@@ -81,6 +81,14 @@ class Engine : public UnitHooks {
   /// Every parameter's full fp32 value by fully-qualified name, then every
   /// buffer in its original dtype (as a state dict holds them). Collective.
   virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
+  /// Every parameter's name and shape, in the order visit_full_parameters
+  /// visits them; the same on every rank.
+  virtual std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes() const = 0;
+  /// Calls `visit(name, value)` with every parameter's full fp32 value, in
+  /// parameter_shapes() order, gathering one unit at a time: no rank holds
+  /// more than one unit's values. `value` lives only during the call.
+  /// Collective: every rank visits every parameter.
+  virtual void visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) = 0;
   /// Every field but peak_rss (the process's, which the Accelerator adds).
   virtual MemoryReport memory() const = 0;
   virtual void reset_gathered_peak() = 0;

@@ -225,9 +225,16 @@ std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
 
 // ---- state dicts, checkpoints, memory -----------------------------------------------
 
-std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict() {
+std::vector<std::pair<std::string, std::vector<int64_t>>> ShardedEngine::parameter_shapes() const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& u : state_->units.entries()) {
+    for (std::size_t k = 0; k < u.params.size(); ++k) shapes.emplace_back(u.names[k], u.shapes[k]);
+  }
+  return shapes;
+}
+
+void ShardedEngine::visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) {
   State& s = *state_;
-  std::vector<std::pair<std::string, at::Tensor>> result;
   for (int i = 0; i < s.units.size(); ++i) {
     const UnitEntry& u = s.units[i];
     const UnitShard& shard = s.storage.unit(i);
@@ -238,11 +245,16 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
       s.gather.gather_pieces(*u.layout, source, full)->wait();
     }
     for (std::size_t k = 0; k < u.params.size(); ++k) {
-      result.emplace_back(u.names[k], full.narrow(0, u.layout->param_offset_in_full(static_cast<int>(k)),
-                                                  u.params[k].numel()).view(u.shapes[k]).clone());
+      visit(u.names[k],
+            full.narrow(0, u.layout->param_offset_in_full(static_cast<int>(k)), u.params[k].numel()).view(u.shapes[k]));
     }
   }
-  s.loader.append_buffers(result);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict() {
+  std::vector<std::pair<std::string, at::Tensor>> result;
+  visit_full_parameters([&](const std::string& name, const at::Tensor& value) { result.emplace_back(name, value.clone()); });
+  state_->loader.append_buffers(result);
   return result;
 }
 

@@ -49,6 +49,8 @@ class ShardedEngine : public Engine {
   void zero_grad() override;
   double loss_scale() const override;
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes() const override;
+  void visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) override;
   MemoryReport memory() const override;
   void reset_gathered_peak() override;
 

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
@@ -192,7 +193,7 @@ std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, i
     const std::string where = path + ":" + std::to_string(line_no);
     json object;
     try {
-      object = json::parse(line);
+      object = parse_json_within_depth<Error, json>(line, where);
     } catch (const json::exception& e) {
       // parse_error for bad syntax; out_of_range for a number beyond double's range (found by tests/fuzz).
       ST_THROW(Error, where, ": not valid JSON (", e.what(), "); each line must hold one JSON object");
@@ -358,7 +359,8 @@ std::vector<TokenizedExample> load_instruction_examples(const std::string& path,
     ST_LOG_WARN("{}: dropped {} of {} records longer than seq_len {} (longest {} tokens; first: {}){}", path,
                 local.dropped_too_long, local.records, options.seq_len, local.longest, first,
                 options.truncation == TruncationPolicy::kDrop
-                    ? "; raise seq_len or truncate them with truncation 'truncate'"
+                    ? "; raise seq_len (llama_finetune --seq-len) or truncate them (InstructionDataOptions::truncation "
+                      "kTruncate, llama_finetune --truncation truncate)"
                     : " because their prompt leaves no response token within seq_len");
   }
   if (local.truncated > 0) {

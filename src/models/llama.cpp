@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/hf_weights.h"
 
@@ -89,11 +90,21 @@ void LlamaConfig::validate() const {
 LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::string& source) {
   json j;
   try {
-    j = json::parse(text);
+    j = parse_json_within_depth<ConfigError, json>(text, source);
   } catch (const json::exception& e) {
     ST_THROW(ConfigError, source, ": invalid JSON: ", e.what());
   }
   ST_CHECK_T(ConfigError, j.is_object(), source, ": config must be a JSON object");
+  // transformers fills these from the 7B model's values when a config.json
+  // leaves them out; a file without them is almost always the wrong file, and
+  // building a 7B model from it takes minutes and gigabytes before anything
+  // says so. Every real config.json has them.
+  std::string missing;
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}) {
+    if (!j.contains(key)) missing += std::string(missing.empty() ? "" : ", ") + key;
+  }
+  ST_CHECK_T(ConfigError, missing.empty(), source, ": a model config needs ", missing,
+             " (a Hugging Face config.json has them); shardtrain does not fall back to the 7B defaults");
   LlamaConfig c;
   c.model_type = get_or<std::string>(j, "model_type", "llama", source);
   c.vocab_size = get_or<int64_t>(j, "vocab_size", c.vocab_size, source);

@@ -12,6 +12,7 @@
 #include "shardtrain/safetensors.h"
 
 #include "shardtrain/error.h"
+#include "support/log_capture.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
@@ -161,6 +162,32 @@ TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
   }
 }
 
+TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatch) {
+  const fs::path dir = scratch("batch_change");
+  run(zero(3, 2, 4), 4, (dir / "ckpt").string(), 2, 2, "", dir / "first.txt");  // global batch 8
+  MultiRankOptions harness;
+  harness.env["CKPT_DIR"] = (dir / "ckpt").string();
+  harness.env["CKPT_LOG"] = (dir / "resume.log").string();
+  run_on_ranks(1, [](RankContext& ctx) {
+    shardtrain::testing::LogCapture capture;
+    tiny::TinyRunOptions options = shardtrain::testing::tiny_run_options(
+        shardtrain::testing::zero_test_config(3, MixedPrecision::kNo), ctx, 2, 5);
+    options.micro_batch = 4;  // world 1: global batch 4
+    options.resume_dir = std::getenv("CKPT_DIR");
+    tiny::run_tiny(options);
+    std::ofstream(std::getenv("CKPT_LOG")) << capture.text();
+  }, harness);
+  if (shardtrain::testing::is_rank_process()) return;
+  std::ifstream in(dir / "resume.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const std::string needle :
+       {"the checkpoint was saved at world 2 with global batch 8 (micro-batch 4 x accumulation 1 x world 2)",
+        "this run has world 1 and global batch 4 (micro-batch 4 x accumulation 1 x world 1)",
+        "each step now averages 4 samples instead of 8", "the learning-rate schedule continues at step 2"}) {
+    EXPECT_NE(log.find(needle), std::string::npos) << "missing '" << needle << "' in:\n" << log;
+  }
+}
+
 /// Loads `dir` on 2 ranks and expects an error containing `needle`.
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   MultiRankOptions harness;
@@ -223,7 +250,23 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
       text.replace(shape, 3, "255");
       std::ofstream(f) << text;
     }
-    expect_load_error(d, "parameter 'head.weight' has shape [255,64]");
+    // The index's checksums catch the edit before the shape is compared with the model's.
+    expect_load_error(d, "index.json was edited after the save; these fields no longer match their checksums: "
+                         "params.head.weight");
+  }
+  {  // edited index: the step a resume continues from (the weights stay step 2's)
+    const fs::path d = fresh("edited_step");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "index.json";
+      std::ifstream in(f);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      in.close();
+      const auto at = text.find("\"step\": 2");
+      ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
+      text.replace(at, 9, "\"step\": 1");
+      std::ofstream(f) << text;
+    }
+    expect_load_error(d, "these fields no longer match their checksums: training_state.step");
   }
   {  // no checkpoint at all
     const fs::path d = base / "empty";

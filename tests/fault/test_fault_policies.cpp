@@ -190,17 +190,29 @@ TEST(FaultCheckpointSave, CheckpointOnErrorStopThrowsOnEveryRankWithTheSameClean
   });
 }
 
+/// Whether this process may mount a tmpfs (root with CAP_SYS_ADMIN).
+bool can_mount_tmpfs() {
+  const fs::path mount = shared_dir("tmpfs-probe");
+  fs::create_directories(mount);
+  const bool mounted = std::system(("mount -t tmpfs -o size=64k tmpfs '" + mount.string() + "' 2>/dev/null").c_str()) == 0;
+  if (mounted) std::system(("umount '" + mount.string() + "'").c_str());
+  fs::remove_all(mount);
+  return mounted;
+}
+
+/// Bytes of the regular files under `dir`.
+uintmax_t bytes_under(const fs::path& dir) {
+  uintmax_t bytes = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) bytes += entry.file_size();
+  }
+  return bytes;
+}
+
 TEST(FaultCheckpointSave, AFullTmpfsFailsTheSaveFreesItsSpaceAndTrainingGoesOn) {
-  if (!shardtrain::testing::is_rank_process()) {
-    const fs::path mount = shared_dir("tmpfs-probe");
-    fs::create_directories(mount);
-    const bool mounted = std::system(("mount -t tmpfs -o size=64k tmpfs '" + mount.string() + "' 2>/dev/null").c_str()) == 0;
-    if (mounted) std::system(("umount '" + mount.string() + "'").c_str());
-    fs::remove_all(mount);
-    if (!mounted) {
-      GTEST_SKIP() << "cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN); the injected failures above "
-                      "cover the same paths";
-    }
+  if (!shardtrain::testing::is_rank_process() && !can_mount_tmpfs()) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN); the injected failures above "
+                    "cover the same paths";
   }
   run_on_ranks(2, [&](RankContext& ctx) {
     const fs::path base = shared_dir("tmpfs-save");
@@ -242,6 +254,58 @@ TEST(FaultCheckpointSave, AFullTmpfsFailsTheSaveFreesItsSpaceAndTrainingGoesOn) 
     ctx.comm->barrier();
     if (ctx.rank() == 0) {
       std::system(("umount '" + dir.string() + "'").c_str());
+      fs::remove_all(base);
+    }
+  });
+}
+
+TEST(FaultCheckpointSave, AnExportNeedsOnlyItsOwnSizeOnDiskAndAFullDiskFailsItCleanly) {
+  // save_model used to write a full optimizer checkpoint (12 bytes per
+  // parameter) before the export (4 in fp32): it failed on a disk with room
+  // for the export alone.
+  if (!shardtrain::testing::is_rank_process() && !can_mount_tmpfs()) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)";
+  }
+  run_on_ranks(2, [&](RankContext& ctx) {
+    const fs::path base = shared_dir("tmpfs-export");
+    TinyLoop loop(zero_test_config(3, MixedPrecision::kNo), ctx);
+    loop.step(0);
+    if (ctx.rank() == 0) {
+      fs::remove_all(base);
+      fs::create_directories(base / "fits");
+      fs::create_directories(base / "full");
+    }
+    ctx.comm->barrier();
+    loop.accelerator->save_model((base / "probe").string(), "fp32");
+    const uintmax_t export_bytes = bytes_under(base / "probe");
+    // tmpfs counts whole pages per file: the export's files, rounded up, and one spare page each.
+    uintmax_t pages = 0;
+    for (const auto& entry : fs::directory_iterator(base / "probe")) pages += entry.file_size() / 4096 + 2;
+    if (ctx.rank() == 0) {
+      ASSERT_EQ(std::system(("mount -t tmpfs -o size=" + std::to_string(pages * 4096) + " tmpfs '" +
+                             (base / "fits").string() + "'").c_str()), 0);
+      ASSERT_EQ(std::system(("mount -t tmpfs -o size=" + std::to_string(export_bytes / 2 / 4096 * 4096) + " tmpfs '" +
+                             (base / "full").string() + "'").c_str()), 0);
+    }
+    ctx.comm->barrier();
+    loop.accelerator->save_model((base / "fits" / "hf").string(), "fp32");
+    EXPECT_EQ(bytes_under(base / "fits" / "hf"), export_bytes) << "the export fits where only the export fits";
+    try {
+      loop.accelerator->save_model((base / "full" / "hf").string(), "fp32");
+      ADD_FAILURE() << "an export larger than the disk succeeded";
+    } catch (const shardtrain::CheckpointSaveError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("save_model to " + (base / "full" / "hf").string() + " failed on rank 0"),
+                std::string::npos) << message;
+      EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
+    }
+    ctx.comm->barrier();
+    EXPECT_TRUE(fs::is_empty(base / "full")) << "the failed export left files behind";
+    EXPECT_TRUE(std::isfinite(loop.step(1))) << "training goes on";
+    ctx.comm->barrier();
+    if (ctx.rank() == 0) {
+      std::system(("umount '" + (base / "fits").string() + "'").c_str());
+      std::system(("umount '" + (base / "full").string() + "'").c_str());
       fs::remove_all(base);
     }
   });

@@ -15,7 +15,7 @@ if(regressions)
 endif()
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}/corpus" "${WORK}/artifacts")
-execute_process(COMMAND ${FUZZER} "${WORK}/corpus" "${SEEDS}" -max_total_time=${SECONDS} -max_len=8192
+execute_process(COMMAND ${FUZZER} "${WORK}/corpus" "${SEEDS}" -max_total_time=${SECONDS} -max_len=131072
                         -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 -artifact_prefix=${WORK}/artifacts/
                 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)

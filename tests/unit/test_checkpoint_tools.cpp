@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -303,8 +304,8 @@ TEST_F(UnitCheckpointTools, VerifyReportsAnIndexThatDisagreesWithItsFile) {
 TEST_F(UnitCheckpointTools, AnotherFormatVersionIsReportedAsSuchWhateverItsLayout) {
   // A later version may lay out files and params differently: the version is
   // the one problem to report, not a field of this version's layout.
-  write_index({{"format_version", 2}, {"files", {{"shards", json::array()}}}});
-  expect_one_problem({"format version 2", "this shardtrain reads version 1"});
+  write_index({{"format_version", 3}, {"files", {{"shards", json::array()}}}});
+  expect_one_problem({"format version 3", "this shardtrain reads versions 1 and 2"});
 }
 
 TEST_F(UnitCheckpointTools, AShapeWithMoreElementsThanAnInt64IsRefusedByName) {
@@ -345,6 +346,69 @@ TEST_F(UnitCheckpointTools, CliVerifyAndExportExitCodes) {
       << output;
   EXPECT_EQ(run_cli("checkpoint verify " + (dir_ / "nowhere").string(), output), 2) << output;
   EXPECT_NE(output.find("does not exist"), std::string::npos) << output;
+
+  // A checkpoint that lost its index is damaged (1), as --help says, not "no checkpoint" (2).
+  fs::remove(ckpt_ / "index.json");
+  for (const fs::path& path : {root_, ckpt_}) {
+    EXPECT_EQ(run_cli("checkpoint verify " + path.string(), output), 1) << output;
+    EXPECT_NE(output.find("index.json is missing"), std::string::npos) << output;
+  }
+  EXPECT_EQ(run_cli("checkpoint verify --help", output), 0) << output;
+  EXPECT_NE(output.find("1 if damaged (a missing index included), 2 if PATH holds no checkpoint"), std::string::npos)
+      << output;
+}
+
+TEST_F(UnitCheckpointTools, AnEditedIndexIsRefusedNamingTheFieldItChanged) {
+  json sealed = read_index();
+  sealed["format_version"] = ck::kFormatVersion;
+  ck::seal_index(sealed);
+  write_index(sealed);
+  ASSERT_TRUE(ck::verify(root_.string()).ok()) << joined(ck::verify(root_.string()).problems);
+  // What a resume reads (the step, the sampler, the loss scaler live in the
+  // training state), what it loads (params, files), and the checksums themselves.
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> edits = {
+      {[](json& j) { j["training_state"]["step"] = 1; }, "training_state.step"},
+      {[](json& j) { j["training_state"]["sampler"] = {{"position", 0}}; }, "training_state.sampler (added)"},
+      {[](json& j) { j["training_state"].erase("epoch"); }, "training_state.epoch (removed)"},
+      {[](json& j) { j["params"]["b"]["dtype"] = "BFloat16"; }, "params.b"},
+      {[](json& j) { j["files"]["rank00000.safetensors"]["crc32"] = 7; }, "files.rank00000.safetensors"},
+      {[](json& j) { j["world_size"] = 4; }, "world_size"},
+      {[](json& j) { j.erase("checksums"); }, "checksums (missing)"},
+  };
+  for (const auto& [edit, field] : edits) {
+    json edited = sealed;
+    edit(edited);
+    write_index(edited);
+    expect_one_problem({"index.json was edited after the save", field});
+  }
+  // The same index sealed again after the edit is intact: only the checksums decide.
+  json resealed = sealed;
+  resealed["training_state"]["step"] = 1;
+  ck::seal_index(resealed);
+  write_index(resealed);
+  EXPECT_TRUE(ck::verify(root_.string()).ok()) << joined(ck::verify(root_.string()).problems);
+}
+
+TEST_F(UnitCheckpointTools, IndexesAndHeadersNestedBeyondTheLimitAreRefusedByName) {
+  std::string deep;
+  for (int i = 0; i < 20000; ++i) deep += "{\"a\":";
+  deep += "1" + std::string(20000, '}');
+  std::ofstream(ckpt_ / "index.json") << deep;
+  expect_one_problem({"index.json", "nests objects and arrays deeper than 64 levels"});
+  // A safetensors header: 8 bytes of length, then the JSON.
+  const fs::path file = dir_ / "deep.safetensors";
+  {
+    std::ofstream out(file, std::ios::binary);
+    const uint64_t length = deep.size();
+    out.write(reinterpret_cast<const char*>(&length), sizeof length);
+    out << deep;
+  }
+  try {
+    st::Reader reader(file.string());
+    FAIL() << "a header nested 20000 deep was read";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("deeper than 64 levels"), std::string::npos) << e.what();
+  }
 }
 
 

@@ -1115,3 +1115,101 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
   EXPECT_NE(filled.find("train_batch_size: 8\n"), std::string::npos) << filled;  // 4 x 1 x 2
   EXPECT_NE(filled.find("reduce_bucket_size: 64\n"), std::string::npos) << filled;  // 8^2
 }
+
+// ---------------------------------------------------------------- hostile documents
+// Each limit (src/config/config_tree.h) stops a document before it takes the
+// memory or stack it asks for; the message names the limit.
+
+namespace hostile {
+
+/// The "billion laughs": level k is a list of nine aliases of level k-1, so
+/// about 500 bytes expand to 9^9 (387 million) values.
+std::string alias_bomb() {
+  std::string text = "a0: &a0 [\"lol\"]\n";
+  for (int level = 1; level <= 9; ++level) {
+    const std::string previous = "*a" + std::to_string(level - 1);
+    text += "a" + std::to_string(level) + ": &a" + std::to_string(level) + " [";
+    for (int k = 0; k < 9; ++k) text += (k ? ", " : "") + previous;
+    text += "]\n";
+  }
+  return text + "mixed_precision: bf16\n";
+}
+
+std::string nested_yaml(int depth) { return "key: " + std::string(depth, '[') + std::string(depth, ']') + "\n"; }
+
+std::string nested_json(int depth) {
+  std::string text;
+  for (int i = 0; i < depth; ++i) text += "{\"a\":";
+  text += "1";
+  text += std::string(depth, '}');
+  return text;
+}
+
+}  // namespace hostile
+
+TEST(UnitConfigHostile, AYamlAliasBombIsRefusedByItsExpandedSize) {
+  const std::string bomb = hostile::alias_bomb();
+  ASSERT_LT(bomb.size(), 600u);
+  const std::string message = error_of([&] { shardtrain::parse_config(bomb, "yaml"); });
+  EXPECT_NE(message.find("expands to more than 100000 values"), std::string::npos) << message;
+  EXPECT_NE(message.find("YAML aliases"), std::string::npos) << message;
+}
+
+TEST(UnitConfigHostile, AliasesOfALongValueAreRefusedByTheirExpandedBytes) {
+  // 20 aliases of a 1 MiB string: 21 values, 21 MiB of text once expanded.
+  std::string text = "long: &long \"" + std::string(1 << 20, 'x') + "\"\nrepeats: [";
+  for (int k = 0; k < 20; ++k) text += (k ? ", " : "") + std::string("*long");
+  text += "]\n";
+  const std::string message = error_of([&] { shardtrain::parse_config(text, "yaml"); });
+  EXPECT_NE(message.find("expand to more than 16 MiB"), std::string::npos) << message;
+}
+
+TEST(UnitConfigHostile, DeepNestingIsRefusedByNameInYamlAndJson) {
+  // Within yaml-cpp's own guard: shardtrain's limit speaks.
+  std::string message = error_of([&] { shardtrain::parse_config(hostile::nested_yaml(100), "yaml"); });
+  EXPECT_NE(message.find("nest deeper than 64 levels"), std::string::npos) << message;
+  // Beyond it (yaml-cpp alone said "bad file"): still named as nesting.
+  message = error_of([&] { shardtrain::parse_config(hostile::nested_yaml(10000), "yaml"); });
+  EXPECT_NE(message.find("nest deeper than yaml-cpp reads"), std::string::npos) << message;
+  // 15,000 levels of JSON crashed the reader with SIGSEGV.
+  message = error_of([&] { shardtrain::parse_config(hostile::nested_json(15000), "json"); });
+  EXPECT_NE(message.find("nests objects and arrays deeper than 64 levels"), std::string::npos) << message;
+  // The limit, not a smaller one: 64 levels are read (and the nested key is then unknown).
+  const TrainingConfig deep = shardtrain::parse_config(hostile::nested_json(64), "json");
+  EXPECT_TRUE(has_warning(deep, "unknown key 'a'")) << all_warnings(deep);
+  message = error_of([&] { shardtrain::parse_config(hostile::nested_json(65), "json"); });
+  EXPECT_NE(message.find("deeper than 64 levels"), std::string::npos) << message;
+}
+
+TEST(UnitConfigHostile, AFileOverTheSizeLimitIsRefusedBeforeItIsRead) {
+  const shardtrain::testing::ScratchDir dir;
+  const fs::path path = fs::path(dir.path()) / "huge.yaml";
+  {
+    std::ofstream out(path);
+    out << "mixed_precision: bf16\n";
+    const std::string comment = "# " + std::string(1000, 'x') + "\n";
+    for (int k = 0; k < 5000; ++k) out << comment;  // ~5 MB, all comments
+  }
+  const std::string message = error_of([&] { shardtrain::load_config(path.string()); });
+  EXPECT_NE(message.find("over the 4 MiB a config file may be"), std::string::npos) << message;
+  EXPECT_NE(message.find(path.string()), std::string::npos) << message;
+}
+
+TEST(UnitConfigHostile, RepeatedWarningsAreSummarisedAfterTheFirstFive) {
+  // The same key given 50 times, then 50 different unknown keys.
+  std::string text;
+  for (int k = 0; k < 50; ++k) text += "mixed_precision: bf16\n";
+  for (int k = 0; k < 50; ++k) text += "zzqq_made_up_" + std::to_string(k) + ": 1\n";
+  const TrainingConfig config = shardtrain::parse_config(text, "yaml");
+  int duplicates = 0, unknown = 0;
+  for (const auto& warning : config.warnings) {
+    if (warning.find("more warning(s) like the") != std::string::npos) continue;  // the summaries, checked below
+    if (warning.find("duplicate key 'mixed_precision'") != std::string::npos) ++duplicates;
+    if (warning.find("unknown key 'zzqq_made_up_") != std::string::npos) ++unknown;
+  }
+  EXPECT_EQ(duplicates, 5) << all_warnings(config);
+  EXPECT_EQ(unknown, 5) << all_warnings(config);
+  EXPECT_TRUE(has_warning(config, "44 more warning(s) like the 5 above were not shown")) << all_warnings(config);
+  EXPECT_TRUE(has_warning(config, "45 more warning(s) like the 5 above were not shown")) << all_warnings(config);
+  EXPECT_LE(config.warnings.size(), 14u) << all_warnings(config);
+}

@@ -17,6 +17,7 @@
 
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
+#include "support/log_capture.h"
 #include "shardtrain/models/instruction_data.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/tokenizer.h"
@@ -94,22 +95,7 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
-/// Captures what the shardtrain logger writes while alive.
-class LogCapture {
- public:
-  LogCapture() : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_)) {
-    shardtrain::logger().sinks().push_back(sink_);
-  }
-  ~LogCapture() {
-    auto& sinks = shardtrain::logger().sinks();
-    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
-  }
-  std::string text() const { return out_.str(); }
-
- private:
-  std::ostringstream out_;
-  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
-};
+using shardtrain::testing::LogCapture;
 
 // ---- parsing -------------------------------------------------------------------
 
@@ -344,6 +330,8 @@ TEST(UnitInstructionData, DropPolicySkipsAndCountsLongExamples) {
               std::string::npos)
         << log;
     EXPECT_NE(log.find("dropped 1 records without any trained token"), std::string::npos) << log;
+    // The fix it names exists where the user runs: llama_finetune has --truncation.
+    EXPECT_NE(log.find("llama_finetune --truncation truncate"), std::string::npos) << log;
   }
 }
 

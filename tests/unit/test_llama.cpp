@@ -85,9 +85,35 @@ TEST(UnitLlama, ConfigParsesHfFields) {
   ASSERT_TRUE(mistral.sliding_window.has_value());
   EXPECT_EQ(*mistral.sliding_window, 4);
   EXPECT_EQ(mistral.decoder_layer_class_name(), "MistralDecoderLayer");
-  EXPECT_THROW(sm::LlamaConfig::from_json_string(R"({"hidden_size": 30, "num_attention_heads": 4})"),
+  EXPECT_THROW(sm::LlamaConfig::from_json_string(
+                   R"({"vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "hidden_size": 30, "num_attention_heads": 4})"),
                shardtrain::ConfigError);
   EXPECT_THROW(sm::LlamaConfig::from_json_string("{not json"), shardtrain::ConfigError);
+}
+
+TEST(UnitLlama, AModelConfigWithoutItsSizesIsRefusedByName) {
+  // `--model-config '{"x":1}'` had built a 7B model from transformers' defaults.
+  try {
+    (void)sm::LlamaConfig::from_json_string(R"({"x": 1, "hidden_size": 16})", "cfg.json");
+    FAIL() << "a config without its sizes was accepted";
+  } catch (const shardtrain::ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("cfg.json: a model config needs vocab_size, intermediate_size, num_hidden_layers, "
+                           "num_attention_heads"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("hidden_size,"), std::string::npos) << message;  // given, so not named
+  }
+  // And a config.json nested beyond the JSON depth limit is refused by name, not by a crash.
+  const std::string deep = std::string(5000, '[') + std::string(5000, ']');
+  try {
+    (void)sm::LlamaConfig::from_json_string(deep, "deep.json");
+    FAIL() << "a config nested 5000 deep was accepted";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("deep.json nests objects and arrays deeper than 64 levels"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(UnitLlama, DecoderLayersAreNamedUnits) {

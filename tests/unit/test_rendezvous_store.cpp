@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <string>
 #include <thread>
 
@@ -37,14 +39,22 @@ c10::intrusive_ptr<rdzv::RendezvousStore> connect(int port, const std::string& t
   return c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{"127.0.0.1", port, token}, timeout);
 }
 
-/// A plain TCP connection to 127.0.0.1:port, as any process on the machine could open.
-int raw_connection(int port) {
+/// A plain TCP connection to 127.0.0.1:port, as any process on the machine
+/// could open; -1 when the connect fails (a flood fills the listen backlog).
+int try_raw_connection(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
+int raw_connection(int port) {
+  const int fd = try_raw_connection(port);
+  EXPECT_GE(fd, 0) << "connect to 127.0.0.1:" << port << " failed";
   return fd;
 }
 
@@ -129,6 +139,53 @@ TEST(UnitRendezvousStore, SilentAndGarbageConnectionsDoNotStopTheStore) {
   EXPECT_EQ(text_of(store->get("k")), "v");
   ::close(silent);
   ::close(garbage);
+}
+
+TEST(UnitRendezvousStore, AFloodOfSilentConnectionsCannotStarveTheRanks) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  const int port = server.port();
+  // More silent connections than the store keeps pending: it used to close
+  // every later connection on accept, real ranks included, until they timed out.
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(raw_connection(port));
+  auto first = connect(port, "t");  // the oldest silent one makes room
+  first->set("first", bytes_of("in"));
+  // Then a flood that never stops while two ranks meet through the store,
+  // from the same address as they come from (the hardest case: 127.0.0.1).
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> opened{0};
+  std::thread flooder([&] {
+    std::deque<int> held;
+    while (!stop) {
+      const int fd = try_raw_connection(port);
+      if (fd < 0) continue;
+      ++opened;
+      held.push_back(fd);
+      if (held.size() > 300) {
+        ::close(held.front());
+        held.pop_front();
+      }
+    }
+    for (int fd : held) ::close(fd);
+  });
+  while (opened.load() < 500) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the flood is on
+  std::thread other_rank([&] {
+    auto store = connect(port, "t", std::chrono::milliseconds(20000));
+    store->set("rank1", bytes_of("here"));
+    store->wait({"rank0"});
+  });
+  auto store = connect(port, "t", std::chrono::milliseconds(20000));
+  store->set("rank0", bytes_of("here"));
+  store->wait({"rank1"});
+  other_rank.join();
+  const int64_t flood = opened.load();
+  stop = true;
+  flooder.join();
+  for (int fd : idle) ::close(fd);
+  EXPECT_EQ(text_of(store->get("first")), "in");
+  EXPECT_GE(flood, 500) << "the flood did not run while the ranks met";
+  // 300 idle connections from one address, at most 128 of them kept.
+  EXPECT_GE(server.refused_connections(), 300 - 128) << "the store did not push out silent connections";
 }
 
 TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {

@@ -210,9 +210,12 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
     store = c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{env.master_addr, env.master_port, env.rdzv_token},
                                                        timeout, server);
   } catch (const TimeoutError& failure) {
+    const std::string why = failure.what();
+    // A store that answered and closed is up: asking whether rank 0 runs would point the wrong way.
+    const bool answered = why.find("accepted this process's connection") != std::string::npos;
     ST_THROW(TimeoutError, "rank ", env.rank, " could not join the rendezvous at ", where, " within ",
-             timeout.count(), " ms: is rank 0 running, and is MASTER_ADDR reachable from this machine? ",
-             failure.what());
+             timeout.count(), " ms: ",
+             answered ? "" : "is rank 0 running, and is MASTER_ADDR reachable from this machine? ", why);
   }
   // Everyone has arrived when the counter reaches the world size; the rank
   // that completes it says so for the others.

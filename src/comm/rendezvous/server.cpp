@@ -26,11 +26,29 @@
 namespace shardtrain::comm::rendezvous {
 namespace {
 
-/// Unauthenticated connections held at once; more are closed on accept, so a
-/// flood of silent connections cannot exhaust the server's descriptors.
-constexpr std::size_t kMaxPendingHandshakes = 64;
-/// A connection that has not proved itself by then is refused.
-constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
+// Admission of connections that have not proved the token yet. A stranger
+// who can reach the port could hold every pending slot with silent
+// connections; the table used to close every later connection on accept,
+// real ranks included, until the job timed out. Now a new connection always
+// gets in, and the oldest pending one makes room. A rank's handshake needs
+// two rounds of the serving loop (its hello goes out, its proof comes in),
+// and each round accepts at most kAcceptsPerRound connections, so a flood
+// needs kMaxPendingPerSource / kAcceptsPerRound = 4 rounds to push it out
+// however fast it connects; a rank pushed out all the same retries. A source
+// address may hold at most half the table, so a flood from one host cannot
+// crowd out the ranks of another.
+/// Unauthenticated connections held at once (bounds the descriptors a flood takes).
+constexpr std::size_t kMaxPendingHandshakes = 256;
+/// Of those, from one source address.
+constexpr std::size_t kMaxPendingPerSource = kMaxPendingHandshakes / 2;
+/// New connections taken per round; the rest wait in the kernel's backlog.
+constexpr int kAcceptsPerRound = 32;
+/// A connection that has not proved itself by then is refused: a handshake is
+/// one round trip, so seconds are generous even between continents.
+constexpr auto kHandshakeTimeout = std::chrono::seconds(3);
+/// Evictions and handshake timeouts are logged as one summary per source per
+/// this interval, not one line per connection.
+constexpr auto kRefusalLogInterval = std::chrono::seconds(10);
 
 std::string describe_address(const sockaddr* address) {
   char host[NI_MAXHOST] = "?";
@@ -44,8 +62,13 @@ std::string describe_address(const sockaddr* address) {
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+/// "127.0.0.1" of "127.0.0.1:5000", "[::1]" of "[::1]:5000".
+std::string host_of(const std::string& peer) { return peer.substr(0, peer.rfind(':')); }
+
 struct Connection {
   std::string peer;
+  std::string source;  ///< the peer's address without its port
+  Clock::time_point accepted;
   bool authenticated = false;
   Bytes server_nonce;
   Bytes in;
@@ -67,6 +90,9 @@ Bytes ok_reply() { return FrameWriter(0).finish(); }
 
 struct RendezvousServer::State {
   std::unordered_map<int, Connection> connections;
+  /// Per source: connections closed silently (evicted, timed out) since the last summary.
+  std::map<std::string, int64_t> closed_quietly;
+  Clock::time_point last_summary{};
   std::map<std::string, Bytes> keys;
   std::vector<ParkedRequest> parked;
 };
@@ -267,22 +293,48 @@ void RendezvousServer::serve() {
     if (fds[0].revents != 0) return;  // the destructor asked us to stop
     const auto now = Clock::now();
     if (fds[1].revents & POLLIN) {
-      while (true) {
+      for (int accepted = 0; accepted < kAcceptsPerRound; ++accepted) {
         sockaddr_storage peer{};
         socklen_t length = sizeof(peer);
         const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) break;
-        std::size_t pending = 0;
-        for (const auto& entry : s.connections) pending += entry.second.authenticated ? 0 : 1;
-        if (pending >= kMaxPendingHandshakes) {
+        const std::string peer_text = describe_address(reinterpret_cast<sockaddr*>(&peer));
+        const std::string source = host_of(peer_text);
+        // Make room: the oldest pending connection of this source when it
+        // holds its quota, else the oldest of all when the table is full.
+        std::size_t pending = 0, from_source = 0;
+        int oldest = -1, oldest_of_source = -1;
+        for (const auto& [other_fd, other] : s.connections) {
+          if (other.authenticated || other.close_after_flush) continue;
+          ++pending;
+          if (oldest < 0 || other.accepted < s.connections.at(oldest).accepted) oldest = other_fd;
+          if (other.source != source) continue;
+          ++from_source;
+          if (oldest_of_source < 0 || other.accepted < s.connections.at(oldest_of_source).accepted) {
+            oldest_of_source = other_fd;
+          }
+        }
+        const int evict = from_source >= kMaxPendingPerSource ? oldest_of_source
+                          : pending >= kMaxPendingHandshakes  ? oldest
+                                                              : -1;
+        if (evict >= 0) {
+          // Closed with the others after this round, so its descriptor number
+          // is not reused by a connection accepted now while poll()'s results
+          // for it are still read below.
+          Connection& pushed_out = s.connections.at(evict);
           ++refused_;
-          ::close(fd);
-          continue;
+          ++s.closed_quietly[pushed_out.source];
+          pushed_out.close_after_flush = true;
+          pushed_out.out.clear();
+          pushed_out.out_pos = 0;
+          to_close.push_back(evict);
         }
         const int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         Connection c;
-        c.peer = describe_address(reinterpret_cast<sockaddr*>(&peer));
+        c.peer = peer_text;
+        c.source = source;
+        c.accepted = now;
         c.server_nonce = random_bytes(kNonceBytes);
         c.out.assign(kMagic.begin(), kMagic.end());
         c.out.insert(c.out.end(), c.server_nonce.begin(), c.server_nonce.end());
@@ -350,11 +402,26 @@ void RendezvousServer::serve() {
         }
       }
       if (!drop && !c.authenticated && !c.close_after_flush && now > c.handshake_deadline) {
-        refuse(c, "it did not complete the handshake within 10 s");
+        // A silent connection: counted in the summary, not logged one by one.
+        ++refused_;
+        ++s.closed_quietly[c.source];
+        drop = true;
       }
       if (drop) to_close.push_back(fd);
     }
+    if (!s.closed_quietly.empty() && now - s.last_summary >= kRefusalLogInterval) {
+      for (const auto& [source, count] : s.closed_quietly) {
+        ST_LOG_WARN("rendezvous: closed {} connection(s) from {} that did not complete the handshake within {} s "
+                    "or were pushed out by newer ones (at most {} may wait per address); a flood on the port?",
+                    count, source, std::chrono::duration_cast<std::chrono::seconds>(kHandshakeTimeout).count(),
+                    kMaxPendingPerSource);
+      }
+      s.closed_quietly.clear();
+      s.last_summary = now;
+    }
     if (keys_changed) release_parked(s.parked, s.keys, s.connections);
+    std::sort(to_close.begin(), to_close.end());
+    to_close.erase(std::unique(to_close.begin(), to_close.end()), to_close.end());
     for (int fd : to_close) {
       s.connections.erase(fd);
       ::close(fd);

@@ -68,6 +68,7 @@ std::string RendezvousStore::describe() const {
 
 void RendezvousStore::connect_locked(Clock::time_point deadline) {
   std::string last_error = "no attempt";
+  int closed_mid_handshake = 0;  // connections the server accepted, then closed or stalled
   auto pause = std::chrono::milliseconds(20);
   while (true) {
     const int fd = try_connect(endpoint_, last_error);
@@ -110,11 +111,19 @@ void RendezvousStore::connect_locked(Clock::time_point deadline) {
         // The server closed or stalled mid-handshake (it is shutting down, or
         // this was a stale job's port): retry until the deadline like a refused connect.
         last_error = failure.what();
+        ++closed_mid_handshake;
         ::close(fd);
       }
     }
     if (Clock::now() + pause >= deadline) {
-      ST_THROW(TimeoutError, "could not reach ", describe(), " (", last_error, ")");
+      if (closed_mid_handshake > 0) {
+        ST_THROW(TimeoutError, describe(), " accepted this process's connection ", closed_mid_handshake,
+                 " time(s) but closed it before the handshake finished (last: ", last_error,
+                 "): the store is up, and is shutting down or was pushing out connections that never "
+                 "authenticate (a flood on its port; rank 0's log counts them)");
+      }
+      ST_THROW(TimeoutError, "could not reach ", describe(), " (", last_error,
+               "): nothing accepted the connection");
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));

@@ -1,0 +1,276 @@
+// Writing a Hugging Face weights directory tensor by tensor (see hf_writer.h).
+
+#include "checkpoint/hf_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "json_depth.h"
+#include "shardtrain/error.h"
+#include "shardtrain/safetensors.h"
+
+namespace shardtrain::checkpoint {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+/// One output file: which tensors it holds (indices into the plan), in order.
+struct HfWeightsWriter::Shard {
+  std::string file;
+  std::vector<std::size_t> tensors;
+  uint64_t bytes = 0;        ///< tensor data
+  std::string header;        ///< the safetensors header, padded
+};
+
+/// Writes to a file descriptor, turning short writes and errno into Errors
+/// that name the file.
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& path) : path_(path.string()) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ST_CHECK(fd_ >= 0, "export: cannot create ", path_, ": ", std::strerror(errno));
+  }
+  ~OutFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+
+  void write(const void* data, uint64_t count) {
+    const char* p = static_cast<const char*>(data);
+    while (count > 0) {
+      const ssize_t n = ::write(fd_, p, std::min<uint64_t>(count, 1ULL << 30));
+      if (n < 0 && errno == EINTR) continue;
+      ST_CHECK(n > 0, "export: writing ", path_, " failed: ", n < 0 ? std::strerror(errno) : "no progress",
+               " (disk full?)");
+      p += n;
+      count -= static_cast<uint64_t>(n);
+      written_ += static_cast<uint64_t>(n);
+    }
+  }
+
+  /// fsync + close: the rename that publishes the export must not reach the
+  /// disk before the data does, and close() can report deferred write errors.
+  void finish() {
+    ST_CHECK(::fsync(fd_) == 0, "export: fsync of ", path_, " failed: ", std::strerror(errno));
+    const int fd = fd_;
+    fd_ = -1;
+    ST_CHECK(::close(fd) == 0, "export: closing ", path_, " failed: ", std::strerror(errno));
+  }
+
+  uint64_t written() const { return written_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t written_ = 0;
+};
+
+
+namespace {
+
+at::ScalarType export_dtype(const std::string& name) {
+  if (name == "fp32" || name == "float32" || name == "f32") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  ST_THROW(Error, "export: dtype '", name, "' is not supported; use fp32 or bf16");
+}
+
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t extent : shape) n *= extent;
+  return n;
+}
+
+/// The safetensors header of a shard, from the shapes alone (offsets follow
+/// from them and the export dtype), so the data can then be streamed.
+std::string shard_header(const std::vector<ExportTensor>& tensors, const std::vector<std::size_t>& members,
+                         at::ScalarType dtype) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  header["__metadata__"] = {{"format", "pt"}};  // what transformers expects
+  const uint64_t element_size = at::elementSize(dtype);
+  uint64_t offset = 0;
+  for (std::size_t i : members) {
+    const uint64_t nbytes = static_cast<uint64_t>(numel_of(tensors[i].shape)) * element_size;
+    header[tensors[i].name] = {{"dtype", safetensors::dtype_name(dtype)},
+                               {"shape", tensors[i].shape},
+                               {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+  }
+  std::string text = header.dump();
+  // The data buffer starts 8-byte aligned, as the reference writer pads it.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+void write_text_file(const fs::path& path, const std::string& text) {
+  OutFile out(path);
+  out.write(text.data(), text.size());
+  out.finish();
+}
+
+/// Hugging Face weight files: what a fresh export replaces in `out_dir`.
+bool is_weight_file(const std::string& name) {
+  const std::string suffix = ".safetensors";
+  if (name == "model.safetensors" || name == "model.safetensors.index.json") return true;
+  return name.rfind("model-", 0) == 0 && name.size() > suffix.size() &&
+         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         name.find("-of-") != std::string::npos;
+}
+
+/// Publishes the finished `tmp` as `out`. A new `out` is a single rename; into
+/// an existing one (a model directory with tokenizer files, say) each file is
+/// renamed in, and weight files of an earlier export that this one did not
+/// write are removed, since a stale model.safetensors next to a new shard
+/// index would be loaded instead of it.
+void publish(const fs::path& tmp, const fs::path& out) {
+  if (!fs::exists(out)) {
+    fs::rename(tmp, out);
+    return;
+  }
+  ST_CHECK(fs::is_directory(out), "export: ", out.string(), " exists and is not a directory");
+  std::vector<std::string> produced;
+  for (const auto& entry : fs::directory_iterator(tmp)) produced.push_back(entry.path().filename().string());
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string name = entry.path().filename().string();
+    if (is_weight_file(name) && std::find(produced.begin(), produced.end(), name) == produced.end()) {
+      fs::remove(entry.path());
+    }
+  }
+  for (const auto& name : produced) fs::rename(tmp / name, out / name);
+  fs::remove(tmp);
+}
+
+
+}  // namespace
+
+HfWeightsWriter::HfWeightsWriter(std::vector<ExportTensor> tensors, const std::string& out_dir,
+                                 const ExportOptions& options)
+    : tensors_(std::move(tensors)), dtype_(export_dtype(options.dtype)), options_(options) {
+  ST_CHECK(options.max_shard_bytes > 0, "export: max shard size must be positive");
+  ST_CHECK(!out_dir.empty(), "export: no output directory given");
+  ST_CHECK(!tensors_.empty(), "export: there are no parameters to export");
+  if (!options.config_json_path.empty()) {
+    // Parsed only to catch a wrong file early; it is copied byte for byte.
+    std::ifstream in(options.config_json_path);
+    ST_CHECK(in.good(), "export: config file ", options.config_json_path, " cannot be read");
+    try {
+      const json parsed = parse_json_within_depth<Error, json>(in, "export: config file " + options.config_json_path);
+      ST_CHECK(parsed.is_object(), "export: config file ", options.config_json_path, " is not a JSON object");
+    } catch (const json::exception& e) {
+      ST_THROW(Error, "export: config file ", options.config_json_path, " is not valid JSON (", e.what(), ")");
+    }
+  }
+  // Greedy packing in the given order, as save_pretrained does: start a new
+  // shard when the next tensor would push the current one past the limit.
+  const uint64_t element_size = at::elementSize(dtype_);
+  shards_.resize(1);
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    ST_CHECK(tensors_[i].name != "__metadata__",
+             "export: a parameter named '__metadata__' cannot be stored in a safetensors file");
+    const uint64_t nbytes = static_cast<uint64_t>(numel_of(tensors_[i].shape)) * element_size;
+    if (!shards_.back().tensors.empty() && shards_.back().bytes + nbytes > options.max_shard_bytes) {
+      shards_.emplace_back();
+    }
+    shards_.back().tensors.push_back(i);
+    shards_.back().bytes += nbytes;
+  }
+  const std::size_t count = shards_.size();
+  for (std::size_t i = 0; i < count; ++i) {
+    if (count == 1) {
+      shards_[i].file = "model.safetensors";
+    } else {
+      std::ostringstream name;
+      name << "model-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5) << std::setfill('0')
+           << count << ".safetensors";
+      shards_[i].file = name.str();
+    }
+    shards_[i].header = shard_header(tensors_, shards_[i].tensors, dtype_);
+  }
+  out_ = fs::absolute(fs::path(out_dir)).lexically_normal();
+  if (out_.filename().empty()) out_ = out_.parent_path();  // "dir/" names dir
+  try {
+    fs::create_directories(out_.parent_path());
+    tmp_ = out_.parent_path() / ("." + out_.filename().string() + ".tmp-export-" + std::to_string(::getpid()));
+    fs::remove_all(tmp_);  // an export of this process killed earlier
+    fs::create_directories(tmp_);
+  } catch (const fs::filesystem_error& e) {
+    ST_THROW(Error, "export to ", out_.string(), " failed: ", e.what());
+  }
+}
+
+HfWeightsWriter::~HfWeightsWriter() {
+  file_.reset();
+  if (!published_ && !tmp_.empty()) {
+    std::error_code ignored;
+    fs::remove_all(tmp_, ignored);  // leave no half-written export behind
+  }
+}
+
+void HfWeightsWriter::open_next_shard() {
+  const Shard& shard = shards_[current_shard_];
+  file_ = std::make_unique<OutFile>(tmp_ / shard.file);
+  const uint64_t header_len = shard.header.size();
+  file_->write(&header_len, 8);  // little-endian host, as safetensors.cpp asserts
+  file_->write(shard.header.data(), shard.header.size());
+}
+
+void HfWeightsWriter::write(const std::string& name, const at::Tensor& value) {
+  ST_CHECK(next_tensor_ < tensors_.size(), "export: '", name, "' is one tensor more than planned");
+  const ExportTensor& planned = tensors_[next_tensor_];
+  ST_CHECK(planned.name == name, "export: expected '", planned.name, "' next, got '", name, "'");
+  ST_CHECK(value.numel() == numel_of(planned.shape), "export: '", name, "' has ", value.numel(),
+           " elements, its shape needs ", numel_of(planned.shape));
+  if (!file_) open_next_shard();
+  const at::Tensor data = value.detach().to(at::kCPU, dtype_).contiguous();
+  file_->write(data.data_ptr(), static_cast<uint64_t>(data.numel()) * data.element_size());
+  ++next_tensor_;
+  const Shard& shard = shards_[current_shard_];
+  if (next_tensor_ == shard.tensors.back() + 1) {
+    ST_CHECK(file_->written() == 8 + shard.header.size() + shard.bytes, "export: ", shard.file, " has ",
+             file_->written(), " bytes, expected ", 8 + shard.header.size() + shard.bytes);
+    file_->finish();
+    file_.reset();
+    ++current_shard_;
+  }
+}
+
+void HfWeightsWriter::finish() {
+  ST_CHECK(next_tensor_ == tensors_.size(), "export: finished after ", next_tensor_, " of ", tensors_.size(),
+           " tensors");
+  try {
+    if (shards_.size() > 1) {
+      json weight_map = json::object();
+      uint64_t total_bytes = 0;
+      for (const auto& shard : shards_) {
+        total_bytes += shard.bytes;
+        for (std::size_t i : shard.tensors) weight_map[tensors_[i].name] = shard.file;
+      }
+      const json shard_index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+      write_text_file(tmp_ / "model.safetensors.index.json", shard_index.dump(2) + "\n");
+    }
+    if (!options_.config_json_path.empty()) {
+      fs::copy_file(options_.config_json_path, tmp_ / "config.json", fs::copy_options::overwrite_existing);
+    }
+    publish(tmp_, out_);
+    published_ = true;
+  } catch (const fs::filesystem_error& e) {
+    ST_THROW(Error, "export to ", out_.string(), " failed: ", e.what());
+  }
+}
+
+uint64_t HfWeightsWriter::total_file_bytes() const {
+  uint64_t total = 0;
+  for (const auto& shard : shards_) total += 8 + shard.header.size() + shard.bytes;
+  return total;
+}
+
+}  // namespace shardtrain::checkpoint

@@ -1,0 +1,76 @@
+#pragma once
+// Writing a Hugging Face weights directory tensor by tensor: model.safetensors,
+// or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json,
+// and config.json. Both exports use it: the offline one from a checkpoint's
+// files (export.h) and save_model from the live shards (checkpoint.h), so
+// neither holds more than one tensor, and save_model writes nothing else.
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace shardtrain::checkpoint {
+
+struct ExportOptions {
+  /// "fp32" or "bf16": the dtype of the exported weights.
+  std::string dtype = "fp32";
+  /// Tensor bytes per output file before another shard is started (Hugging
+  /// Face's save_pretrained default, 5 GB). One parameter larger than this
+  /// gets a shard of its own: tensors are never split across files.
+  uint64_t max_shard_bytes = 5000000000ULL;
+  /// When non-empty, this JSON file is copied to OUT/config.json.
+  std::string config_json_path;
+};
+
+/// One tensor of an export, in the order it will be written.
+struct ExportTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+/// A file written with checked writes (hf_writer.cpp).
+class OutFile;
+
+class HfWeightsWriter {
+ public:
+  /// Plans the files (greedy packing in the given order, as save_pretrained
+  /// packs) and checks the options; writes into a temporary sibling of
+  /// `out_dir`, which finish() publishes.
+  HfWeightsWriter(std::vector<ExportTensor> tensors, const std::string& out_dir, const ExportOptions& options);
+  /// Removes the temporary directory unless finish() published it.
+  ~HfWeightsWriter();
+  HfWeightsWriter(const HfWeightsWriter&) = delete;
+  HfWeightsWriter& operator=(const HfWeightsWriter&) = delete;
+
+  /// The next tensor, `name` as planned: its values in any floating dtype
+  /// (cast to the export dtype), as many elements as its shape.
+  void write(const std::string& name, const at::Tensor& value);
+  /// After the last tensor: the shard index and config.json, fsynced, then
+  /// moved into `out_dir` (earlier weight files there are replaced, other
+  /// files kept).
+  void finish();
+  /// Bytes of every file the export writes (headers included).
+  uint64_t total_file_bytes() const;
+
+ private:
+  struct Shard;
+  void open_next_shard();
+
+  std::vector<ExportTensor> tensors_;
+  std::vector<Shard> shards_;
+  at::ScalarType dtype_;
+  ExportOptions options_;
+  std::filesystem::path out_;
+  std::filesystem::path tmp_;
+  std::size_t next_tensor_ = 0;
+  std::size_t current_shard_ = 0;
+  std::unique_ptr<OutFile> file_;
+  bool published_ = false;
+};
+
+}  // namespace shardtrain::checkpoint
