@@ -344,9 +344,8 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (", describe_checkpoints_under(dir),
            ")");
   const Index index = read_index(ckpt);
-  ST_CHECK(index.format_version >= kOldestReadableVersion && index.format_version <= kFormatVersion, "checkpoint ",
-           ckpt.string(), " has format version ", index.format_version, "; this shardtrain reads ",
-           readable_versions());
+  ST_CHECK(readable_version(index.format_version), "checkpoint ", ckpt.string(), " has format version ",
+           index.format_version, "; this shardtrain reads ", readable_versions());
   if (!index.checksummed && comm.rank() == 0) {
     ST_LOG_WARN("checkpoint {} has format version {}, written before the index had checksums: an edit to its "
                 "training state cannot be detected. Save it again to get a checked index", ckpt.string(),

@@ -126,7 +126,7 @@ VerifyReport verify_index(const Index& index) {
   report.files = index.files.size();
   report.params = index.params.size();
   auto& problems = report.problems;
-  if (index.format_version < kOldestReadableVersion || index.format_version > kFormatVersion) {
+  if (!readable_version(index.format_version)) {
     problems.push_back("index.json has format version " + std::to_string(index.format_version) +
                        "; this shardtrain reads " + readable_versions());
   }
@@ -306,9 +306,8 @@ void export_hf(const std::string& path, const std::string& out_dir, const Export
   std::vector<ExportTensor> tensors;  // name order, as the index (and save_pretrained) has them
   for (const auto& param : index.params) tensors.push_back({param.name, param.shape});
   HfWeightsWriter writer(std::move(tensors), out_dir, options);
-  const at::ScalarType dtype = options.dtype == "bf16" || options.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
-  for (const auto& param : index.params) writer.write(param.name, assemble(index, param, dtype, readers));
+  for (const auto& param : index.params) writer.write(param.name, assemble(index, param, writer.dtype(), readers));
   writer.finish();
 }
 

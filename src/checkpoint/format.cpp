@@ -140,8 +140,8 @@ Index read_index(const fs::path& dir) {
     // Another version's layout is not this one's: its header is all that can
     // be read, and the reader reports the version (load refuses it, verify
     // lists it) instead of a field that "is malformed".
-    if (index.format_version < kOldestReadableVersion || index.format_version > kFormatVersion) return index;
-    if (index.format_version >= 2) {
+    if (!readable_version(index.format_version)) return index;
+    if (index.format_version >= kFirstChecksummedVersion) {
       const std::vector<std::string> edited = edited_fields(raw);
       std::string list;
       for (const auto& field : edited) list += (list.empty() ? "" : ", ") + field;

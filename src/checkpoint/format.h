@@ -36,6 +36,12 @@ constexpr int kFormatVersion = 2;
 /// The oldest version load() and the tools still read (1: no checksums, so
 /// an edited index cannot be told from the original).
 constexpr int kOldestReadableVersion = 1;
+/// The first version whose index carries checksums.
+constexpr int kFirstChecksummedVersion = 2;
+/// load() and the tools read this version (kOldestReadableVersion..kFormatVersion).
+constexpr bool readable_version(int version) {
+  return version >= kOldestReadableVersion && version <= kFormatVersion;
+}
 /// "versions 1 and 2", for messages about a version this build cannot read.
 std::string readable_versions();
 /// DIR/TAG/<this>: the index of one checkpoint.

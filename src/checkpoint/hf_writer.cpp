@@ -267,10 +267,5 @@ void HfWeightsWriter::finish() {
   }
 }
 
-uint64_t HfWeightsWriter::total_file_bytes() const {
-  uint64_t total = 0;
-  for (const auto& shard : shards_) total += 8 + shard.header.size() + shard.bytes;
-  return total;
-}
 
 }  // namespace shardtrain::checkpoint

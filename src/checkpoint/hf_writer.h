@@ -54,8 +54,8 @@ class HfWeightsWriter {
   /// moved into `out_dir` (earlier weight files there are replaced, other
   /// files kept).
   void finish();
-  /// Bytes of every file the export writes (headers included).
-  uint64_t total_file_bytes() const;
+  /// The dtype the tensors are written in (ExportOptions::dtype).
+  at::ScalarType dtype() const { return dtype_; }
 
  private:
   struct Shard;

@@ -39,10 +39,8 @@ class ShardStorage {
   /// allocates every partition for `units`.
   ShardStorage(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups);
 
-  /// The model's device: every buffer, flag and scalar the engine creates
-  /// lives there (the optimizer offload's host copies excepted).
-  at::Device device() const { return device_; }
-  /// fp32 on the model's device: masters, moments, fp32 gradients.
+  /// fp32 on the model's device (where every buffer the engine creates lives,
+  /// the optimizer offload's host copies excepted): masters, moments, fp32 gradients.
   at::TensorOptions fp32_options() const { return at::TensorOptions().dtype(at::kFloat).device(device_); }
 
   UnitShard& unit(int i) { return shards_[static_cast<std::size_t>(i)]; }
@@ -65,8 +63,6 @@ class ShardStorage {
   /// The low-precision partition is a copy of its own, written after each step.
   bool separate_low_precision() const { return !plan_.pure_low_precision && !lp_.is_same(master_); }
 
-  /// The gradients are known to be zero (zero_grad need not write them again).
-  bool grads_zero() const { return grads_zero_; }
   /// Something wrote into the gradient partition.
   void note_grads_written() { grads_zero_ = false; }
   /// zero_grad: zeroes the gradients unless they are known to be zero.

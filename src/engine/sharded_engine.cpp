@@ -238,7 +238,7 @@ void ShardedEngine::visit_full_parameters(const std::function<void(const std::st
   for (int i = 0; i < s.units.size(); ++i) {
     const UnitEntry& u = s.units[i];
     const UnitShard& shard = s.storage.unit(i);
-    const at::Tensor source = (shard.master.defined() ? shard.master : shard.lp.to(at::kFloat)).contiguous();
+    const at::Tensor source = shard.value().to(at::kFloat).contiguous();  // the master, or the widened shard
     at::Tensor full = source;  // without sharding the shard is the full buffer
     if (s.plan.shard_params) {
       full = at::empty({u.layout->full_numel()}, source.options());

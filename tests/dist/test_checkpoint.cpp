@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -188,6 +189,15 @@ TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatch) {
   }
 }
 
+/// Rewrites the text file `path` through `edit` (a hand edit of a checkpoint file).
+void edit_text(const fs::path& path, const std::function<void(std::string&)>& edit) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  edit(text);
+  std::ofstream(path) << text;
+}
+
 /// Loads `dir` on 2 ranks and expects an error containing `needle`.
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   MultiRankOptions harness;
@@ -240,15 +250,11 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
   {  // edited index: a shape that no longer matches the model
     const fs::path d = fresh("edited");
     if (!shardtrain::testing::is_rank_process()) {
-      const fs::path f = d / "step_2" / "index.json";
-      std::ifstream in(f);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      in.close();
-      const auto at = text.find("\"head.weight\"");
-      ASSERT_NE(at, std::string::npos);
-      const auto shape = text.find("256", at);
-      text.replace(shape, 3, "255");
-      std::ofstream(f) << text;
+      edit_text(d / "step_2" / "index.json", [](std::string& text) {
+        const auto at = text.find("\"head.weight\"");
+        ASSERT_NE(at, std::string::npos);
+        text.replace(text.find("256", at), 3, "255");
+      });
     }
     // The index's checksums catch the edit before the shape is compared with the model's.
     expect_load_error(d, "index.json was edited after the save; these fields no longer match their checksums: "
@@ -257,14 +263,11 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
   {  // edited index: the step a resume continues from (the weights stay step 2's)
     const fs::path d = fresh("edited_step");
     if (!shardtrain::testing::is_rank_process()) {
-      const fs::path f = d / "step_2" / "index.json";
-      std::ifstream in(f);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      in.close();
-      const auto at = text.find("\"step\": 2");
-      ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
-      text.replace(at, 9, "\"step\": 1");
-      std::ofstream(f) << text;
+      edit_text(d / "step_2" / "index.json", [](std::string& text) {
+        const auto at = text.find("\"step\": 2");
+        ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
+        text.replace(at, 9, "\"step\": 1");
+      });
     }
     expect_load_error(d, "these fields no longer match their checksums: training_state.step");
   }
