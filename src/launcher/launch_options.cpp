@@ -1,7 +1,7 @@
 #include "launcher/launch_options.h"
 
-#include <cstdlib>
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -11,7 +11,9 @@
 
 #include "config/config_tree.h"  // lowercase, uppercase
 #include "comm/rendezvous/protocol.h"
+#include "comm/rendezvous/token_file.h"
 #include "shardtrain/error.h"
+#include "shardtrain/logging.h"
 
 namespace shardtrain::launcher {
 namespace {
@@ -223,8 +225,17 @@ void add_launch_flags(CLI::App& command, LaunchFlags& flags) {
       ->type_name("SECONDS");
   command.add_option("--rdzv_token", flags.rdzv_token,
                      "The job's rendezvous secret; every machine of a job passes the same one (default: "
-                     "SHARDTRAIN_RDZV_TOKEN, else machine 0 makes one and prints it)")
+                     "SHARDTRAIN_RDZV_TOKEN, else machine 0 makes one and prints it). Visible to every local "
+                     "user in ps: prefer --rdzv_token_file or SHARDTRAIN_RDZV_TOKEN")
       ->type_name("TOKEN");
+  command.add_option("--rdzv_token_file", flags.rdzv_token_file,
+                     "A file of yours, mode 0600, that holds the job's rendezvous secret (or set "
+                     "SHARDTRAIN_RDZV_TOKEN_FILE)")
+      ->type_name("PATH");
+  command.add_option("--rdzv_id", flags.rdzv_id,
+                     "The job's name: a rank of another job on the same port is refused by it (default: "
+                     "SHARDTRAIN_RDZV_ID, else a fresh one on one machine, \"none\" across machines)")
+      ->type_name("ID");
 
   // PROGRAM and ARGS reach the caller through prefix_command() and
   // remaining(). This never-matching positional exists only because CLI11
@@ -246,6 +257,59 @@ void take_program_and_args(std::vector<std::string> remaining, LaunchFlags& flag
   }
   flags.command = std::move(remaining);
 }
+
+namespace {
+
+/// The job's rendezvous token and id, from the flags, the environment, or fresh.
+void resolve_rendezvous_identity(const LaunchFlags& flags, LaunchOptions& options) {
+  const auto variable = [](const char* name) -> std::optional<std::string> {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') return std::nullopt;
+    return std::string(value);
+  };
+  ST_CHECK_T(ConfigError, !(flags.rdzv_token && flags.rdzv_token_file),
+             "--rdzv_token and --rdzv_token_file both give the rendezvous token; keep one (the file: a token in "
+             "the command line is visible in ps)");
+  if (flags.rdzv_token) {
+    ST_CHECK_T(ConfigError, !flags.rdzv_token->empty(), "--rdzv_token is empty; give the job's secret, e.g. "
+               "$(openssl rand -hex 32), the same on every machine");
+    ST_LOG_WARN("the rendezvous token given with --rdzv_token is visible to every user of this machine (ps, "
+                "/proc/PID/cmdline); pass it with --rdzv_token_file FILE (mode 0600) or SHARDTRAIN_RDZV_TOKEN instead");
+    options.rdzv_token = *flags.rdzv_token;
+  } else if (flags.rdzv_token_file) {
+    options.rdzv_token = comm::rendezvous::read_token_file(*flags.rdzv_token_file);
+  } else if (auto token = variable("SHARDTRAIN_RDZV_TOKEN")) {
+    options.rdzv_token = *token;
+  } else if (auto file = variable("SHARDTRAIN_RDZV_TOKEN_FILE")) {
+    options.rdzv_token = comm::rendezvous::read_token_file(*file);
+  } else if (options.machine_rank > 0) {
+    ST_THROW(ConfigError, "machine ", options.machine_rank, " of ", options.num_machines,
+             " has no rendezvous token: pass the one machine 0's launcher printed (or the one you generated) with "
+             "--rdzv_token_file FILE, SHARDTRAIN_RDZV_TOKEN=TOKEN or --rdzv_token TOKEN; rank 0's store refuses "
+             "processes without it");
+  } else {
+    options.rdzv_token = comm::rendezvous::generate_token();
+    options.rdzv_token_generated = true;
+  }
+
+  if (flags.rdzv_id) {
+    options.rdzv_id = *flags.rdzv_id;
+  } else if (auto id = variable("SHARDTRAIN_RDZV_ID")) {
+    options.rdzv_id = *id;
+  } else if (options.num_machines == 1) {
+    // Each launch its own job: a second job started on the same port with
+    // the same (exported) token is refused by the first one's store by name.
+    options.rdzv_id = "job-" + comm::rendezvous::generate_token().substr(0, 12);
+  } else {
+    // Across machines every launcher must name the same job; torchrun's
+    // default. Two multi-machine jobs that share a port and a token need --rdzv_id.
+    options.rdzv_id = "none";
+  }
+  ST_CHECK_T(ConfigError, !options.rdzv_id.empty(), "--rdzv_id is empty; name the job, the same on every machine");
+  comm::rendezvous::check_job_id(options.rdzv_id);
+}
+
+}  // namespace
 
 LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
   if (flags.command.empty() || flags.command.front().empty()) {
@@ -361,21 +425,7 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
     if (deepspeed_file) options.deepspeed_config_file = resolve_deepspeed_config_path(*deepspeed_file, config_file_dir);
   }
   options.grace_period_s = flags.grace_period_s.value_or(5.0);
-  const char* token_variable = std::getenv("SHARDTRAIN_RDZV_TOKEN");
-  if (flags.rdzv_token) {
-    ST_CHECK_T(ConfigError, !flags.rdzv_token->empty(), "--rdzv_token is empty; give the job's secret, e.g. "
-               "$(openssl rand -hex 32), the same on every machine");
-    options.rdzv_token = *flags.rdzv_token;
-  } else if (token_variable != nullptr && *token_variable != '\0') {
-    options.rdzv_token = token_variable;
-  } else if (options.machine_rank > 0) {
-    ST_THROW(ConfigError, "machine ", options.machine_rank, " of ", options.num_machines,
-             " has no rendezvous token: pass the one machine 0's launcher printed (or the one you generated) with "
-             "--rdzv_token TOKEN or SHARDTRAIN_RDZV_TOKEN=TOKEN; rank 0's store refuses processes without it");
-  } else {
-    options.rdzv_token = comm::rendezvous::generate_token();
-    options.rdzv_token_generated = true;
-  }
+  resolve_rendezvous_identity(flags, options);
   options.program = flags.command.front();
   options.program_args.assign(flags.command.begin() + 1, flags.command.end());
   return options;

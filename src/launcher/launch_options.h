@@ -33,6 +33,8 @@ struct LaunchFlags {
   std::optional<std::string> deepspeed_config_file;
   std::optional<double> grace_period_s;
   std::optional<std::string> rdzv_token;
+  std::optional<std::string> rdzv_token_file;
+  std::optional<std::string> rdzv_id;
   /// PROGRAM followed by its ARGS, untouched.
   std::vector<std::string> command;
   /// Never set; see add_launch_flags().
@@ -60,10 +62,16 @@ struct LaunchOptions {
   /// Seconds between SIGTERM and SIGKILL when stopping workers.
   double grace_period_s = 5.0;
   /// The job's rendezvous secret, handed to the workers as SHARDTRAIN_RDZV_TOKEN:
-  /// --rdzv_token, else SHARDTRAIN_RDZV_TOKEN, else a fresh one (machine 0 only).
+  /// --rdzv_token, --rdzv_token_file, SHARDTRAIN_RDZV_TOKEN,
+  /// SHARDTRAIN_RDZV_TOKEN_FILE, else a fresh one (machine 0 only).
   std::string rdzv_token;
   /// True when this launcher made the token (the other machines need it too).
   bool rdzv_token_generated = false;
+  /// The job's name in the rendezvous handshake, handed to the workers as
+  /// SHARDTRAIN_RDZV_ID: --rdzv_id, else SHARDTRAIN_RDZV_ID, else a fresh one on
+  /// a single machine and "none" (torchrun's default) across machines, which
+  /// must all pass the same.
+  std::string rdzv_id;
   std::string program;
   std::vector<std::string> program_args;
 

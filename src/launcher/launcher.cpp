@@ -733,6 +733,7 @@ std::map<std::string, std::string> worker_environment(const LaunchOptions& optio
   env["ACCELERATE_USE_FSDP"] = options.use_fsdp ? "true" : "false";
   env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = options.deepspeed_config_file;
   env["SHARDTRAIN_RDZV_TOKEN"] = options.rdzv_token;
+  env["SHARDTRAIN_RDZV_ID"] = options.rdzv_id;
   env["SHARDTRAIN_OUTPUT_PREFIXED"] = "1";  // the logger then leaves out its own rank prefix
   // N workers each spawning one OpenMP thread per core oversubscribe the
   // machine N-fold; split the cores as torchrun's default does (it uses 1).

@@ -4,13 +4,18 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <deque>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -293,7 +298,8 @@ TEST(FaultLauncher, HelpListsEveryOption) {
   for (const char* option :
        {"--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",
         "--config_file", "--mixed_precision", "--use_deepspeed", "--use_fsdp", "--deepspeed_config_file",
-        "--deepspeed_config", "--grace_period", "--rdzv_token", "PROGRAM [ARGS...]"}) {
+        "--deepspeed_config", "--grace_period", "--rdzv_token", "--rdzv_token_file", "--rdzv_id",
+        "PROGRAM [ARGS...]"}) {
     EXPECT_TRUE(contains(help.output, option)) << option << " missing from:\n" << help.output;
   }
 }
@@ -317,6 +323,88 @@ TEST(FaultLauncher, TwoLaunchersFormOneFourRankJob) {
   for (int rank = 0; rank < 4; ++rank) {
     const std::string expected = "[rank " + std::to_string(rank) + "] smoke job: rank " + std::to_string(rank) +
                                  " of 4 (torchrun, gloo on cpu), all checks passed";
+    EXPECT_TRUE(contains(result.output, expected)) << "missing: " << expected << "\n" << result.output;
+  }
+}
+
+TEST(FaultLauncher, AFloodOnTheStorePortDoesNotStopAWorldTwoJob) {
+  // One process (this test's flooder thread) opens connections to the port
+  // as fast as it can and never speaks, from before the job starts until it
+  // has finished; the store used to close every connection past 64 silent
+  // ones, the ranks' included, and the job died after the rendezvous timeout.
+  const int port = pick_free_port();
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> accepted{0};
+  std::thread flooder([&] {
+    std::deque<int> held;
+    while (!stop) {
+      const int fd = shardtrain::testing::try_loopback_connection(port);
+      if (fd < 0) continue;  // nothing listens yet (or any more)
+      ++accepted;
+      held.push_back(fd);
+      if (held.size() > 300) {  // more than the store keeps pending from one address
+        ::close(held.front());
+        held.pop_front();
+      }
+    }
+    for (int fd : held) ::close(fd);
+  });
+  const CommandResult job = run_command("OMP_NUM_THREADS=1 SHARDTRAIN_COMM_TIMEOUT_S=60 " + kShardtrain +
+                                            " launch --num_processes 2 --main_process_port " + std::to_string(port) +
+                                            " " + kSmokeJob,
+                                        120s);
+  stop = true;
+  flooder.join();
+  EXPECT_FALSE(job.timed_out) << job.output;
+  EXPECT_EQ(job.exit_code, 0) << job.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string expected = "[rank " + std::to_string(rank) + "] smoke job: rank " + std::to_string(rank) +
+                                 " of 2 (torchrun, gloo on cpu), all checks passed";
+    EXPECT_TRUE(contains(job.output, expected)) << "missing: " << expected << "\n" << job.output;
+  }
+  // Connections only succeed while the store listens: this many filled the
+  // per-address quota (128) twice over while the ranks met.
+  EXPECT_GE(accepted.load(), 256) << "the flood did not reach the store while the job ran";
+  std::cout << "flood: " << accepted.load() << " silent connections reached the store while the job ran\n";
+}
+
+TEST(FaultLauncher, TwoJobsThatShareAPortAndATokenDoNotMix) {
+  // A token exported in the shell is shared by every job started from it.
+  // Job one's machine 0 holds the store and waits for its machine 1; job
+  // two's machine 1 comes to the same port with the same token and must be
+  // refused by name at once, and job one must then finish unharmed.
+  ScratchDir dir;
+  const std::string port = std::to_string(pick_free_port());
+  auto launch = [&](int machine_rank, const std::string& job) {
+    return "SHARDTRAIN_RDZV_TOKEN=exported-in-the-shell OMP_NUM_THREADS=1 SHARDTRAIN_COMM_TIMEOUT_S=60 " +
+           kShardtrain + " launch --num_processes 2 --num_machines 2 --machine_rank " + std::to_string(machine_rank) +
+           " --main_process_ip 127.0.0.1 --main_process_port " + port + " --rdzv_id " + job + " " + kSmokeJob;
+  };
+  const std::string log0 = dir.file("job_one_machine0.log");
+  const std::string command =
+      launch(0, "job-one") + " > " + log0 + " 2>&1 & M0=$!; " +
+      "for i in $(seq 300); do grep -q ':" + [&] {
+        char hex[8];
+        std::snprintf(hex, sizeof(hex), "%04X", std::stoi(port));
+        return std::string(hex);
+      }() + " 00000000:0000 0A' /proc/net/tcp && break; sleep 0.1; done; " +
+      "start=$(date +%s%N); " + launch(1, "job-two") + "; echo \"job two exit status: $?\"; " +
+      "echo \"job two stopped after $(( ($(date +%s%N) - start) / 1000000 )) ms\"; " + launch(1, "job-one") +
+      "; echo \"job one machine 1 exit status: $?\"; wait $M0; echo \"job one machine 0 exit status: $?\"; cat " +
+      log0;
+  const CommandResult result = run_command(command, 120s);
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_TRUE(contains(result.output, "belongs to job 'job-two' and this store to job 'job-one'")) << result.output;
+  EXPECT_FALSE(contains(result.output, "job two exit status: 0")) << result.output;
+  const std::size_t took = result.output.find("job two stopped after ");
+  ASSERT_NE(took, std::string::npos) << result.output;
+  // Refused in the handshake, not after the 60 s rendezvous timeout.
+  EXPECT_LT(std::stol(result.output.substr(took + 22)), 30000) << result.output;
+  EXPECT_TRUE(contains(result.output, "job one machine 1 exit status: 0")) << result.output;
+  EXPECT_TRUE(contains(result.output, "job one machine 0 exit status: 0")) << result.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string expected = "[rank " + std::to_string(rank) + "] smoke job: rank " + std::to_string(rank) +
+                                 " of 2 (torchrun, gloo on cpu), all checks passed";
     EXPECT_TRUE(contains(result.output, expected)) << "missing: " << expected << "\n" << result.output;
   }
 }

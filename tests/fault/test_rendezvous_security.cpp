@@ -29,10 +29,11 @@ TEST(FaultRendezvous, IntrudersAreRefusedAndTheJobGoesOn) {
     ctx.comm->barrier();
     if (ctx.rank() == 1) {
       // A separate process with no token: bash speaks the handshake with a
-      // zero MAC and prints what the store answers.
+      // zero nonce, a zero MAC and an empty job id (the job's own, so only the
+      // token can refuse it), and prints what the store answers.
       const std::string intruder =
           "bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(port) +
-          " && printf STRDZV01 >&3 && head -c 64 /dev/zero >&3 && timeout 5 cat <&3'";
+          " && printf STRDZV02 >&3 && head -c 65 /dev/zero >&3 && timeout 5 cat <&3'";
       const auto refused = shardtrain::testing::run_command(intruder, std::chrono::seconds(20));
       EXPECT_FALSE(refused.timed_out) << refused.output;
       EXPECT_TRUE(contains(refused.output, "wrong or missing rendezvous token")) << refused.output;

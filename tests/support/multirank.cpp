@@ -142,6 +142,18 @@ void mark_rank_body_ran() {
 
 bool is_rank_process() { return std::getenv("SHARDTRAIN_TEST_RANK_CALL") != nullptr; }
 
+int try_loopback_connection(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
 std::string listening_ipv4_address(int port) {
   std::ifstream table("/proc/net/tcp");
   std::string line;

@@ -61,6 +61,10 @@ bool is_rank_process();
 /// A TCP port that was free a moment ago on 127.0.0.1.
 int pick_free_port();
 
+/// A plain TCP connection to 127.0.0.1:`port`, as any process on the machine
+/// could open (a stranger, a flood); -1 when the connect fails.
+int try_loopback_connection(int port);
+
 /// The IPv4 address the socket listening on `port` is bound to, in
 /// /proc/net/tcp's hex form ("0100007F" is 127.0.0.1, "00000000" every
 /// interface); empty when nothing listens there.

@@ -1,17 +1,20 @@
 // `shardtrain launch` options: flag parsing, Accelerate YAML defaults,
 // precedence, and the validation messages users see.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <gtest/gtest.h>
 
+#include "support/log_capture.h"
 #include "support/scratch_dir.h"
 #include "launcher/launch_options.h"
 #include "shardtrain/error.h"
@@ -306,6 +309,90 @@ TEST(UnitLaunchOptions, ErrorPortAndCountsOutOfRange) {
 
 TEST(UnitLaunchOptions, MalformedFlagValueIsAParseError) {
   EXPECT_THROW(parse_launch_options({"--num_processes", "abc", "./t"}), CLI::ParseError);
+}
+
+/// Sets an environment variable for one scope, restoring what was there.
+class ScopedVariable {
+ public:
+  ScopedVariable(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) saved_ = old;
+    if (value) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedVariable() {
+    if (saved_) {
+      ::setenv(name_, saved_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
+
+TEST(UnitLaunchOptions, RendezvousTokenFromAPrivateFileAndAWarningForArgv) {
+  ScopedVariable no_token("SHARDTRAIN_RDZV_TOKEN", nullptr);
+  ScopedVariable no_file("SHARDTRAIN_RDZV_TOKEN_FILE", nullptr);
+  ScratchDir dir;
+  const std::string path = dir.path() + "/token";
+  {
+    std::ofstream out(path);
+    out << "from-the-file\n";
+  }
+  ::chmod(path.c_str(), 0600);
+  {
+    shardtrain::testing::LogCapture log;
+    const LaunchOptions options = parse_launch_options({"--rdzv_token_file", path, "./train"});
+    EXPECT_EQ(options.rdzv_token, "from-the-file");
+    EXPECT_FALSE(options.rdzv_token_generated);
+    EXPECT_EQ(log.text().find("visible"), std::string::npos) << log.text();
+  }
+  {
+    ScopedVariable file("SHARDTRAIN_RDZV_TOKEN_FILE", path.c_str());
+    EXPECT_EQ(parse_launch_options({"./train"}).rdzv_token, "from-the-file");
+  }
+  {
+    shardtrain::testing::LogCapture log;
+    EXPECT_EQ(parse_launch_options({"--rdzv_token", "in-argv", "./train"}).rdzv_token, "in-argv");
+    EXPECT_NE(log.text().find("visible to every user of this machine"), std::string::npos) << log.text();
+    EXPECT_NE(log.text().find("--rdzv_token_file"), std::string::npos) << log.text();
+  }
+  EXPECT_NE(config_error_of({"--rdzv_token", "x", "--rdzv_token_file", path, "./train"}).find("keep one"),
+            std::string::npos);
+  ::chmod(path.c_str(), 0644);
+  const std::string readable = config_error_of({"--rdzv_token_file", path, "./train"});
+  EXPECT_NE(readable.find("has mode 0644"), std::string::npos) << readable;
+  EXPECT_NE(readable.find("chmod 600 " + path), std::string::npos) << readable;
+  ::chmod(path.c_str(), 0600);
+  { std::ofstream truncate(path, std::ios::trunc); }
+  EXPECT_NE(config_error_of({"--rdzv_token_file", path, "./train"}).find("is empty"), std::string::npos);
+  EXPECT_NE(config_error_of({"--rdzv_token_file", dir.path(), "./train"}).find("not a regular file"),
+            std::string::npos);
+}
+
+TEST(UnitLaunchOptions, EachJobGetsItsOwnRendezvousId) {
+  ScopedVariable no_id("SHARDTRAIN_RDZV_ID", nullptr);
+  ScopedVariable token("SHARDTRAIN_RDZV_TOKEN", "shared");
+  const std::string first = parse_launch_options({"./train"}).rdzv_id;
+  const std::string second = parse_launch_options({"./train"}).rdzv_id;
+  EXPECT_EQ(first.rfind("job-", 0), 0u) << first;
+  EXPECT_NE(first, second) << "two launches on one machine must not share a job id";
+  // Across machines every launcher must name the same job: torchrun's default.
+  EXPECT_EQ(parse_launch_options({"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1",
+                                  "./train"})
+                .rdzv_id,
+            "none");
+  EXPECT_EQ(parse_launch_options({"--rdzv_id", "finetune-42", "./train"}).rdzv_id, "finetune-42");
+  {
+    ScopedVariable id("SHARDTRAIN_RDZV_ID", "from-env");
+    EXPECT_EQ(parse_launch_options({"./train"}).rdzv_id, "from-env");
+  }
+  EXPECT_NE(config_error_of({"--rdzv_id", std::string(129, 'x'), "./train"}).find("at most 128"), std::string::npos);
 }
 
 }  // namespace

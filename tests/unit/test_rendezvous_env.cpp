@@ -1,3 +1,9 @@
+// The rendezvous environment: which launcher started the process, its rank,
+// world and store address, and the job's token and id.
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -90,6 +96,34 @@ TEST(UnitRendezvousEnv, ErrorsNameTheVariableAndTheFix) {
                "MASTER_ADDR is not set");
   expect_error(with({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}), "SLURM_LOCALID is not set");
   expect_error(with({{"OMPI_COMM_WORLD_RANK", "0"}}), "OMPI_COMM_WORLD_SIZE is not set");
+}
+
+TEST(UnitRendezvousEnv, TheJobIdComesFromShardtrainTorchrunOrSlurm) {
+  EXPECT_EQ(detect({}).rdzv_job_id, "");
+  EXPECT_EQ(detect({{"TORCHELASTIC_RUN_ID", "run-7"}}).rdzv_job_id, "run-7");
+  EXPECT_EQ(detect({{"SLURM_JOB_ID", "4242"}}).rdzv_job_id, "4242");
+  EXPECT_EQ(detect({{"SHARDTRAIN_RDZV_ID", "mine"}, {"TORCHELASTIC_RUN_ID", "run-7"}, {"SLURM_JOB_ID", "4242"}})
+                .rdzv_job_id,
+            "mine");
+  EXPECT_NE(error_of({{"SHARDTRAIN_RDZV_ID", std::string(200, 'x')}}).find("at most 128"), std::string::npos);
+}
+
+TEST(UnitRendezvousEnv, TheTokenMayComeFromAPrivateFile) {
+  const std::string path = ::testing::TempDir() + "rdzv_env_token";
+  {
+    std::ofstream out(path);
+    out << "secret-from-a-file\n";
+  }
+  ::chmod(path.c_str(), 0600);
+  EXPECT_EQ(detect({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).rdzv_token, "secret-from-a-file");
+  // The variable wins over the file, as an explicit value over a reference.
+  EXPECT_EQ(detect({{"SHARDTRAIN_RDZV_TOKEN", "inline"}, {"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).rdzv_token, "inline");
+  ::chmod(path.c_str(), 0640);
+  const std::string open_file = error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}});
+  EXPECT_NE(open_file.find("has mode 0640"), std::string::npos) << open_file;
+  EXPECT_NE(open_file.find("chmod 600 " + path), std::string::npos) << open_file;
+  std::remove(path.c_str());
+  EXPECT_NE(error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).find("cannot be read"), std::string::npos);
 }
 
 }  // namespace

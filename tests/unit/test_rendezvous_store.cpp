@@ -14,6 +14,7 @@
 #include <deque>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -35,25 +36,29 @@ Bytes bytes_of(const std::string& text) { return Bytes(text.begin(), text.end())
 std::string text_of(const Bytes& bytes) { return std::string(bytes.begin(), bytes.end()); }
 
 c10::intrusive_ptr<rdzv::RendezvousStore> connect(int port, const std::string& token,
-                                                  std::chrono::milliseconds timeout = kTimeout) {
-  return c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{"127.0.0.1", port, token}, timeout);
+                                                  std::chrono::milliseconds timeout = kTimeout,
+                                                  const std::string& job_id = "") {
+  return c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{"127.0.0.1", port, token, job_id}, timeout);
 }
 
-/// A plain TCP connection to 127.0.0.1:port, as any process on the machine
-/// could open; -1 when the connect fails (a flood fills the listen backlog).
-int try_raw_connection(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) return fd;
-  ::close(fd);
-  return -1;
+/// The refusal a server sends after the client's first bytes: its status
+/// byte and its reason.
+std::pair<int, std::string> refusal_after(int fd) {
+  const auto deadline = Clock::now() + kTimeout;
+  Bytes hello(rdzv::kHelloBytes);
+  rdzv::recv_all(fd, hello.data(), hello.size(), deadline, "the server");
+  uint8_t status = 0;
+  rdzv::recv_all(fd, &status, 1, deadline, "the server");
+  Bytes frame = rdzv::recv_frame(fd, deadline, "the server");
+  rdzv::FrameReader reader(frame);
+  reader.head();
+  return {status, reader.text()};
 }
+
+using shardtrain::testing::try_loopback_connection;
 
 int raw_connection(int port) {
-  const int fd = try_raw_connection(port);
+  const int fd = try_loopback_connection(port);
   EXPECT_GE(fd, 0) << "connect to 127.0.0.1:" << port << " failed";
   return fd;
 }
@@ -157,7 +162,7 @@ TEST(UnitRendezvousStore, AFloodOfSilentConnectionsCannotStarveTheRanks) {
   std::thread flooder([&] {
     std::deque<int> held;
     while (!stop) {
-      const int fd = try_raw_connection(port);
+      const int fd = try_loopback_connection(port);
       if (fd < 0) continue;
       ++opened;
       held.push_back(fd);
@@ -186,6 +191,83 @@ TEST(UnitRendezvousStore, AFloodOfSilentConnectionsCannotStarveTheRanks) {
   EXPECT_GE(flood, 500) << "the flood did not run while the ranks met";
   // 300 idle connections from one address, at most 128 of them kept.
   EXPECT_GE(server.refused_connections(), 300 - 128) << "the store did not push out silent connections";
+}
+
+TEST(UnitRendezvousStore, ARankOfAnotherJobIsRefusedByName) {
+  // Two jobs that share an exported token and a port: job 2's rank used to
+  // join job 1's store and fail much later with a misleading timeout.
+  rdzv::RendezvousServer server("127.0.0.1", 0, "shared-token", "job-one");
+  auto member = connect(server.port(), "shared-token", kTimeout, "job-one");
+  member->set("k", bytes_of("job one's"));
+  const auto start = Clock::now();
+  try {
+    connect(server.port(), "shared-token", kTimeout, "job-two");
+    ADD_FAILURE() << "a rank of job-two joined job-one's store";
+  } catch (const shardtrain::ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("belongs to job 'job-two' and this store to job 'job-one'"), std::string::npos) << what;
+    EXPECT_NE(what.find("--main_process_port"), std::string::npos) << what;
+    EXPECT_EQ(what.find("wrong or missing rendezvous token"), std::string::npos) << what;
+  }
+  // Refused at once, not after the connect timeout.
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 0.5 * kTimeout.count() / 1000.0);
+  EXPECT_EQ(server.refused_connections(), 1);
+  EXPECT_EQ(text_of(member->get("k")), "job one's");
+}
+
+TEST(UnitRendezvousStore, APeerOfAnotherProtocolVersionIsToldSo) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  const int fd = raw_connection(server.port());
+  const std::string old_magic = "STRDZV01";
+  ASSERT_EQ(::send(fd, old_magic.data(), old_magic.size(), 0), static_cast<ssize_t>(old_magic.size()));
+  const auto [status, reason] = refusal_after(fd);
+  EXPECT_EQ(status, 1);
+  EXPECT_NE(reason.find("version 01"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("the same shardtrain"), std::string::npos) << reason;
+  ::close(fd);
+}
+
+TEST(UnitRendezvousStore, AHandshakeThatArrivesByteByByteIsAccepted) {
+  // TCP may split the proof anywhere; the server must wait for the rest
+  // (the job id's length, then the id) rather than judge a part of it.
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t", "a-job");
+  const int fd = raw_connection(server.port());
+  const auto deadline = Clock::now() + kTimeout;
+  Bytes hello(rdzv::kHelloBytes);
+  rdzv::recv_all(fd, hello.data(), hello.size(), deadline, "the server");
+  const Bytes server_nonce(hello.begin() + rdzv::kMagic.size(), hello.end());
+  const Bytes client_nonce = rdzv::random_bytes(rdzv::kNonceBytes);
+  const Bytes proof = rdzv::client_proof("t", "a-job", server_nonce, client_nonce);
+  for (uint8_t byte : proof) {
+    rdzv::send_all(fd, &byte, 1, deadline, "the server");
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  uint8_t status = 1;
+  rdzv::recv_all(fd, &status, 1, deadline, "the server");
+  EXPECT_EQ(status, 0);
+  Bytes server_mac(rdzv::kMacBytes);
+  rdzv::recv_all(fd, server_mac.data(), server_mac.size(), deadline, "the server");
+  EXPECT_TRUE(rdzv::same_mac(server_mac, rdzv::handshake_mac("t", "server", server_nonce, client_nonce, "a-job")));
+  ::close(fd);
+  EXPECT_EQ(server.refused_connections(), 0);
+}
+
+TEST(UnitRendezvousStore, AJobIdThatIsNotPrintableIsRefused) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  EXPECT_THROW(connect(server.port(), "t", kTimeout, std::string("job\nforged log line")), shardtrain::ConfigError);
+  EXPECT_THROW(connect(server.port(), "t", kTimeout, std::string(rdzv::kMaxJobIdBytes + 1, 'j')),
+               shardtrain::ConfigError);
+  // Sent by hand, past the client's own check: the server refuses it too.
+  const int fd = raw_connection(server.port());
+  Bytes proof(rdzv::kMagic.begin(), rdzv::kMagic.end());
+  proof.resize(rdzv::kProofBytes, 0);
+  proof.push_back(3);
+  for (uint8_t c : {'a', '\x1b', 'b'}) proof.push_back(c);
+  ASSERT_EQ(::send(fd, proof.data(), proof.size(), 0), static_cast<ssize_t>(proof.size()));
+  const auto [status, reason] = refusal_after(fd);
+  EXPECT_EQ(status, 1);
+  EXPECT_NE(reason.find("not printable ASCII"), std::string::npos) << reason;
+  ::close(fd);
 }
 
 TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {

@@ -42,6 +42,11 @@ struct DistEnv {
   /// MASTER_ADDR (behind NAT MASTER_ADDR may not be a local address;
   /// "0.0.0.0" listens everywhere). Empty: MASTER_ADDR.
   std::string rdzv_bind;
+  /// The job's name in the rendezvous handshake: a rank of another job that
+  /// shares the port (and the token) is refused by name. SHARDTRAIN_RDZV_ID
+  /// (`shardtrain launch` sets one), else torchrun's TORCHELASTIC_RUN_ID,
+  /// else Slurm's SLURM_JOB_ID, else empty.
+  std::string rdzv_job_id;
 
   int num_machines() const { return world_size / local_world_size; }
   int machine_rank() const { return rank / local_world_size; }

@@ -6,6 +6,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -44,11 +45,12 @@ Bytes random_bytes(std::size_t n) {
 }
 
 Bytes handshake_mac(const std::string& token, const char* label, const Bytes& server_nonce,
-                    const Bytes& client_nonce) {
+                    const Bytes& client_nonce, const std::string& job_id) {
 #if defined(SHARDTRAIN_WITH_OPENSSL)
   Bytes message(label, label + std::strlen(label));
   message.insert(message.end(), server_nonce.begin(), server_nonce.end());
   message.insert(message.end(), client_nonce.begin(), client_nonce.end());
+  message.insert(message.end(), job_id.begin(), job_id.end());
   Bytes mac(EVP_MAX_MD_SIZE);
   unsigned int length = 0;
   const uint8_t* result = HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()), message.data(),
@@ -61,6 +63,7 @@ Bytes handshake_mac(const std::string& token, const char* label, const Bytes& se
   (void)label;
   (void)server_nonce;
   (void)client_nonce;
+  (void)job_id;
   // Both ends of an OpenSSL-less build agree on "no proof"; init_distributed
   // refuses a token it cannot check, so this never passes for authentication.
   return Bytes(kMacBytes, 0);
@@ -86,6 +89,72 @@ std::string generate_token() {
     token.push_back(digits[byte & 15]);
   }
   return token;
+}
+
+void check_job_id(const std::string& job_id) {
+  ST_CHECK_T(ConfigError, job_id.size() <= kMaxJobIdBytes, "the rendezvous job id '", job_id, "' is ",
+             job_id.size(), " bytes long; at most ", kMaxJobIdBytes, " are allowed (SHARDTRAIN_RDZV_ID / --rdzv_id)");
+  ST_CHECK_T(ConfigError, std::all_of(job_id.begin(), job_id.end(), [](char c) { return c >= 0x20 && c < 0x7f; }),
+             "the rendezvous job id must be printable ASCII (SHARDTRAIN_RDZV_ID / --rdzv_id)");
+}
+
+Bytes client_proof(const std::string& token, const std::string& job_id, const Bytes& server_nonce,
+                   const Bytes& client_nonce) {
+  check_job_id(job_id);
+  Bytes proof(kMagic.begin(), kMagic.end());
+  proof.insert(proof.end(), client_nonce.begin(), client_nonce.end());
+  const Bytes mac = handshake_mac(token, "client", server_nonce, client_nonce, job_id);
+  proof.insert(proof.end(), mac.begin(), mac.end());
+  proof.push_back(static_cast<uint8_t>(job_id.size()));
+  proof.insert(proof.end(), job_id.begin(), job_id.end());
+  return proof;
+}
+
+ClientProof parse_client_proof(const Bytes& in) {
+  ClientProof proof;
+  // The magic is judged as soon as it has arrived, so a stranger that sends
+  // a few bytes of something else is refused without waiting for more.
+  const std::size_t seen = std::min(in.size(), kMagic.size());
+  if (!std::equal(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(std::min(seen, kMagicPrefixBytes)),
+                  kMagic.begin())) {
+    proof.status = ClientProof::Status::kNotOurProtocol;
+    return proof;
+  }
+  if (seen < kMagic.size()) return proof;
+  if (!std::equal(kMagic.begin(), kMagic.end(), in.begin())) {
+    proof.status = ClientProof::Status::kOtherVersion;
+    return proof;
+  }
+  if (in.size() < kProofBytes + 1) return proof;
+  const std::size_t id_bytes = in[kProofBytes];
+  if (id_bytes > kMaxJobIdBytes) {
+    proof.status = ClientProof::Status::kBadJobId;
+    return proof;
+  }
+  if (in.size() < kProofBytes + 1 + id_bytes) return proof;
+  // Printable ASCII only: the server names the id in its log and its refusal.
+  if (!std::all_of(in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1),
+                   in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1 + id_bytes),
+                   [](uint8_t c) { return c >= 0x20 && c < 0x7f; })) {
+    proof.status = ClientProof::Status::kBadJobId;
+    return proof;
+  }
+  const auto at = [&](std::size_t offset) { return in.begin() + static_cast<std::ptrdiff_t>(offset); };
+  proof.client_nonce.assign(at(kMagic.size()), at(kMagic.size() + kNonceBytes));
+  proof.mac.assign(at(kMagic.size() + kNonceBytes), at(kProofBytes));
+  proof.job_id.assign(at(kProofBytes + 1), at(kProofBytes + 1 + id_bytes));
+  proof.size = kProofBytes + 1 + id_bytes;
+  proof.status = ClientProof::Status::kComplete;
+  return proof;
+}
+
+std::string protocol_version_of(const uint8_t* magic) {
+  std::string digits;
+  for (std::size_t i = kMagicPrefixBytes; i < kMagic.size(); ++i) {
+    const char c = static_cast<char>(magic[i]);
+    digits.push_back(c >= '0' && c <= '9' ? c : '?');
+  }
+  return digits;
 }
 
 FrameWriter& FrameWriter::field(int64_t value) {

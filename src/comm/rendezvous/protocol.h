@@ -10,12 +10,20 @@
 //
 // Handshake (a challenge-response, so the token never crosses the wire):
 //   server -> client  kMagic, server nonce Ns (32 random bytes)
-//   client -> server  kMagic, client nonce Nc, HMAC-SHA256(token, "client" Ns Nc)
-//   server -> client  0, HMAC-SHA256(token, "server" Ns Nc)     (accepted)
-//                  or 1, u32 length, reason                      (refused, then closed)
+//   client -> server  kMagic, client nonce Nc, HMAC-SHA256(token, "client" Ns Nc J),
+//                     u8 length, job id J
+//   server -> client  0, HMAC-SHA256(token, "server" Ns Nc J)   (accepted)
+//                  or R, u32 length, reason                      (refused, then closed;
+//                                                                  R is a Refusal)
 // The client checks the server's MAC too: an impostor listening on the port
 // cannot harvest what the ranks would write. Traffic after the handshake is
 // not encrypted (see README, "Reliability and security").
+//
+// The job id J binds a store to one job. Two jobs that share a token (one
+// exported in the shell) and a port would otherwise mix: a rank of the second
+// joined the first one's store and failed later with a misleading timeout.
+// J travels in the clear (it is a name, not a secret) so the server can refuse
+// a rank of another job by name; the MACs cover it, so it cannot be swapped.
 //
 // Requests and replies: u32 little-endian payload length, then the payload:
 // a one-byte opcode (request) or status (reply), then fields, each a u32
@@ -29,11 +37,17 @@
 
 namespace shardtrain::comm::rendezvous {
 
-inline constexpr std::array<uint8_t, 8> kMagic{'S', 'T', 'R', 'D', 'Z', 'V', '0', '1'};
+/// "STRDZV" and a two-digit protocol version; a peer with the same prefix and
+/// another version is a different shardtrain, and is told so.
+inline constexpr std::array<uint8_t, 8> kMagic{'S', 'T', 'R', 'D', 'Z', 'V', '0', '2'};
+inline constexpr std::size_t kMagicPrefixBytes = 6;
 inline constexpr std::size_t kNonceBytes = 32;
 inline constexpr std::size_t kMacBytes = 32;
 inline constexpr std::size_t kHelloBytes = kMagic.size() + kNonceBytes;
+/// The fixed part of a client's proof; the job id's length byte and the id follow.
 inline constexpr std::size_t kProofBytes = kMagic.size() + kNonceBytes + kMacBytes;
+/// A job id is a name (a torchrun rdzv id, a Slurm job id, a few words).
+inline constexpr std::size_t kMaxJobIdBytes = 128;
 /// A frame larger than this is refused: values are addresses, ids and logs,
 /// and an unbounded length would let any peer make the other allocate at will.
 inline constexpr uint32_t kMaxFrameBytes = 64u << 20;
@@ -49,6 +63,12 @@ enum class Op : uint8_t {
   kCompareSet = 8,
 };
 
+/// The status byte of a refused handshake: what the client should advise.
+enum class Refusal : uint8_t {
+  kNotThisJobsToken = 1,  ///< bad protocol or token: check the token
+  kAnotherJob = 2,        ///< the token fits, the job id does not: the reason names both jobs
+};
+
 using Bytes = std::vector<uint8_t>;
 using Clock = std::chrono::steady_clock;
 
@@ -56,13 +76,40 @@ using Clock = std::chrono::steady_clock;
 bool authentication_available();
 /// `n` bytes from the system's cryptographic random source.
 Bytes random_bytes(std::size_t n);
-/// HMAC-SHA256(token, label || server_nonce || client_nonce).
+/// HMAC-SHA256(token, label || server_nonce || client_nonce || job_id).
 Bytes handshake_mac(const std::string& token, const char* label, const Bytes& server_nonce,
-                    const Bytes& client_nonce);
+                    const Bytes& client_nonce, const std::string& job_id);
 /// Constant-time comparison, so a refused peer learns nothing from timing.
 bool same_mac(const Bytes& a, const Bytes& b);
 /// A fresh per-job token: 32 random bytes in hex.
 std::string generate_token();
+
+/// Throws ConfigError unless `job_id` is at most kMaxJobIdBytes of printable ASCII.
+void check_job_id(const std::string& job_id);
+/// The client's answer to the server's hello (the handshake's second message).
+Bytes client_proof(const std::string& token, const std::string& job_id, const Bytes& server_nonce,
+                   const Bytes& client_nonce);
+
+/// A client's proof as the server reads it off the wire.
+struct ClientProof {
+  enum class Status {
+    kIncomplete,      ///< more bytes are needed
+    kNotOurProtocol,  ///< the magic is not shardtrain's rendezvous
+    kOtherVersion,    ///< shardtrain's rendezvous, another protocol version
+    kBadJobId,        ///< a job id longer than kMaxJobIdBytes, or not printable ASCII
+    kComplete,
+  };
+  Status status = Status::kIncomplete;
+  Bytes client_nonce;
+  Bytes mac;
+  std::string job_id;
+  /// Bytes of `in` the proof took (kComplete only).
+  std::size_t size = 0;
+};
+/// Parses the start of `in`; never reads past its end.
+ClientProof parse_client_proof(const Bytes& in);
+/// The two version digits of a magic that carries shardtrain's prefix.
+std::string protocol_version_of(const uint8_t* magic);
 
 /// Builds a payload: opcode/status byte, then fields.
 class FrameWriter {

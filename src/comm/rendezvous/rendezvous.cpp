@@ -11,6 +11,7 @@
 #include "comm/rendezvous/protocol.h"
 #include "comm/rendezvous/server.h"
 #include "comm/rendezvous/store.h"
+#include "comm/rendezvous/token_file.h"
 #include "comm/work_util.h"
 #include "comm/c10d.h"
 #include "torch_cuda.h"
@@ -191,7 +192,7 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
   if (env.rank == 0) {
     const std::string bind = env.rdzv_bind.empty() ? env.master_addr : env.rdzv_bind;
     try {
-      server = std::make_shared<rdzv::RendezvousServer>(bind, env.master_port, env.rdzv_token);
+      server = std::make_shared<rdzv::RendezvousServer>(bind, env.master_port, env.rdzv_token, env.rdzv_job_id);
     } catch (const Error& failure) {
       const std::string what = failure.what();
       if (what.find("in use") != std::string::npos) {
@@ -207,7 +208,7 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
   const auto start = std::chrono::steady_clock::now();
   c10::intrusive_ptr<rdzv::RendezvousStore> store;
   try {
-    store = c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{env.master_addr, env.master_port, env.rdzv_token},
+    store = c10::make_intrusive<rdzv::RendezvousStore>(rdzv::Endpoint{env.master_addr, env.master_port, env.rdzv_token, env.rdzv_job_id},
                                                        timeout, server);
   } catch (const TimeoutError& failure) {
     const std::string why = failure.what();
@@ -225,16 +226,20 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
                                   std::chrono::steady_clock::now() - start);
   try {
     store->wait({"shardtrain/rdzv/complete"}, std::max(left, std::chrono::milliseconds(1)));
-  } catch (const TimeoutError&) {
+  } catch (const TimeoutError& failure) {
+    // The time really waited, not the limit: a wait cut short (the store
+    // closed the connection) must not read as a full timeout.
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
     const int64_t now_arrived = store->add("shardtrain/rdzv/arrived", 0);
     if (env.rank == 0) {
-      ST_THROW(TimeoutError, "rank 0 waited ", timeout.count(), " ms at ", where, " for all ", env.world_size,
-               " ranks to arrive and only ", now_arrived, " did: check that every machine started its processes "
-               "(num_machines, machine_rank, num_processes), with the same token");
+      ST_THROW(TimeoutError, "rank 0 waited ", waited.count(), " ms (limit ", timeout.count(), " ms) at ", where,
+               " for all ", env.world_size, " ranks to arrive and only ", now_arrived,
+               " did: check that every machine started its processes (num_machines, machine_rank, num_processes), "
+               "with the same token and job id (", failure.what(), ")");
     }
     ST_THROW(TimeoutError, "rank ", env.rank, " joined the rendezvous at ", where, " but only ", now_arrived, " of ",
-             env.world_size, " ranks arrived within ", timeout.count(), " ms: check that every machine started its "
-             "processes (num_machines, machine_rank, num_processes)");
+             env.world_size, " ranks arrived in ", waited.count(), " ms (limit ", timeout.count(),
+             " ms): check that every machine started its processes (num_machines, machine_rank, num_processes)");
   }
   return store;
 }
@@ -247,8 +252,19 @@ DistEnv detect_dist_env() {
 
 DistEnv detect_dist_env(const Lookup& lookup) {
   DistEnv env = detect_launcher_env(lookup);
-  if (auto token = get(lookup, "SHARDTRAIN_RDZV_TOKEN")) env.rdzv_token = *token;
+  if (auto token = get(lookup, "SHARDTRAIN_RDZV_TOKEN")) {
+    env.rdzv_token = *token;
+  } else if (auto file = get(lookup, "SHARDTRAIN_RDZV_TOKEN_FILE")) {
+    env.rdzv_token = comm::rendezvous::read_token_file(*file);
+  }
   if (auto bind = get(lookup, "SHARDTRAIN_RDZV_BIND")) env.rdzv_bind = *bind;
+  for (const char* name : {"SHARDTRAIN_RDZV_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}) {
+    if (auto id = get(lookup, name)) {
+      env.rdzv_job_id = *id;
+      break;
+    }
+  }
+  comm::rendezvous::check_job_id(env.rdzv_job_id);
   return env;
 }
 

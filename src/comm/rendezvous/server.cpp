@@ -97,8 +97,8 @@ struct RendezvousServer::State {
   std::vector<ParkedRequest> parked;
 };
 
-RendezvousServer::RendezvousServer(const std::string& bind_host, int port, std::string token)
-    : token_(std::move(token)), state_(std::make_unique<State>()) {
+RendezvousServer::RendezvousServer(const std::string& bind_host, int port, std::string token, std::string job_id)
+    : token_(std::move(token)), job_id_(std::move(job_id)), state_(std::make_unique<State>()) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -181,7 +181,9 @@ bool handle_request(int fd, Connection& c, const Bytes& payload, std::map<std::s
       // Counters are stored as decimal text, as c10d's stores keep them: a
       // get() of a counter key reads the same bytes everywhere.
       if (found != keys.end()) value = std::strtoll(std::string(found->second.begin(), found->second.end()).c_str(), nullptr, 10);
-      value += delta;
+      // A sum past int64 is refused like any malformed request (signed
+      // overflow is undefined behaviour; a fuzzed Add of INT64_MAX twice found it).
+      if (__builtin_add_overflow(value, delta, &value)) return false;
       const std::string text = std::to_string(value);
       keys[key] = Bytes(text.begin(), text.end());
       keys_changed = true;
@@ -267,12 +269,12 @@ void release_parked(std::vector<ParkedRequest>& parked, const std::map<std::stri
 
 void RendezvousServer::serve() {
   State& s = *state_;
-  auto refuse = [&](Connection& c, const std::string& reason) {
+  auto refuse = [&](Connection& c, const std::string& reason, Refusal why = Refusal::kNotThisJobsToken) {
     ++refused_;
     ST_LOG_WARN("rendezvous: refused the connection from {}: {}", c.peer, reason);
     Bytes frame = FrameWriter(1).field(reason).finish();
     // The status byte first, then the reason as a frame (the handshake's refusal form).
-    c.out.push_back(1);
+    c.out.push_back(static_cast<uint8_t>(why));
     c.out.insert(c.out.end(), frame.begin(), frame.end());
     c.close_after_flush = true;
     c.in.clear();
@@ -358,22 +360,33 @@ void RendezvousServer::serve() {
           c.in.insert(c.in.end(), buffer, buffer + n);
         }
       }
-      if (!drop && !c.authenticated && !c.close_after_flush && c.in.size() >= kProofBytes) {
-        const bool magic_ok = std::equal(kMagic.begin(), kMagic.end(), c.in.begin());
-        Bytes client_nonce(c.in.begin() + kMagic.size(), c.in.begin() + kMagic.size() + kNonceBytes);
-        Bytes mac(c.in.begin() + kMagic.size() + kNonceBytes, c.in.begin() + kProofBytes);
-        if (!magic_ok) {
+      if (!drop && !c.authenticated && !c.close_after_flush && !c.in.empty()) {
+        const ClientProof proof = parse_client_proof(c.in);
+        using Status = ClientProof::Status;
+        if (proof.status == Status::kNotOurProtocol) {
           refuse(c, "it does not speak shardtrain's rendezvous protocol");
-        } else if (!same_mac(mac, handshake_mac(token_, "client", c.server_nonce, client_nonce))) {
+        } else if (proof.status == Status::kOtherVersion) {
+          refuse(c, "it speaks version " + protocol_version_of(c.in.data()) +
+                        " of shardtrain's rendezvous protocol and this store version " +
+                        protocol_version_of(kMagic.data()) + ": every machine of a job must run the same shardtrain");
+        } else if (proof.status == Status::kBadJobId) {
+          refuse(c, "its job id is longer than " + std::to_string(kMaxJobIdBytes) + " bytes or not printable ASCII");
+        } else if (proof.status == Status::kComplete && proof.job_id != job_id_) {
+          refuse(c, "it belongs to job '" + proof.job_id + "' and this store to job '" + job_id_ +
+                        "': two jobs share this port. Give each job its own --main_process_port / MASTER_PORT "
+                        "(and its own token)",
+                 Refusal::kAnotherJob);
+        } else if (proof.status == Status::kComplete &&
+                   !same_mac(proof.mac, handshake_mac(token_, "client", c.server_nonce, proof.client_nonce, job_id_))) {
           refuse(c,
                  "wrong or missing rendezvous token: this job's processes must all carry the token its launcher "
                  "made (SHARDTRAIN_RDZV_TOKEN, or --rdzv_token on every machine)");
-        } else {
-          c.in.erase(c.in.begin(), c.in.begin() + kProofBytes);
+        } else if (proof.status == Status::kComplete) {
+          c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(proof.size));
           c.authenticated = true;
           c.out.push_back(0);
-          Bytes proof = handshake_mac(token_, "server", c.server_nonce, client_nonce);
-          c.out.insert(c.out.end(), proof.begin(), proof.end());
+          Bytes server_mac = handshake_mac(token_, "server", c.server_nonce, proof.client_nonce, job_id_);
+          c.out.insert(c.out.end(), server_mac.begin(), server_mac.end());
         }
       }
       while (!drop && c.authenticated && c.in.size() >= 4) {

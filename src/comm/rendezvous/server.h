@@ -19,7 +19,8 @@ class RendezvousServer {
   /// Binds `bind_host`:`port` (a name or numeric address; "0.0.0.0" for
   /// every interface; port 0 for any free one) and starts serving. Throws
   /// Error naming the address and the system's reason when it cannot listen.
-  RendezvousServer(const std::string& bind_host, int port, std::string token);
+  /// Only processes that carry `token` and the same `job_id` may join.
+  RendezvousServer(const std::string& bind_host, int port, std::string token, std::string job_id = "");
   ~RendezvousServer();
   RendezvousServer(const RendezvousServer&) = delete;
   RendezvousServer& operator=(const RendezvousServer&) = delete;
@@ -40,6 +41,7 @@ class RendezvousServer {
   int port_ = 0;
   std::string bound_address_;
   std::string token_;
+  std::string job_id_;
   std::atomic<int64_t> refused_{0};
   std::unique_ptr<State> state_;
   std::thread thread_;

@@ -77,16 +77,17 @@ void RendezvousStore::connect_locked(Clock::time_point deadline) {
         const std::string peer = describe();
         Bytes hello(kHelloBytes);
         recv_all(fd, hello.data(), hello.size(), deadline, peer);
-        ST_CHECK_T(ConfigError, std::equal(kMagic.begin(), kMagic.end(), hello.begin()), "the process at ",
-                   endpoint_.host, ":", endpoint_.port,
+        ST_CHECK_T(ConfigError, std::equal(kMagic.begin(), kMagic.begin() + kMagicPrefixBytes, hello.begin()),
+                   "the process at ", endpoint_.host, ":", endpoint_.port,
                    " is not a shardtrain rendezvous (another service holds the port?); choose another "
                    "MASTER_PORT / --main_process_port");
+        ST_CHECK_T(ConfigError, std::equal(kMagic.begin(), kMagic.end(), hello.begin()), describe(),
+                   " speaks version ", protocol_version_of(hello.data()), " of shardtrain's rendezvous protocol and "
+                   "this process version ", protocol_version_of(kMagic.data()),
+                   ": every machine of a job must run the same shardtrain");
         Bytes server_nonce(hello.begin() + kMagic.size(), hello.end());
         Bytes client_nonce = random_bytes(kNonceBytes);
-        Bytes proof(kMagic.begin(), kMagic.end());
-        proof.insert(proof.end(), client_nonce.begin(), client_nonce.end());
-        Bytes mac = handshake_mac(endpoint_.token, "client", server_nonce, client_nonce);
-        proof.insert(proof.end(), mac.begin(), mac.end());
+        const Bytes proof = client_proof(endpoint_.token, endpoint_.job_id, server_nonce, client_nonce);
         send_all(fd, proof.data(), proof.size(), deadline, peer);
         uint8_t status = 0;
         recv_all(fd, &status, 1, deadline, peer);
@@ -94,12 +95,15 @@ void RendezvousStore::connect_locked(Clock::time_point deadline) {
           Bytes refusal = recv_frame(fd, deadline, peer);
           FrameReader reader(refusal);
           reader.head();
+          // A refusal that names the two jobs says the fix itself; a token refusal gets the hint.
           ST_THROW(ConfigError, describe(), " refused this process: ", reader.text(),
-                   ". Start it with the token of the job it belongs to (--rdzv_token / SHARDTRAIN_RDZV_TOKEN)");
+                   status == static_cast<uint8_t>(Refusal::kAnotherJob)
+                       ? ""
+                       : ". Start it with the token of the job it belongs to (--rdzv_token / SHARDTRAIN_RDZV_TOKEN)");
         }
         Bytes server_mac(kMacBytes);
         recv_all(fd, server_mac.data(), server_mac.size(), deadline, peer);
-        ST_CHECK_T(ConfigError, same_mac(server_mac, handshake_mac(endpoint_.token, "server", server_nonce, client_nonce)),
+        ST_CHECK_T(ConfigError, same_mac(server_mac, handshake_mac(endpoint_.token, "server", server_nonce, client_nonce, endpoint_.job_id)),
                    describe(), " does not hold this job's rendezvous token: another job (or an impostor) listens "
                    "on that port. Check MASTER_ADDR/MASTER_PORT and --rdzv_token");
         fd_ = fd;

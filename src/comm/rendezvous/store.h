@@ -21,6 +21,8 @@ struct Endpoint {
   int port = 0;
   /// The job's secret; empty for an unauthenticated job (both ends then agree on the empty key).
   std::string token;
+  /// The job this process belongs to; the server refuses a process of another job by name.
+  std::string job_id;
 };
 
 class RendezvousStore final : public c10d::Store {
