@@ -33,6 +33,7 @@
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
+#include "shardtrain/lora.h"
 #include "shardtrain/models/generation.h"
 #include "shardtrain/models/instruction_data.h"
 #include "shardtrain/models/llama.h"
@@ -84,6 +85,9 @@ int main(int argc, char** argv) {
   bool print_ids = false, ignore_eos = false, no_bos = false;
   app.add_option("--model-dir", model_dir, "Hugging Face model directory (config.json + model.safetensors or shards)")
       ->required();
+  std::string lora_adapter;
+  app.add_option("--lora-adapter", lora_adapter,
+                 "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) applied to the model");
   app.add_option("--tokenizer", tokenizer_path, "sentencepiece model (default: MODEL_DIR/tokenizer.model)");
   auto* text_opt = app.add_option("--prompt", prompt, "Prompt text (tokenized; BOS prepended)");
   auto* ids_opt = app.add_option("--prompt-ids", prompt_ids_text, "Prompt token ids, comma-separated, used as given");
@@ -177,6 +181,14 @@ int main(int argc, char** argv) {
     sm::LlamaForCausalLM model(config);
     if (dtype == "bf16") model->to(at::kBFloat16);
     sm::load_hf_weights(model, model_dir);
+    if (!lora_adapter.empty()) {
+      // PEFT's PeftModel.from_pretrained(base, adapter): the adapters stay
+      // fp32 on a bf16 base, as PEFT keeps them.
+      shardtrain::LoraSummary adapters;
+      shardtrain::load_lora_adapter(*model, lora_adapter, &adapters);
+      std::cerr << "LoRA adapter " << lora_adapter << " on " << adapters.adapted_modules.size() << " layers"
+                << std::endl;
+    }
     model->to(device);
     model->eval();
     torch::NoGradGuard no_grad;

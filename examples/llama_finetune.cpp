@@ -108,6 +108,20 @@ int main(int argc, char** argv) {
                  "the backend follows: gloo for cpu, nccl for cuda")
       ->capture_default_str();
   app.add_flag("--no-export", options.no_export, "Skip the Hugging Face export at the end");
+  app.add_option("--lora-r", options.lora_r, "Train a LoRA adapter of this rank instead of the whole model "
+                 "(PEFT's defaults for the rest: alpha 8, dropout 0, q_proj and v_proj)");
+  app.add_option("--lora-alpha", options.lora_alpha, "LoRA alpha: the update is scaled by alpha / r");
+  app.add_option("--lora-dropout", options.lora_dropout, "Dropout on the adapters' input while training");
+  app.add_option("--lora-target-modules", options.lora_target_modules,
+                 "Layers that get adapters: names (q_proj,k_proj,...) or all-linear")
+      ->delimiter(',');
+  app.add_option("--lora-config", options.lora_config,
+                 "A PEFT adapter_config.json (the --lora-* flags override its fields)");
+  app.add_option("--lora-adapter", options.lora_adapter,
+                 "A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to train further");
+  app.add_flag("--merge-lora", options.merge_lora,
+               "With LoRA: also export OUTPUT/hf, the model with the adapters folded in (the adapter always goes "
+               "to OUTPUT/adapter)");
   app.add_flag("--no-save", options.no_save, "No checkpoint at the end (benchmarks)");
   app.add_flag("--no-progress", options.no_progress, "No progress bar");
   app.add_option("--throughput-skip-steps", options.throughput_skip_steps,

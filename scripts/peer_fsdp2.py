@@ -16,6 +16,13 @@ weight decay 0.01, gradients clipped to norm 1.0), what users run; plain SGD
 gradient summed instead of averaged over the ranks shows in the losses
 (Adam's step and a clipped gradient are both blind to that scale).
 
+With --lora R the model trains LoRA adapters instead (Hugging Face PEFT:
+r R, lora_alpha 2R, q/k/v/o, no dropout), AdamW only: the adapters start
+from PEFT's own initialisation, saved to OUT_DIR/lora_init (a PEFT adapter
+directory) so shardtrain starts from the same values (DistPeerPeft). With
+--make-base CONFIG the base is a random model of that config.json (seeded),
+saved to OUT_DIR/base, and MODEL_DIR is ignored.
+
 Before it trains, the peer is checked against DDP (pytorch#162338: FSDP2 over
 Gloo has summed gradients where it should average): one backward on the same
 weights and batch under FSDP2 and under DistributedDataParallel must give the
@@ -23,7 +30,7 @@ same gradients (relative 1e-5: two fp32 reductions of one sum, each within a
 few ulps), else this script stops naming the mismatch.
 
 Usage: scripts/peer_fsdp2.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
-       [--micro-batch 2] [--seq-len 16] [--seed 5]
+       [--micro-batch 2] [--seq-len 16] [--seed 5] [--lora R] [--make-base CONFIG]
 Offline: nothing is downloaded. Threads: 1 per rank.
 """
 import argparse
@@ -56,9 +63,25 @@ def load_model(model_dir):
 
 
 def shard(model):
-    for layer in model.model.layers:
+    # A PeftModel wraps the transformers model: base_model.model is it.
+    inner = model.base_model.model if hasattr(model, "base_model") and hasattr(model, "peft_config") else model
+    for layer in inner.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def lora_config(args):
+    from peft import LoraConfig
+    return LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def training_model(args):
+    model = load_model(args.model_dir)
+    if args.lora:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, os.path.join(args.out_dir, "lora_init"), is_trainable=True)
     return model
 
 
@@ -94,14 +117,15 @@ def check_against_ddp(args, rank, batch):
 
 def train(args, rank, batches, optimizer_name):
     spec = OPTIMIZERS[optimizer_name]
-    model = shard(load_model(args.model_dir))
-    optimizer = spec["make"](model.parameters())
+    model = shard(training_model(args))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = spec["make"](trainable)
     losses = []
     for step in range(args.steps):
         loss = next_token_loss(model, batches[step, rank])
         loss.backward()
         if spec["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            torch.nn.utils.clip_grad_norm_(trainable, spec["clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
@@ -117,7 +141,7 @@ def run(rank, args, store_file):
     check_against_ddp(args, rank, batches[0, rank])
     result = {"world": args.world, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
               "torch": torch.__version__}
-    for name in OPTIMIZERS:
+    for name in (["adamw"] if args.lora else OPTIMIZERS):
         result[name] = train(args, rank, batches, name)
     if rank == 0:
         with open(os.path.join(args.out_dir, "peer.json"), "w") as f:
@@ -134,8 +158,21 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--make-base")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.make_base:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(args.seed)
+        base = LlamaForCausalLM(LlamaConfig.from_json_file(args.make_base))
+        args.model_dir = os.path.join(args.out_dir, "base")
+        base.save_pretrained(args.model_dir, safe_serialization=True)
+    if args.lora:
+        from peft import get_peft_model
+        torch.manual_seed(args.seed + 1)
+        get_peft_model(load_model(args.model_dir), lora_config(args)).save_pretrained(
+            os.path.join(args.out_dir, "lora_init"))
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)

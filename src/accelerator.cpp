@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <set>
 
 #include <nlohmann/json.hpp>
 #include <iostream>
@@ -21,6 +23,7 @@
 #include "shardtrain/lr_scheduler.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
+#include "shardtrain/nn/linear.h"
 #include "engine_factory.h"
 #include "precision_plan_of.h"
 
@@ -213,6 +216,16 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.config.optimizer.type = plan.optimizer.type;
   s.config.optimizer.momentum = plan.optimizer.momentum;
   s.plan = precision_plan_of(plan, num_params, plan_context);
+  // LoRA adapters keep fp32 masters (lora.h); pure low precision has none.
+  // Refused until the engine holds adapter entries in fp32 under that mode
+  // (issue 27), rather than trained in bf16 where small updates are lost.
+  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
+    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
+    ST_CHECK_T(ConfigError, !(linear && linear->has_lora() && s.plan.master_dtype == "none"), s.plan.engine,
+               " keeps no fp32 master (FSDP pure low precision), and LoRA adapters must train on fp32 masters: ",
+               item.key(), " has one. Use FSDP's standard mode (mixed_precision bf16 with fp32 parameters, e.g. "
+               "configs/llama/fsdp_standard_bf16.yaml) or ZeRO");
+  }
   s.engine = make_engine(s.module, s.comm, s.config.distributed_type, std::move(plan));
   s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
       s.config.precision_audit,
@@ -421,7 +434,32 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   options.dtype = resolved;
   options.max_shard_bytes = max_shard_bytes;
   options.config_json_path = config_json;
-  checkpoint::save_model(engine(), *s.comm, out_dir, options);
+  checkpoint::ExportSelection selection;
+  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
+    if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get()); linear && linear->has_lora()) {
+      selection.merge_lora[item.key()] = linear->lora_scaling;
+    }
+  }
+  checkpoint::save_model(engine(), *s.comm, out_dir, options, selection);
+}
+
+void Accelerator::save_lora_adapter(const std::string& out_dir, const LoraConfig& config) {
+  comm::CollectiveScope scope("save_lora_adapter()");
+  State& s = *state_;
+  std::set<std::string> trainable;
+  for (const auto& item : s.module->named_parameters()) {
+    if (item.value().requires_grad()) trainable.insert(item.key());
+  }
+  ST_CHECK_T(ConfigError, !trainable.empty(), "save_lora_adapter: the model has no trainable parameters");
+  checkpoint::ExportOptions options;
+  options.dtype = "fp32";  // PEFT keeps adapters in fp32
+  options.weights_stem = "adapter_model";
+  options.max_shard_bytes = std::numeric_limits<uint64_t>::max();  // PEFT reads one adapter file
+  options.text_files = {{"adapter_config.json", config.to_peft_json()}};
+  checkpoint::ExportSelection selection;
+  selection.include = [&](const std::string& name) { return trainable.count(name) != 0; };
+  selection.rename = peft_adapter_key;
+  checkpoint::save_model(engine(), *s.comm, out_dir, options, selection);
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {

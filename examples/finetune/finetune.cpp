@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -24,6 +25,7 @@
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
+#include "shardtrain/lora.h"
 #include "shardtrain/models/generation.h"
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/instruction_data.h"
@@ -59,6 +61,30 @@ struct ModelSpec {
   models::LlamaConfig config;
   std::string config_json;
 };
+
+/// The run's LoRA config, when it trains one: --lora-adapter's own config,
+/// else --lora-config's, else PEFT's defaults, with the --lora-* flags on top.
+std::optional<shardtrain::LoraConfig> lora_config_of(const FinetuneOptions& options) {
+  const bool flags = options.lora_r || options.lora_alpha || options.lora_dropout || !options.lora_target_modules.empty();
+  if (!flags && options.lora_config.empty() && options.lora_adapter.empty()) return std::nullopt;
+  ST_CHECK_T(shardtrain::ConfigError, options.lora_adapter.empty() || (!flags && options.lora_config.empty()),
+             "--lora-adapter brings its own adapter_config.json; leave out --lora-config and the --lora-* flags");
+  if (!options.lora_adapter.empty()) {
+    return shardtrain::LoraConfig::from_peft_json_file(options.lora_adapter + "/adapter_config.json");
+  }
+  shardtrain::LoraConfig config;
+  if (!options.lora_config.empty()) config = shardtrain::LoraConfig::from_peft_json_file(options.lora_config);
+  if (options.lora_r) config.r = *options.lora_r;
+  if (options.lora_alpha) config.lora_alpha = *options.lora_alpha;
+  if (options.lora_dropout) config.lora_dropout = *options.lora_dropout;
+  if (!options.lora_target_modules.empty()) {
+    config.target_modules = options.lora_target_modules;
+    config.target_modules_regex.clear();
+  }
+  config.base_model_name_or_path = options.model_dir;
+  config.validate();
+  return config;
+}
 
 ModelSpec model_spec(const FinetuneOptions& options) {
   const std::string path = options.model_dir.empty() ? options.model_config : options.model_dir + "/config.json";
@@ -400,6 +426,24 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   if (checkpointing == "selective") model->set_activation_checkpointing(models::ActivationCheckpointing::kSelective);
   int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();
+  const std::optional<shardtrain::LoraConfig> lora = lora_config_of(options);
+  if (lora) {
+    shardtrain::LoraSummary adapters;
+    if (!options.lora_adapter.empty()) {
+      shardtrain::load_lora_adapter(*model, options.lora_adapter, &adapters);
+    } else {
+      adapters = shardtrain::apply_lora(*model, *lora);
+    }
+    if (verbose) {
+      std::cout << "LoRA r " << lora->r << ", alpha " << lora->lora_alpha << " on " << adapters.adapted_modules.size()
+                << " layers: " << adapters.describe() << std::endl;
+    }
+  }
+  int64_t trainable_params = 0, all_params = 0;  // with the adapters
+  for (const auto& p : model->parameters()) {
+    all_params += p.numel();
+    if (p.requires_grad()) trainable_params += p.numel();
+  }
 
   shardtrain::OptimizerOptions optimizer;
   optimizer.lr = options.lr;
@@ -427,6 +471,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   shardtrain::DistributedSampler& sampler = accelerator.prepare_sampler(train.rows.num_rows(), options.seed);
 
   FinetuneSummary summary;
+  summary.total_parameters = all_params;
+  summary.trainable_parameters = trainable_params;
   summary.plan = accelerator.precision_plan();
   const fs::path output(options.output_dir);
   const std::string checkpoint_dir = (output / "checkpoints").string();
@@ -598,7 +644,12 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     // The last save is the run's result: losing it fails the job (after the export below).
     if (summary.checkpoint_dir.empty()) summary.ok = false;
   }
-  if (!options.no_export) {
+  if (lora) {
+    summary.adapter_dir = (output / "adapter").string();
+    accelerator.save_lora_adapter(summary.adapter_dir, *lora);
+  }
+  // A LoRA run exports its merged model only when asked (--merge-lora): the adapter is its result.
+  if (!options.no_export && (!lora || options.merge_lora)) {
     summary.export_dir = (output / "hf").string();
     accelerator.save_model(summary.export_dir, "auto");
     if (main_process) {
@@ -644,6 +695,11 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     const std::string last = summary.losses.empty() ? "n/a" : number(summary.losses.back());
     table.add("model", mc.model_type + ", " + std::to_string(num_params) + " parameters" +
                            (options.model_dir.empty() ? " (random init)" : " from " + options.model_dir));
+    if (lora) {
+      table.add("trainable parameters", std::to_string(summary.trainable_parameters) + " of " +
+                                           std::to_string(summary.total_parameters) + " (LoRA r " +
+                                           std::to_string(lora->r) + ")");
+    }
     table.add("engine", summary.plan.engine + ", " + std::to_string(world) + " ranks on " + device.str() + " (" +
                             shardtrain::device_name(device) + "), compute " + summary.plan.compute_dtype);
     table.add("steps", std::to_string(summary.first_step) + " -> " + std::to_string(options.max_steps));
@@ -662,6 +718,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     table.add("peak memory (RSS)", per_rank(rss));
     if (device.is_cuda()) table.add("peak GPU memory (allocated)", per_rank(device_peak));
     if (!summary.checkpoint_dir.empty()) table.add("checkpoint", summary.checkpoint_dir);
+    if (!summary.adapter_dir.empty()) table.add("LoRA adapter (PEFT)", summary.adapter_dir);
     if (!summary.export_dir.empty()) table.add("exported model", summary.export_dir);
     std::cout << table.render("fine-tune summary");
     if (!summary.eval_after.examples.empty()) {

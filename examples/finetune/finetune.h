@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,18 @@ struct FinetuneOptions {
   std::string device = "auto";
   int64_t throughput_skip_steps = 0;  ///< warm-up steps left out of tokens/s and MFU  ///< cpu | cuda | cuda:N | auto (cuda:LOCAL_RANK when a GPU is visible)
   bool no_export = false;
+  /// LoRA (shardtrain/lora.h): on when lora_r is given, or lora_config or
+  /// lora_adapter. The flags override lora_config's fields; unset ones take
+  /// PEFT's defaults (r 8, alpha 8, dropout 0, q_proj and v_proj).
+  std::optional<int64_t> lora_r;
+  std::optional<double> lora_alpha;
+  std::optional<double> lora_dropout;
+  std::vector<std::string> lora_target_modules;
+  std::string lora_config;   ///< a PEFT adapter_config.json
+  std::string lora_adapter;  ///< a PEFT adapter directory to train further (its config and values)
+  /// With LoRA: also export OUTPUT/hf, a full model with the adapters folded
+  /// in (the adapter itself always goes to OUTPUT/adapter).
+  bool merge_lora = false;
   bool no_save = false;  ///< no checkpoint at the end (benchmarks)
   bool no_progress = false;
   bool quiet = false;  ///< tests, benchmarks: no progress bar, no plan, no summary
@@ -96,6 +109,8 @@ struct FinetuneSummary {
   double peak_flops = 0;               ///< per rank, what MFU is measured against
   std::string peak_source;             ///< where peak_flops came from
   std::string checkpoint_dir, export_dir;
+  std::string adapter_dir;              ///< the PEFT adapter saved at the end ("" without LoRA)
+  int64_t trainable_parameters = 0, total_parameters = 0;
   std::string metrics_file;  ///< the per-step JSONL rank 0 wrote ("" when none)
   shardtrain::PrecisionPlan plan;
 };

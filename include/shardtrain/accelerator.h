@@ -35,6 +35,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/config.h"
+#include "shardtrain/lora.h"
 #include "shardtrain/step_report.h"
 #include "shardtrain/data.h"
 #include "shardtrain/precision_plan.h"
@@ -250,8 +251,16 @@ class Accelerator {
   /// the whole model and nothing but the export is written to disk (no
   /// optimizer state). A failure (a full disk) throws CheckpointSaveError on
   /// every rank and leaves no partial export. Collective.
+  /// A model with LoRA adapters (lora.h) is exported merged, as PEFT's
+  /// merge_and_unload: each adapted weight is W + scaling * B @ A and no
+  /// adapter tensor is written, so transformers loads it as a plain model.
   void save_model(const std::string& out_dir, const std::string& dtype = "auto",
                   uint64_t max_shard_bytes = 5000000000ULL, const std::string& config_json = "");
+  /// Writes the LoRA adapter as PEFT saves one: adapter_model.safetensors
+  /// (the trainable parameters, fp32, under PEFT's keys) and
+  /// adapter_config.json from `config`, through the same crash-safe path as
+  /// save_model (a temporary directory published whole). Collective.
+  void save_lora_adapter(const std::string& out_dir, const LoraConfig& config);
   /// Integers stored with the checkpoint for the training loop (data position, epoch, ...).
   std::map<std::string, int64_t>& checkpoint_extras();
 

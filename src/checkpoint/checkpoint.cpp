@@ -27,6 +27,7 @@
 
 #include "comm/text_exchange.h"
 #include "shardtrain/error.h"
+#include "shardtrain/lora.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/safetensors.h"
 
@@ -303,8 +304,56 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
   return final_dir.string();
 }
 
+namespace {
+
+/// "PATH" of "PATH.lora_A.weight" / "PATH.lora_B.weight" / "PATH.weight" when
+/// PATH is a layer being merged; which of the three it is in `part`.
+std::optional<std::string> merged_layer_of(const ExportSelection& selection, const std::string& name, int& part) {
+  static const std::string kSuffixes[3] = {".weight", ".lora_A.weight", ".lora_B.weight"};
+  for (int i = 2; i >= 0; --i) {  // the longer suffixes first: "x.lora_A.weight" also ends in ".weight"
+    const std::string& suffix = kSuffixes[i];
+    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string path = name.substr(0, name.size() - suffix.size());
+    if (selection.merge_lora.count(path)) {
+      part = i;
+      return path;
+    }
+  }
+  return std::nullopt;
+}
+
+/// A LoRA layer's three tensors until the last of them arrives.
+struct PendingMerge {
+  at::Tensor parts[3];
+  int seen = 0;
+};
+
+}  // namespace
+
 void save_model(engine::Engine& engine, comm::Communicator& comm, const std::string& out_dir,
-                const ExportOptions& options) {
+                const ExportOptions& options, const ExportSelection& selection) {
+  // The file's tensors in the order they are completed while visiting: a
+  // merged weight when the last of its three parts (weight, lora_A, lora_B)
+  // has been visited, which every rank computes alike from parameter_shapes.
+  std::vector<ExportTensor> planned;
+  {
+    std::map<std::string, int> parts_seen;
+    std::map<std::string, std::vector<int64_t>> base_shape;
+    for (auto& [name, shape] : engine.parameter_shapes()) {
+      int part = 0;
+      if (auto layer = merged_layer_of(selection, name, part)) {
+        if (part == 0) base_shape[*layer] = shape;
+        if (++parts_seen[*layer] == 3) planned.push_back({*layer + ".weight", base_shape.at(*layer)});
+        continue;
+      }
+      if (selection.include && !selection.include(name)) continue;
+      planned.push_back({selection.rename ? selection.rename(name) : name, shape});
+    }
+    for (const auto& [layer, scaling] : selection.merge_lora) {
+      ST_CHECK(parts_seen[layer] == 3, "save_model: the LoRA layer ", layer,
+               " to merge does not have its weight, lora_A and lora_B among the model's parameters");
+    }
+  }
   std::unique_ptr<HfWeightsWriter> writer;
   std::string failure;  // rank 0's first error; it keeps gathering so no rank waits for it
   auto attempt = [&](const std::function<void()>& body) {
@@ -317,15 +366,23 @@ void save_model(engine::Engine& engine, comm::Communicator& comm, const std::str
     }
   };
   const bool writes = comm.rank() == 0;
-  if (writes) {
-    attempt([&] {
-      std::vector<ExportTensor> tensors;
-      for (auto& [name, shape] : engine.parameter_shapes()) tensors.push_back({name, shape});
-      writer = std::make_unique<HfWeightsWriter>(std::move(tensors), out_dir, options);
-    });
-  }
+  if (writes) attempt([&] { writer = std::make_unique<HfWeightsWriter>(planned, out_dir, options); });
+  std::map<std::string, PendingMerge> pending;
   engine.visit_full_parameters([&](const std::string& name, const at::Tensor& value) {
-    if (writer) attempt([&] { writer->write(name, value); });
+    if (!writer) return;
+    int part = 0;
+    if (auto layer = merged_layer_of(selection, name, part)) {
+      PendingMerge& merge = pending[*layer];
+      merge.parts[part] = value.clone();  // the visitor's tensor is reused for the next parameter
+      if (++merge.seen < 3) return;
+      const at::Tensor merged =
+          merged_lora_weight(merge.parts[0], merge.parts[1], merge.parts[2], selection.merge_lora.at(*layer));
+      pending.erase(*layer);
+      attempt([&] { writer->write(*layer + ".weight", merged); });
+      return;
+    }
+    if (selection.include && !selection.include(name)) return;
+    attempt([&] { writer->write(selection.rename ? selection.rename(name) : name, value); });
   });
   if (auto failed = agree_on_failure(comm, writes, [&] {
         if (!failure.empty()) throw Error(failure);

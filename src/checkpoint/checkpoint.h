@@ -6,6 +6,8 @@
 // is replaced: a process killed at any moment leaves the previous checkpoint
 // complete and `latest` naming a complete one.
 
+#include <functional>
+#include <map>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -40,8 +42,22 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
 /// needs only its own size on disk. A failure on rank 0 (a full disk) fails
 /// every rank together with CheckpointSaveError naming it, after every rank
 /// has finished the gathers; the partial export is removed.
+///
+/// `selection` picks and renames what is written, and folds LoRA adapters:
+/// a PEFT adapter is the trainable parameters under PEFT's keys, a merged
+/// export every base weight with its adapter folded in and no adapter tensors.
+struct ExportSelection {
+  /// Parameters written; unset: all.
+  std::function<bool(const std::string&)> include;
+  /// The name a parameter gets in the file; unset: its own.
+  std::function<std::string(const std::string&)> rename;
+  /// LoRA layers to merge, path -> scaling: PATH.weight is written as
+  /// PATH.weight + scaling * PATH.lora_B.weight @ PATH.lora_A.weight, and
+  /// PATH.lora_A/B.weight are left out.
+  std::map<std::string, double> merge_lora;
+};
 void save_model(engine::Engine& engine, comm::Communicator& comm, const std::string& out_dir,
-                const ExportOptions& options);
+                const ExportOptions& options, const ExportSelection& selection = {});
 
 /// Collective. Verifies every file (size, CRC-32) and that the checkpoint
 /// holds exactly the model's parameters with their shapes, loads every slice

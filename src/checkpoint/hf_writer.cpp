@@ -186,10 +186,10 @@ HfWeightsWriter::HfWeightsWriter(std::vector<ExportTensor> tensors, const std::s
   const std::size_t count = shards_.size();
   for (std::size_t i = 0; i < count; ++i) {
     if (count == 1) {
-      shards_[i].file = "model.safetensors";
+      shards_[i].file = options.weights_stem + ".safetensors";
     } else {
       std::ostringstream name;
-      name << "model-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5) << std::setfill('0')
+      name << options.weights_stem << "-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5) << std::setfill('0')
            << count << ".safetensors";
       shards_[i].file = name.str();
     }
@@ -255,8 +255,9 @@ void HfWeightsWriter::finish() {
         for (std::size_t i : shard.tensors) weight_map[tensors_[i].name] = shard.file;
       }
       const json shard_index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-      write_text_file(tmp_ / "model.safetensors.index.json", shard_index.dump(2) + "\n");
+      write_text_file(tmp_ / (options_.weights_stem + ".safetensors.index.json"), shard_index.dump(2) + "\n");
     }
+    for (const auto& [name, text] : options_.text_files) write_text_file(tmp_ / name, text);
     if (!options_.config_json_path.empty()) {
       fs::copy_file(options_.config_json_path, tmp_ / "config.json", fs::copy_options::overwrite_existing);
     }

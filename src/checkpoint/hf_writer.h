@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +26,12 @@ struct ExportOptions {
   uint64_t max_shard_bytes = 5000000000ULL;
   /// When non-empty, this JSON file is copied to OUT/config.json.
   std::string config_json_path;
+  /// The weight files' name: STEM.safetensors, or STEM-0000i-of-0000N.safetensors
+  /// with STEM.safetensors.index.json ("adapter_model" for a PEFT adapter).
+  std::string weights_stem = "model";
+  /// Further files written beside the weights, name and text (a PEFT
+  /// adapter's adapter_config.json), published with them.
+  std::vector<std::pair<std::string, std::string>> text_files;
 };
 
 /// One tensor of an export, in the order it will be written.

@@ -17,6 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "finetune/finetune.h"
+#include "shardtrain/lora.h"
+#include "shardtrain/safetensors.h"
 #include "shardtrain/models/llama.h"
 #include "support/multirank.h"
 
@@ -184,6 +186,118 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
       std::chrono::seconds(120));
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find(','), std::string::npos) << result.output;
+  fs::remove_all(dir);
+}
+
+TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapterLoadsBack) {
+  const fs::path dir = scratch("lora");
+  // A short full fine-tune gives the base (its export), as the README's LoRA command starts from the main job's.
+  run_on_ranks(
+      2,
+      [](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/base");
+        o.max_steps = 4;
+        o.eval_data.clear();
+        o.no_save = true;
+        finetune::run_finetune(o);
+      },
+      with_env({{"FT_DIR", dir.string()}}));
+  auto lora_options = [](RankContext& ctx, const std::string& dir, const std::string& out, const std::string& config) {
+    finetune::FinetuneOptions o = bundled_options(ctx, config, dir + "/" + out);
+    o.model_dir = dir + "/base/hf";
+    o.model_config.clear();
+    o.tokenizer.clear();
+    o.lora_r = 4;
+    o.lora_alpha = 8;
+    o.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    o.max_steps = 6;
+    return o;
+  };
+  // LoRA, saving at step 3; then resumed from step 3 under FSDP (the same arithmetic).
+  run_on_ranks(
+      2,
+      [&lora_options](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = lora_options(ctx, dir, "lora", "configs/zero3_bf16.json");
+        o.save_every = 3;
+        o.merge_lora = true;
+        const finetune::FinetuneSummary s = finetune::run_finetune(o);
+        if (ctx.rank() != 0) return;
+        write_losses(dir + "/lora.txt", s.losses);
+        std::ofstream facts(dir + "/lora_facts.txt");
+        facts.precision(17);
+        facts << s.trainable_parameters << " " << s.total_parameters << " " << s.eval_after.loss << " "
+              << s.adapter_dir << " " << s.export_dir;
+      },
+      with_env({{"FT_DIR", dir.string()}}));
+  run_on_ranks(
+      2,
+      [&lora_options](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = lora_options(ctx, dir, "lora_resumed", "configs/zero3_bf16.json");
+        o.resume = dir + "/lora/checkpoints/step_3";
+        o.no_export = true;
+        const finetune::FinetuneSummary s = finetune::run_finetune(o);
+        if (ctx.rank() == 0) write_losses(dir + "/lora_resumed.txt", s.losses);
+      },
+      with_env({{"FT_DIR", dir.string()}}));
+  // The saved PEFT adapter, trained further (--lora-adapter): its first eval is where the first run ended.
+  run_on_ranks(
+      2,
+      [](RankContext& ctx) {
+        const std::string dir = std::getenv("FT_DIR");
+        finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/lora_again");
+        o.model_dir = dir + "/base/hf";
+        o.model_config.clear();
+        o.tokenizer.clear();
+        o.lora_adapter = dir + "/lora/adapter";
+        o.max_steps = 1;
+        o.no_save = true;
+        const finetune::FinetuneSummary s = finetune::run_finetune(o);
+        if (ctx.rank() == 0) write_losses(dir + "/lora_again.txt", {s.eval_before.loss});
+      },
+      with_env({{"FT_DIR", dir.string()}}));
+
+  int64_t trainable = 0, total = 0;
+  double eval_after = 0;
+  std::string adapter_dir, export_dir;
+  std::ifstream(dir / "lora_facts.txt") >> trainable >> total >> eval_after >> adapter_dir >> export_dir;
+  const auto config = shardtrain::models::LlamaConfig::from_json_file(kBundled + "/config.json");
+  const int64_t H = config.hidden_size, d = config.resolved_head_dim();
+  const int64_t q_out = config.num_attention_heads * d, kv_out = config.num_key_value_heads * d;
+  // Per layer: A is r x in and B is out x r for q, k, v (in H) and o (in q_out, out H).
+  const int64_t per_layer = 4 * (H + q_out) + 2 * 4 * (H + kv_out) + 4 * (q_out + H);
+  EXPECT_EQ(trainable, config.num_hidden_layers * per_layer);
+  EXPECT_GT(total, 20 * trainable);
+  ASSERT_TRUE(fs::exists(fs::path(adapter_dir) / "adapter_model.safetensors"));
+  const auto adapter_config = shardtrain::LoraConfig::from_peft_json_file(adapter_dir + "/adapter_config.json");
+  EXPECT_EQ(adapter_config.r, 4);
+  EXPECT_EQ(adapter_config.targets(), (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
+  // --merge-lora: a plain model, no adapter tensors.
+  shardtrain::models::LlamaForCausalLM merged(
+      shardtrain::models::LlamaConfig::from_json_file(export_dir + "/config.json"));
+  shardtrain::models::load_hf_weights(merged, export_dir);
+  for (const auto& name : shardtrain::safetensors::Reader(export_dir + "/model.safetensors").names()) {
+    EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
+  }
+
+  const std::vector<double> straight = read_losses(dir / "lora.txt");
+  const std::vector<double> resumed = read_losses(dir / "lora_resumed.txt");
+  ASSERT_EQ(straight.size(), 6u);
+  ASSERT_EQ(resumed.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[i], straight[3 + i]) << "step " << 4 + i;
+  const std::vector<double> again = read_losses(dir / "lora_again.txt");
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0], eval_after) << "the reloaded adapter's eval loss vs the end of its training";
+
+  // `generate` applies the adapter to the base.
+  const auto result = shardtrain::testing::run_command(
+      std::string(SHARDTRAIN_BIN_DIR) + "/generate --model-dir " + (dir / "base/hf").string() + " --lora-adapter " +
+          adapter_dir + " --prompt 'reverse: 1 2 3' --chat-format llama2 --max-new-tokens 5 --print-ids 2>&1",
+      std::chrono::seconds(120));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("LoRA adapter"), std::string::npos) << result.output;
   fs::remove_all(dir);
 }
 

@@ -38,6 +38,24 @@ inline TrainingConfig zero_test_config(int stage, MixedPrecision precision, int6
   return config;
 }
 
+/// fp32 ZeRO-3 (zero_test_config) or FSDP FULL_SHARD wrapping each Llama
+/// decoder layer: the two engines the peer tests hold against PyTorch and PEFT.
+inline TrainingConfig fp32_llama_engine_config(bool fsdp) {
+  TrainingConfig config;
+  if (fsdp) {
+    config.distributed_type = DistributedType::kFsdp;
+    config.fsdp.sharding_strategy = ShardingStrategy::kFullShard;
+    config.fsdp.auto_wrap_policy = AutoWrapPolicy::kTransformerBased;
+    config.fsdp.transformer_layer_cls_to_wrap = {"LlamaDecoderLayer"};
+  } else {
+    config = zero_test_config(3, MixedPrecision::kNo);
+  }
+  config.mixed_precision = MixedPrecision::kNo;
+  config.optimizer.specified = true;
+  config.steps_per_print = 1000;
+  return config;
+}
+
 /// An Accelerator on the harness's communicator.
 inline std::unique_ptr<Accelerator> accelerator_for(const TrainingConfig& config, RankContext& ctx) {
   AcceleratorOptions options;

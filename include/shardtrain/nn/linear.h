@@ -51,10 +51,24 @@ const CpuLowPrecisionGemm& cpu_low_precision_gemm();
 /// torch::nn::Linear with its forward through shardtrain::nn::linear. Same
 /// options, parameter names ("weight", "bias") and initialisation, so it
 /// replaces torch::nn::Linear one for one (state dicts and checkpoints included).
+///
+/// With a LoRA adapter (shardtrain/lora.h, apply_lora) the forward is PEFT's
+/// LoRA layer: result = linear(x) + scaling * lora_B(lora_A(dropout(x))),
+/// x cast to the adapter's dtype and the sum cast back to the result's.
 class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input);
+
+  /// Gives this layer a rank-`r` adapter, initialised as PEFT's default
+  /// (lora_A Kaiming-uniform with a = sqrt(5), lora_B zero), in fp32.
+  void add_lora(int64_t r, double scaling, double dropout);
+  bool has_lora() const { return !lora_A.is_empty(); }
+  /// Set by add_lora; registered as submodules "lora_A" and "lora_B", so the
+  /// parameters are named as PEFT names them ("q_proj.lora_A.weight").
+  torch::nn::Linear lora_A{nullptr}, lora_B{nullptr};
+  double lora_scaling = 0.0;
+  double lora_dropout = 0.0;
 };
 TORCH_MODULE(Linear);
 

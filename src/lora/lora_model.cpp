@@ -1,0 +1,204 @@
+// Applying LoRA to a model (PEFT's get_peft_model) and loading a PEFT
+// adapter into one (PeftModel.from_pretrained), before prepare().
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "shardtrain/error.h"
+#include "shardtrain/lora.h"
+#include "shardtrain/nn/linear.h"
+#include "shardtrain/safetensors.h"
+
+namespace shardtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// PEFT's rule for a name in target_modules or modules_to_save: the whole
+/// path, or its tail after a dot ("q_proj" matches "model.layers.0.self_attn.q_proj").
+bool names_module(const std::string& path, const std::string& name) {
+  return path == name ||
+         (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
+          path[path.size() - name.size() - 1] == '.');
+}
+
+/// PEFT's "all-linear" leaves out the output layer.
+bool is_output_layer(const std::string& path) { return names_module(path, "lm_head"); }
+
+std::string join(const std::vector<std::string>& items, std::size_t at_most) {
+  std::ostringstream out;
+  for (std::size_t i = 0; i < items.size() && i < at_most; ++i) out << (i ? ", " : "") << items[i];
+  if (items.size() > at_most) out << ", ... (" << items.size() << " in all)";
+  return out.str();
+}
+
+/// The last component of each path, once each: "q_proj, k_proj, ..., lm_head".
+std::vector<std::string> distinct_leaf_names(const std::vector<std::string>& paths) {
+  std::vector<std::string> names;
+  for (const auto& path : paths) {
+    const std::string leaf = path.substr(path.rfind('.') + 1);
+    if (std::find(names.begin(), names.end(), leaf) == names.end()) names.push_back(leaf);
+  }
+  return names;
+}
+
+std::string with_thousands(int64_t n) {
+  std::string digits = std::to_string(n);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<std::size_t>(i), ",");
+  return digits;
+}
+
+}  // namespace
+
+std::string peft_adapter_key(const std::string& parameter_name) { return "base_model.model." + parameter_name; }
+
+std::string LoraSummary::describe() const {
+  std::ostringstream out;
+  out << "trainable params: " << with_thousands(trainable_parameters)
+      << " || all params: " << with_thousands(total_parameters) << " || trainable%: "
+      << (total_parameters > 0 ? 100.0 * static_cast<double>(trainable_parameters) / static_cast<double>(total_parameters)
+                               : 0.0);
+  return out.str();
+}
+
+at::Tensor merged_lora_weight(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                              double scaling) {
+  ST_CHECK(lora_A.dim() == 2 && lora_B.dim() == 2 && lora_B.size(1) == lora_A.size(0) &&
+               weight.size(0) == lora_B.size(0) && weight.size(1) == lora_A.size(1),
+           "merging LoRA: weight ", weight.sizes(), " does not fit lora_B ", lora_B.sizes(), " @ lora_A ",
+           lora_A.sizes());
+  return weight.to(at::kFloat) + at::matmul(lora_B.to(at::kFloat), lora_A.to(at::kFloat)) * scaling;
+}
+
+LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
+  config.validate();
+  std::vector<std::pair<std::string, nn::LinearImpl*>> linears;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get())) {
+      ST_CHECK_T(ConfigError, !linear->has_lora(), "the model already has LoRA adapters (", item.key(),
+                 "); apply_lora or load_lora_adapter once per model");
+      linears.emplace_back(item.key(), linear);
+    }
+  }
+  std::vector<std::string> linear_paths;
+  for (const auto& [path, linear] : linears) linear_paths.push_back(path);
+  ST_CHECK_T(ConfigError, !linears.empty(), "apply_lora: the model has no shardtrain::nn::Linear layer to adapt");
+
+  const std::vector<std::string> targets = config.targets();
+  const bool all_linear = config.target_modules_regex.empty() && targets.size() == 1 && targets[0] == "all-linear";
+  std::regex pattern;
+  if (!config.target_modules_regex.empty()) {
+    try {
+      pattern = std::regex(config.target_modules_regex);
+    } catch (const std::regex_error& e) {
+      ST_THROW(ConfigError, "LoRA target_modules '", config.target_modules_regex, "' is not a valid regular expression (",
+               e.what(), ")");
+    }
+  }
+  std::map<std::string, int> matches;
+  for (const auto& name : targets) matches[name] = 0;
+  std::vector<nn::LinearImpl*> adapted;
+  LoraSummary summary;
+  for (const auto& [path, linear] : linears) {
+    bool chosen = false;
+    if (!config.target_modules_regex.empty()) {
+      chosen = std::regex_match(path, pattern);
+    } else if (all_linear) {
+      chosen = !is_output_layer(path);
+    } else {
+      for (const auto& name : targets) {
+        if (names_module(path, name)) {
+          ++matches[name];
+          chosen = true;
+        }
+      }
+    }
+    if (chosen) {
+      adapted.push_back(linear);
+      summary.adapted_modules.push_back(path);
+    }
+  }
+  if (!config.target_modules_regex.empty()) {
+    ST_CHECK_T(ConfigError, !adapted.empty(), "LoRA target_modules '", config.target_modules_regex,
+               "' matches no Linear layer of the model; its layers are ", join(linear_paths, 8));
+  } else if (!all_linear) {
+    for (const auto& [name, count] : matches) {
+      ST_CHECK_T(ConfigError, count > 0, "LoRA target module '", name, "' matches no Linear layer of the model; "
+                 "the names there are ", join(distinct_leaf_names(linear_paths), 16));
+    }
+  }
+
+  // Freeze everything, then let the adapters (and what the config asks for) train.
+  for (auto& p : model.parameters()) p.set_requires_grad(false);
+  for (nn::LinearImpl* linear : adapted) {
+    linear->add_lora(config.r, config.scaling(), config.lora_dropout);
+    if (config.bias == "lora_only" && linear->bias.defined()) linear->bias.set_requires_grad(true);
+  }
+  if (config.bias == "all") {
+    for (auto& item : model.named_parameters()) {
+      const std::string& name = item.key();
+      if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) item.value().set_requires_grad(true);
+    }
+  }
+  for (const auto& name : config.modules_to_save) {
+    bool found = false;
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (!names_module(item.key(), name)) continue;
+      found = true;
+      for (auto& p : item.value()->parameters()) p.set_requires_grad(true);
+    }
+    ST_CHECK_T(ConfigError, found, "LoRA modules_to_save names '", name, "', which matches no module of the model");
+  }
+  for (const auto& p : model.parameters()) {
+    summary.total_parameters += p.numel();
+    if (p.requires_grad()) summary.trainable_parameters += p.numel();
+  }
+  return summary;
+}
+
+LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, LoraSummary* summary_out) {
+  const fs::path config_path = fs::path(dir) / "adapter_config.json";
+  const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
+  ST_CHECK_T(ConfigError, fs::is_regular_file(config_path), "no PEFT adapter in ", dir, ": ",
+             config_path.filename().string(), " is missing (a PEFT adapter directory holds adapter_config.json and "
+             "adapter_model.safetensors)");
+  ST_CHECK_T(ConfigError, fs::is_regular_file(weights_path), "the PEFT adapter in ", dir,
+             " has no adapter_model.safetensors (adapter_model.bin, PyTorch's pickle, is not read: convert it with "
+             "PEFT's save_pretrained(safe_serialization=True))");
+  const LoraConfig config = LoraConfig::from_peft_json_file(config_path.string());
+  const LoraSummary summary = apply_lora(model, config);
+  const safetensors::Reader reader(weights_path.string());
+  std::set<std::string> unused;
+  for (const auto& key : reader.names()) unused.insert(key);
+  at::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad()) continue;  // the base: the model's own weights
+    const std::string key = peft_adapter_key(item.key());
+    ST_CHECK_T(ConfigError, reader.contains(key), "the PEFT adapter in ", dir, " has no tensor ", key,
+               ", which this model's LoRA layers need: the adapter was trained with another config or for another "
+               "model");
+    const at::Tensor value = reader.read(key);
+    ST_CHECK_T(ConfigError, value.sizes() == item.value().sizes(), "the PEFT adapter in ", dir, " has ", key, " of shape ",
+               value.sizes(), " but this model's is ", item.value().sizes(),
+               ": the adapter was trained for a base model of another size");
+    item.value().copy_(value);
+    unused.erase(key);
+  }
+  if (!unused.empty()) {
+    std::vector<std::string> names(unused.begin(), unused.end());
+    ST_THROW(ConfigError, "the PEFT adapter in ", dir, " has tensors this model has no place for: ", join(names, 4),
+             "; its base model has other module names (another architecture?)");
+  }
+  if (summary_out) *summary_out = summary;
+  return config;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,282 @@
+// LoRA with PEFT's semantics (shardtrain/lora.h) in one process: the
+// adapter_config.json reader (PEFT's own output, refusals by name), which
+// layers get adapters and what freezes, the forward formula, and the bad
+// input the issue names (a target that matches nothing, r <= 0, an adapter
+// for another base).
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "shardtrain/error.h"
+#include "shardtrain/lora.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/nn/linear.h"
+#include "shardtrain/safetensors.h"
+#include "support/llama_golden.h"
+#include "support/scratch_dir.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using shardtrain::ConfigError;
+using shardtrain::LoraConfig;
+using shardtrain::models::LlamaForCausalLM;
+
+/// What PEFT 0.21.2's save_pretrained wrote for LoraConfig(r=4, lora_alpha=8,
+/// target_modules=["q_proj","v_proj"], modules_to_save=["lm_head"],
+/// bias="lora_only"), field for field.
+const char* const kPeftWritten = R"({"alora_invocation_tokens": null, "alpha_pattern": {}, "arrow_config": null,
+ "auto_mapping": {"base_model_class": "LlamaForCausalLM", "parent_library": "transformers.models.llama.modeling_llama"},
+ "base_model_name_or_path": null, "bias": "lora_only", "corda_config": null, "ensure_weight_tying": false,
+ "eva_config": null, "exclude_modules": null, "fan_in_fan_out": false, "inference_mode": true,
+ "init_lora_weights": true, "kasa_config": null, "layer_replication": null, "layers_pattern": null,
+ "layers_to_transform": null, "loftq_config": {}, "lora_alpha": 8, "lora_bias": false, "lora_dropout": 0.0,
+ "lora_ga_config": null, "megatron_config": null, "megatron_core": "megatron.core", "modules_to_save": ["lm_head"],
+ "monteclora_config": null, "peft_type": "LORA", "peft_version": "0.21.2", "qalora_group_size": 16, "r": 4,
+ "rank_pattern": {}, "revision": null, "target_modules": ["v_proj", "q_proj"], "target_parameters": null,
+ "task_type": null, "trainable_token_indices": null, "use_bdlora": null, "use_dora": false, "use_qalora": false,
+ "use_rslora": false, "velora_config": null})";
+
+/// kPeftWritten with one field replaced.
+std::string with_field(const std::string& key, const std::string& value) {
+  std::string text = kPeftWritten;
+  const std::string marker = "\"" + key + "\": ";
+  const std::size_t at = text.find(marker);
+  EXPECT_NE(at, std::string::npos) << key;
+  const std::size_t start = at + marker.size();
+  std::size_t end = start;
+  int depth = 0;
+  while (end < text.size() && !(depth == 0 && (text[end] == ',' || text[end] == '}'))) {
+    if (text[end] == '{' || text[end] == '[') ++depth;
+    if (text[end] == '}' || text[end] == ']') --depth;
+    ++end;
+  }
+  return text.replace(start, end - start, value);
+}
+
+std::string refusal_of(const std::string& text) {
+  try {
+    LoraConfig::from_peft_json(text, "adapter_config.json");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+LlamaForCausalLM golden_llama() { return shardtrain::testing::load_golden_case("llama"); }
+
+LoraConfig attention_lora() {
+  LoraConfig config;
+  config.r = 4;
+  config.lora_alpha = 8;
+  config.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  return config;
+}
+
+TEST(UnitLora, ReadsWhatPeftWritesAndWritesWhatItReads) {
+  const LoraConfig config = LoraConfig::from_peft_json(kPeftWritten);
+  EXPECT_EQ(config.r, 4);
+  EXPECT_DOUBLE_EQ(config.lora_alpha, 8.0);
+  EXPECT_DOUBLE_EQ(config.scaling(), 2.0);
+  EXPECT_EQ(config.target_modules, (std::vector<std::string>{"v_proj", "q_proj"}));
+  EXPECT_EQ(config.bias, "lora_only");
+  EXPECT_EQ(config.modules_to_save, (std::vector<std::string>{"lm_head"}));
+  EXPECT_FALSE(config.use_rslora);
+  const LoraConfig again = LoraConfig::from_peft_json(config.to_peft_json());
+  EXPECT_EQ(again.r, config.r);
+  EXPECT_EQ(again.target_modules, config.target_modules);
+  EXPECT_EQ(again.modules_to_save, config.modules_to_save);
+  EXPECT_EQ(again.bias, config.bias);
+  // PEFT's "all-linear" string and a regular expression.
+  EXPECT_EQ(LoraConfig::from_peft_json(with_field("target_modules", "\"all-linear\"")).target_modules,
+            (std::vector<std::string>{"all-linear"}));
+  EXPECT_EQ(LoraConfig::from_peft_json(with_field("target_modules", "\".*\\\\.(q|v)_proj\"")).target_modules_regex,
+            ".*\\.(q|v)_proj");
+  // rsLoRA: alpha / sqrt(r).
+  EXPECT_DOUBLE_EQ(LoraConfig::from_peft_json(with_field("use_rslora", "true")).scaling(), 8.0 / 2.0);
+  // No target_modules at all: PEFT's default for Llama and Mistral.
+  EXPECT_EQ(LoraConfig::from_peft_json(with_field("target_modules", "null")).targets(),
+            (std::vector<std::string>{"q_proj", "v_proj"}));
+}
+
+TEST(UnitLora, OptionsShardtrainDoesNotImplementAreRefusedByName) {
+  for (const auto& [key, value, named] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"use_dora", "true", "DoRA"},
+           {"loftq_config", "{\"loftq_bits\": 4}", "LoftQ"},
+           {"rank_pattern", "{\"q_proj\": 16}", "per-module ranks"},
+           {"init_lora_weights", "\"pissa\"", "init_lora_weights \"pissa\" is not implemented"},
+           {"layers_to_transform", "[0]", "only some layers"},
+           {"kasa_config", "{\"x\": 1}", "a PEFT option shardtrain does not know"},
+       }) {
+    const std::string refusal = refusal_of(with_field(key, value));
+    EXPECT_NE(refusal.find(key), std::string::npos) << key << ": " << refusal;
+    EXPECT_NE(refusal.find(named), std::string::npos) << key << ": " << refusal;
+  }
+  // A field PEFT may add later, left at an inactive value, changes nothing.
+  std::string future = kPeftWritten;
+  future.insert(1, "\"some_future_option\": null, ");
+  EXPECT_EQ(refusal_of(future), "accepted");
+  EXPECT_NE(refusal_of(with_field("r", "0")).find("at least 1"), std::string::npos);
+  EXPECT_NE(refusal_of(with_field("r", "-4")).find("at least 1"), std::string::npos);
+  EXPECT_NE(refusal_of(with_field("lora_dropout", "1.5")).find("[0, 1)"), std::string::npos);
+  EXPECT_NE(refusal_of(with_field("bias", "\"some\"")).find("none, lora_only or all"), std::string::npos);
+  EXPECT_NE(refusal_of(with_field("peft_type", "\"IA3\"")).find("LoRA adapters only"), std::string::npos);
+}
+
+TEST(UnitLora, AdaptersAreAddedNamedAsPeftAndOnlyTheyTrain) {
+  LlamaForCausalLM model = golden_llama();
+  const at::Tensor ids = torch::tensor({{1, 5, 9, 3, 7, 2}}, torch::kLong);
+  const at::Tensor before = model(ids);
+  const auto summary = shardtrain::apply_lora(*model, attention_lora());
+  EXPECT_EQ(summary.adapted_modules.size(), 8u);  // 2 layers x q, k, v, o
+  // Each adapted layer: A is r x in, B is out x r.
+  int64_t expected_trainable = 0;
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    const bool adapter = name.find(".lora_A.weight") != std::string::npos || name.find(".lora_B.weight") != std::string::npos;
+    EXPECT_EQ(item.value().requires_grad(), adapter) << name;
+    if (adapter) expected_trainable += item.value().numel();
+  }
+  EXPECT_EQ(summary.trainable_parameters, expected_trainable);
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["model.layers.0.self_attn.q_proj.lora_A.weight"].sizes(), (std::vector<int64_t>{4, 24}));
+  EXPECT_EQ(params["model.layers.0.self_attn.k_proj.lora_B.weight"].sizes(), (std::vector<int64_t>{12, 4}));
+  EXPECT_TRUE(params["model.layers.1.self_attn.o_proj.lora_B.weight"].eq(0).all().item<bool>());
+  EXPECT_FALSE(params["model.layers.1.self_attn.o_proj.lora_A.weight"].eq(0).all().item<bool>());
+  EXPECT_EQ(summary.describe().rfind("trainable params: ", 0), 0u) << summary.describe();
+  // lora_B starts at zero, so the adapted model computes what the base did, exactly.
+  EXPECT_TRUE(at::equal(model(ids), before));
+  // A second application is refused.
+  EXPECT_THROW(shardtrain::apply_lora(*model, attention_lora()), ConfigError);
+}
+
+TEST(UnitLora, TheForwardIsPeftsFormula) {
+  torch::manual_seed(3);
+  shardtrain::nn::Linear layer(torch::nn::LinearOptions(6, 5).bias(true));
+  const at::Tensor x = torch::randn({3, 6});
+  layer->add_lora(2, /*scaling=*/2.5, /*dropout=*/0.0);
+  {
+    at::NoGradGuard no_grad;
+    layer->lora_B->weight.normal_();
+  }
+  const at::Tensor by_hand =
+      at::linear(x, layer->weight, layer->bias) +
+      at::matmul(at::matmul(x, layer->lora_A->weight.t()), layer->lora_B->weight.t()) * 2.5;
+  // The same products in the same order in fp64: equal to fp64 rounding.
+  const at::Tensor ours = layer->forward(x);
+  EXPECT_TRUE(at::allclose(ours, by_hand, /*rtol=*/1e-5, /*atol=*/1e-6)) << (ours - by_hand).abs().max();
+}
+
+TEST(UnitLora, DropoutActsOnTheAdapterPathWhileTrainingOnly) {
+  torch::manual_seed(5);
+  shardtrain::nn::Linear layer(torch::nn::LinearOptions(8, 8).bias(false));
+  layer->add_lora(4, 1.0, /*dropout=*/0.5);
+  {
+    at::NoGradGuard no_grad;
+    layer->lora_B->weight.normal_();
+  }
+  const at::Tensor x = torch::randn({16, 8});
+  const at::Tensor base = at::linear(x, layer->weight);
+  const at::Tensor full_update = at::matmul(at::matmul(x, layer->lora_A->weight.t()), layer->lora_B->weight.t());
+  layer->eval();
+  EXPECT_TRUE(at::allclose(layer->forward(x), base + full_update, 1e-5, 1e-6));
+  layer->train();
+  const at::Tensor dropped = layer->forward(x);
+  // Training: the base output is untouched, only the update differs.
+  EXPECT_FALSE(at::allclose(dropped, base + full_update, 1e-5, 1e-6));
+}
+
+TEST(UnitLora, BadTargetsAreRefusedNamingWhatThereIs) {
+  {
+    LlamaForCausalLM model = golden_llama();
+    LoraConfig config = attention_lora();
+    config.target_modules = {"q_proj", "qkv_proj"};
+    try {
+      shardtrain::apply_lora(*model, config);
+      ADD_FAILURE() << "a target that matches nothing was accepted";
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'qkv_proj' matches no Linear layer"), std::string::npos) << what;
+      EXPECT_NE(what.find("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"), std::string::npos)
+          << what;
+    }
+  }
+  {
+    LlamaForCausalLM model = golden_llama();
+    LoraConfig config = attention_lora();
+    config.modules_to_save = {"score"};
+    EXPECT_THROW(shardtrain::apply_lora(*model, config), ConfigError);
+  }
+  {
+    LlamaForCausalLM model = golden_llama();
+    LoraConfig config = attention_lora();
+    config.r = 0;
+    EXPECT_THROW(shardtrain::apply_lora(*model, config), ConfigError);
+  }
+}
+
+TEST(UnitLora, AllLinearLeavesOutTheOutputLayerAndBiasAndModulesToSaveTrain) {
+  LlamaForCausalLM model = golden_llama();
+  LoraConfig config;
+  config.target_modules = {"all-linear"};
+  config.modules_to_save = {"lm_head"};
+  const auto summary = shardtrain::apply_lora(*model, config);
+  EXPECT_EQ(summary.adapted_modules.size(), 14u);  // 2 layers x 7 Linear layers; lm_head is left out
+  for (const auto& path : summary.adapted_modules) EXPECT_EQ(path.find("lm_head"), std::string::npos) << path;
+  const auto params = model->named_parameters();
+  EXPECT_TRUE(params["lm_head.weight"].requires_grad());
+  EXPECT_FALSE(params["model.embed_tokens.weight"].requires_grad());
+  EXPECT_FALSE(params["model.layers.0.mlp.down_proj.weight"].requires_grad());
+}
+
+TEST(UnitLora, AnAdapterIsLoadedAndOneForAnotherBaseIsRefused) {
+  shardtrain::testing::ScratchDir dir;
+  // An adapter for the golden llama, written as PEFT lays it out.
+  LlamaForCausalLM source = golden_llama();
+  LoraConfig config = attention_lora();
+  shardtrain::apply_lora(*source, config);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  torch::manual_seed(11);
+  for (const auto& item : source->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    tensors.emplace_back(shardtrain::peft_adapter_key(item.key()), torch::randn(item.value().sizes()));
+  }
+  shardtrain::safetensors::write_file(dir.path() + "/adapter_model.safetensors", tensors);
+  std::ofstream(dir.path() + "/adapter_config.json") << config.to_peft_json();
+
+  LlamaForCausalLM target = golden_llama();
+  shardtrain::LoraSummary summary;
+  const LoraConfig loaded = shardtrain::load_lora_adapter(*target, dir.path(), &summary);
+  EXPECT_EQ(loaded.r, 4);
+  EXPECT_EQ(summary.adapted_modules.size(), 8u);
+  const auto params = target->named_parameters();
+  for (const auto& [key, value] : tensors) {
+    const std::string name = key.substr(std::string("base_model.model.").size());
+    EXPECT_TRUE(at::equal(params[name], value)) << name;
+  }
+
+  // The same adapter against a model of another width: refused, naming the tensor and both shapes.
+  auto other_config = shardtrain::models::LlamaConfig::from_json_file(shardtrain::testing::golden_dir("llama") +
+                                                                       "/config.json");
+  other_config.hidden_size = 32;
+  other_config.num_attention_heads = 4;
+  LlamaForCausalLM wider(other_config);
+  try {
+    shardtrain::load_lora_adapter(*wider, dir.path());
+    ADD_FAILURE() << "an adapter for another base was loaded";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("lora_A.weight of shape [4, 24]"), std::string::npos) << what;
+    EXPECT_NE(what.find("base model of another size"), std::string::npos) << what;
+  }
+  // A directory without an adapter.
+  EXPECT_THROW(shardtrain::load_lora_adapter(*golden_llama(), dir.path() + "/nothing"), ConfigError);
+}
+
+}  // namespace
