@@ -434,18 +434,33 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   options.dtype = resolved;
   options.max_shard_bytes = max_shard_bytes;
   options.config_json_path = config_json;
+  engine::Engine& running = engine();  // refuses a call before prepare()
   checkpoint::ExportSelection selection;
   for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
     if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get()); linear && linear->has_lora()) {
       selection.merge_lora[item.key()] = linear->lora_scaling;
     }
   }
-  checkpoint::save_model(engine(), *s.comm, out_dir, options, selection);
+  checkpoint::save_model(running, *s.comm, out_dir, options, selection);
 }
 
 void Accelerator::save_lora_adapter(const std::string& out_dir, const LoraConfig& config) {
   comm::CollectiveScope scope("save_lora_adapter()");
   State& s = *state_;
+  engine::Engine& running = engine();  // refuses a call before prepare()
+  // The config is written as the adapter's meaning: it must be the one applied.
+  int adapted = 0;
+  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
+    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
+    if (!linear || !linear->has_lora()) continue;
+    ++adapted;
+    ST_CHECK_T(ConfigError, linear->lora_A->weight.size(0) == config.r && linear->lora_scaling == config.scaling(),
+               "save_lora_adapter: ", item.key(), " has an adapter of rank ", linear->lora_A->weight.size(0),
+               " scaled by ", linear->lora_scaling, ", but the config to save says r ", config.r, " scaled by ",
+               config.scaling(), ": pass the LoraConfig that apply_lora applied");
+  }
+  ST_CHECK_T(ConfigError, adapted > 0, "save_lora_adapter: the model has no LoRA adapter (apply_lora it before "
+             "prepare()); to save the whole model use save_model");
   std::set<std::string> trainable;
   for (const auto& item : s.module->named_parameters()) {
     if (item.value().requires_grad()) trainable.insert(item.key());
@@ -459,7 +474,7 @@ void Accelerator::save_lora_adapter(const std::string& out_dir, const LoraConfig
   checkpoint::ExportSelection selection;
   selection.include = [&](const std::string& name) { return trainable.count(name) != 0; };
   selection.rename = peft_adapter_key;
-  checkpoint::save_model(engine(), *s.comm, out_dir, options, selection);
+  checkpoint::save_model(running, *s.comm, out_dir, options, selection);
 }
 
 void Accelerator::load_state(const std::string& dir, const std::string& tag) {

@@ -372,13 +372,17 @@ void save_model(engine::Engine& engine, comm::Communicator& comm, const std::str
     if (!writer) return;
     int part = 0;
     if (auto layer = merged_layer_of(selection, name, part)) {
-      PendingMerge& merge = pending[*layer];
-      merge.parts[part] = value.clone();  // the visitor's tensor is reused for the next parameter
-      if (++merge.seen < 3) return;
-      const at::Tensor merged =
-          merged_lora_weight(merge.parts[0], merge.parts[1], merge.parts[2], selection.merge_lora.at(*layer));
-      pending.erase(*layer);
-      attempt([&] { writer->write(*layer + ".weight", merged); });
+      // Inside attempt: a failure here (memory, a shape) must not leave the
+      // other ranks gathering alone.
+      attempt([&] {
+        PendingMerge& merge = pending[*layer];
+        merge.parts[part] = value.clone();  // the visitor's tensor is reused for the next parameter
+        if (++merge.seen < 3) return;
+        const at::Tensor merged =
+            merged_lora_weight(merge.parts[0], merge.parts[1], merge.parts[2], selection.merge_lora.at(*layer));
+        pending.erase(*layer);
+        writer->write(*layer + ".weight", merged);
+      });
       return;
     }
     if (selection.include && !selection.include(name)) return;

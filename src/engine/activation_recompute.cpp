@@ -5,9 +5,58 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Context.h>
+
 namespace shardtrain::engine {
 
 namespace {
+
+/// The default generator's state of `device` (a copy).
+at::Tensor rng_state(const at::Device& device) {
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_rng_state(const at::Device& device, const at::Tensor& state) {
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+/// For the recomputation: the random state the forward saw (so dropout draws
+/// the same mask, as torch.utils.checkpoint's preserve_rng_state does), then,
+/// when it ends, the state the rest of backward expects.
+class ReplayedRng {
+ public:
+  ReplayedRng(std::vector<std::pair<at::Device, at::Tensor>> forward_states) {
+    for (auto& [device, state] : forward_states) {
+      now_.emplace_back(device, rng_state(device));
+      set_rng_state(device, state);
+    }
+  }
+  ~ReplayedRng() {
+    for (auto& [device, state] : now_) set_rng_state(device, state);
+  }
+  ReplayedRng(const ReplayedRng&) = delete;
+  ReplayedRng& operator=(const ReplayedRng&) = delete;
+
+ private:
+  std::vector<std::pair<at::Device, at::Tensor>> now_;
+};
+
+/// The devices whose generators a body on `input` may draw from: the CPU's
+/// always, and the input's own.
+std::vector<at::Device> rng_devices(const at::Tensor& input) {
+  std::vector<at::Device> devices{at::Device(at::kCPU)};
+  if (!input.device().is_cpu()) devices.push_back(input.device());
+  return devices;
+}
 
 /// Keeps a unit's forward body alive inside the autograd context until backward.
 struct RecomputeBody : torch::CustomClassHolder {
@@ -27,6 +76,10 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     saved.insert(saved.end(), params.begin(), params.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["body"] = body;
+    const std::vector<at::Device> devices = rng_devices(input);
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      ctx->saved_data["rng" + std::to_string(i)] = rng_state(devices[i]);
+    }
     at::NoGradGuard no_grad;
     return c10::static_intrusive_pointer_cast<RecomputeBody>(body.toCapsule())->fn(input);
   }
@@ -39,8 +92,14 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     if (input.requires_grad()) wrt.push_back(input);
     std::vector<at::Tensor> params(saved.begin() + 1, saved.end());
     for (const auto& p : params) wrt.push_back(p);
+    std::vector<std::pair<at::Device, at::Tensor>> forward_rng;
+    const std::vector<at::Device> devices = rng_devices(input);
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      forward_rng.emplace_back(devices[i], ctx->saved_data["rng" + std::to_string(i)].toTensor());
+    }
     at::Tensor output;
     {
+      ReplayedRng replay(std::move(forward_rng));
       at::AutoGradMode enable(true);
       output = body->fn(input);
     }

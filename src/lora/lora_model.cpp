@@ -16,6 +16,7 @@
 #include "shardtrain/lora.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/safetensors.h"
+#include "shardtrain/weight_loading.h"
 
 namespace shardtrain {
 namespace {
@@ -136,6 +137,19 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
     }
   }
 
+  // Everything is resolved before the model changes, so a refused config
+  // leaves it as it was (and a corrected one can be applied).
+  std::vector<std::shared_ptr<torch::nn::Module>> saved_modules;
+  for (const auto& name : config.modules_to_save) {
+    bool found = false;
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (!names_module(item.key(), name)) continue;
+      found = true;
+      saved_modules.push_back(item.value());
+    }
+    ST_CHECK_T(ConfigError, found, "LoRA modules_to_save names '", name, "', which matches no module of the model");
+  }
+
   // Freeze everything, then let the adapters (and what the config asks for) train.
   for (auto& p : model.parameters()) p.set_requires_grad(false);
   for (nn::LinearImpl* linear : adapted) {
@@ -148,14 +162,8 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
       if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) item.value().set_requires_grad(true);
     }
   }
-  for (const auto& name : config.modules_to_save) {
-    bool found = false;
-    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-      if (!names_module(item.key(), name)) continue;
-      found = true;
-      for (auto& p : item.value()->parameters()) p.set_requires_grad(true);
-    }
-    ST_CHECK_T(ConfigError, found, "LoRA modules_to_save names '", name, "', which matches no module of the model");
+  for (const auto& module : saved_modules) {
+    for (auto& p : module->parameters()) p.set_requires_grad(true);
   }
   for (const auto& p : model.parameters()) {
     summary.total_parameters += p.numel();
@@ -189,6 +197,13 @@ LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, L
     ST_CHECK_T(ConfigError, value.sizes() == item.value().sizes(), "the PEFT adapter in ", dir, " has ", key, " of shape ",
                value.sizes(), " but this model's is ", item.value().sizes(),
                ": the adapter was trained for a base model of another size");
+    if (is_storage_released(item.value())) {
+      // A model built without its weights (the engine fills those from the
+      // weight source): a parameter the adapter trains (modules_to_save, a
+      // bias) takes the adapter's values instead, so it gets storage here and
+      // prepare() keeps what it holds.
+      item.value().set_data(at::empty(item.value().sizes(), item.value().options()));
+    }
     item.value().copy_(value);
     unused.erase(key);
   }

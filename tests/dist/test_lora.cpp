@@ -100,6 +100,9 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
       }
     }
     EXPECT_TRUE(adapters_moved) << "training did not move any lora_B";
+    shardtrain::LoraConfig not_applied = lora;
+    not_applied.lora_alpha = 32;  // a config other than the one applied would tell PEFT another scaling
+    EXPECT_THROW(accelerator->save_lora_adapter((work / "wrong").string(), not_applied), shardtrain::ConfigError);
     accelerator->save_lora_adapter((work / "adapter").string(), lora);
     accelerator->save_model((work / "merged").string(), "fp32", 5000000000ULL,
                             shardtrain::testing::golden_dir(kCase) + "/config.json");

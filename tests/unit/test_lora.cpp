@@ -13,11 +13,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "engine/activation_recompute.h"
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/safetensors.h"
+#include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
 #include "support/scratch_dir.h"
 
@@ -208,10 +210,14 @@ TEST(UnitLora, BadTargetsAreRefusedNamingWhatThereIs) {
     }
   }
   {
+    // A refused config leaves the model as it was: the corrected one applies.
     LlamaForCausalLM model = golden_llama();
     LoraConfig config = attention_lora();
     config.modules_to_save = {"score"};
     EXPECT_THROW(shardtrain::apply_lora(*model, config), ConfigError);
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.requires_grad());
+    config.modules_to_save = {"lm_head"};
+    EXPECT_EQ(shardtrain::apply_lora(*model, config).adapted_modules.size(), 8u);
   }
   {
     LlamaForCausalLM model = golden_llama();
@@ -277,6 +283,67 @@ TEST(UnitLora, AnAdapterIsLoadedAndOneForAnotherBaseIsRefused) {
   }
   // A directory without an adapter.
   EXPECT_THROW(shardtrain::load_lora_adapter(*golden_llama(), dir.path() + "/nothing"), ConfigError);
+}
+
+TEST(UnitLora, AnAdapterWithModulesToSaveLoadsIntoAModelBuiltWithoutItsWeights) {
+  // The fine-tune's --model-dir path builds the model without storage (the
+  // engine reads the base from the files); what the adapter trains in full
+  // (lm_head here) must take the adapter's values, not the base's.
+  shardtrain::testing::ScratchDir dir;
+  LlamaForCausalLM source = golden_llama();
+  LoraConfig config = attention_lora();
+  config.modules_to_save = {"lm_head"};
+  shardtrain::apply_lora(*source, config);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  torch::manual_seed(13);
+  for (const auto& item : source->named_parameters()) {
+    if (item.value().requires_grad()) {
+      tensors.emplace_back(shardtrain::peft_adapter_key(item.key()), torch::randn(item.value().sizes()));
+    }
+  }
+  shardtrain::safetensors::write_file(dir.path() + "/adapter_model.safetensors", tensors);
+  std::ofstream(dir.path() + "/adapter_config.json") << config.to_peft_json();
+
+  LlamaForCausalLM target = golden_llama();
+  shardtrain::release_parameter_storage(*target);
+  shardtrain::load_lora_adapter(*target, dir.path());
+  const auto params = target->named_parameters();
+  EXPECT_FALSE(shardtrain::is_storage_released(params["lm_head.weight"]));
+  EXPECT_TRUE(shardtrain::is_storage_released(params["model.layers.0.mlp.up_proj.weight"]));  // still the engine's to fill
+  for (const auto& [key, value] : tensors) {
+    EXPECT_TRUE(at::equal(params[key.substr(std::string("base_model.model.").size())], value)) << key;
+  }
+}
+
+TEST(UnitLora, DropoutDrawsTheSameMaskWhenFullRecomputationReplaysTheForward) {
+  // Full activation checkpointing runs a unit's forward again in backward; a
+  // LoRA dropout there must draw the forward's mask, or the gradients belong
+  // to another forward than the loss (torch.utils.checkpoint's preserve_rng_state).
+  torch::manual_seed(21);
+  const at::Tensor x = torch::randn({64, 8}).requires_grad_(true);
+  const at::Tensor w = torch::randn({8}).requires_grad_(true);
+  const at::Tensor y = shardtrain::engine::run_with_recompute(
+      [&w](const at::Tensor& in) { return at::dropout(in * w, 0.5, /*train=*/true); }, x, {w});
+  y.sum().backward();
+  // Where the forward dropped an element its gradient is zero; where it kept
+  // one the gradient is w / (1 - p).
+  const at::Tensor kept = y.ne(0);
+  const at::Tensor expected = at::where(kept, (w * 2).expand_as(x), at::zeros_like(x));
+  EXPECT_TRUE(at::allclose(x.grad(), expected)) << "the recomputation drew another dropout mask";
+  // And the random stream after backward is where it would be without the replay.
+  torch::manual_seed(21);
+  (void)torch::randn({64, 8});
+  (void)torch::randn({8});
+  (void)at::dropout(torch::ones({64, 8}), 0.5, true);
+  const at::Tensor next_without_replay = torch::rand({4});
+  torch::manual_seed(21);
+  const at::Tensor x2 = torch::randn({64, 8}).requires_grad_(true);
+  const at::Tensor w2 = torch::randn({8}).requires_grad_(true);
+  shardtrain::engine::run_with_recompute(
+      [&w2](const at::Tensor& in) { return at::dropout(in * w2, 0.5, /*train=*/true); }, x2, {w2})
+      .sum()
+      .backward();
+  EXPECT_TRUE(at::equal(torch::rand({4}), next_without_replay));
 }
 
 }  // namespace
