@@ -184,11 +184,11 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.config = resolve_auto(s.config, context);
   s.accumulation = s.config.gradient_accumulation_steps.value_or(1);
 
-  int64_t num_params = 0;
+  int64_t num_params = 0, frozen_params = 0;
   bool on_cuda = false;
   std::string load_dtype = run.load_dtype;
   for (const auto& p : s.module->parameters()) {
-    if (p.requires_grad()) num_params += p.numel();
+    (p.requires_grad() ? num_params : frozen_params) += p.numel();
     on_cuda = on_cuda || p.is_cuda();
   }
   if (!s.module->parameters().empty()) {
@@ -216,6 +216,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.config.optimizer.type = plan.optimizer.type;
   s.config.optimizer.momentum = plan.optimizer.momentum;
   s.plan = precision_plan_of(plan, num_params, plan_context);
+  s.plan.frozen_params = frozen_params;
   // LoRA adapters keep fp32 masters (lora.h); pure low precision has none.
   // Refused until the engine holds adapter entries in fp32 under that mode
   // (issue 27), rather than trained in bf16 where small updates are lost.

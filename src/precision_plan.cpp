@@ -103,26 +103,39 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
 
 std::string PrecisionPlan::to_string() const {
   std::ostringstream out;
-  out << "precision plan (" << engine << ", " << num_params << " parameters, " << world_size << " ranks)\n";
+  out << "precision plan (" << engine << ", " << num_params << " parameters"
+      << (frozen_params > 0 ? " trained, " + std::to_string(frozen_params) + " frozen" : std::string()) << ", "
+      << world_size << " ranks)\n";
   out << "  load " << load_dtype << " | shard at rest " << shard_dtype << " | compute " << compute_dtype
       << " | grad reduce " << reduce_dtype << " | grads " << grad_dtype << " | master " << master_dtype << " | optimizer state "
       << optimizer_dtype << "\n";
   if (!gemm.empty()) out << "  GEMM " << gemm << "\n";
   out << std::fixed << std::setprecision(3);
-  auto row = [&](const char* kind, double per_param) {
+  auto row = [&](const char* kind, double per_param, int64_t params) {
     out << "  " << std::left << std::setw(22) << kind << std::right << std::setw(8) << per_param
-        << " B/param/rank  = " << human(per_param * num_params) << " per rank\n";
+        << " B/param/rank  = " << human(per_param * static_cast<double>(params)) << " per rank\n";
   };
-  row("params (shard)", params_bytes);
-  row("grads", grads_bytes);
+  row("params (shard)", params_bytes, num_params);
+  row("grads", grads_bytes, num_params);
   if (master_is_params) {
     out << "  fp32 master            (the fp32 shard above is the master)\n";
   } else {
-    row("fp32 master", master_bytes);
+    row("fp32 master", master_bytes, num_params);
   }
-  row("optimizer state", optimizer_bytes);
-  row("gathered at rest", gathered_at_rest_bytes);
-  row("total model states", params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes);
+  row("optimizer state", optimizer_bytes, num_params);
+  row("gathered at rest", gathered_at_rest_bytes, num_params);
+  const double trained_total = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
+  if (frozen_params > 0) {
+    // A frozen parameter is its shard at rest (and what is kept gathered), nothing else.
+    row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
+    out << "  " << std::left << std::setw(22) << "total model states" << std::right << std::setw(8) << ""
+        << "                = "
+        << human(trained_total * static_cast<double>(num_params) +
+                 (params_bytes + gathered_at_rest_bytes) * static_cast<double>(frozen_params))
+        << " per rank\n";
+  } else {
+    row("total model states", trained_total, num_params);
+  }
   out << "  optimizer bytes per parameter (master + state, one copy of the model): " << optimizer_bytes_per_param_total()
       << "\n";
   if (!notes.empty()) out << "  note: " << notes << "\n";

@@ -530,7 +530,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   summary.peak_flops = peak_flops;
   summary.peak_source = peak_source;
   shardtrain::reset_device_peak_memory(device);
-  const double token_flops = models::training_flops_per_token(mc, num_params, options.seq_len);
+  // LoRA: the frozen base gets no weight gradient (its trainable parameters
+  // are the adapters, all matmul weights unless modules_to_save names the embeddings).
+  const double token_flops = lora ? models::training_flops_per_token(mc, all_params, options.seq_len, trainable_params)
+                                  : models::training_flops_per_token(mc, num_params, options.seq_len);
 
   // Rows of this rank, epoch by epoch; the sampler's position survives checkpoints.
   std::vector<int64_t> epoch_rows = sampler.indices();

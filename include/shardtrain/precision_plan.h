@@ -31,7 +31,12 @@ struct PrecisionPlan {
   double gathered_at_rest_bytes = 0;
   /// fp32 runs: the fp32 shard is the master (counted once, under params).
   bool master_is_params = false;
+  /// Trainable parameters: the rows above are per trainable parameter.
   int64_t num_params = 0;
+  /// Parameters that do not train (a LoRA base): the engine keeps only their
+  /// shard at rest (and what stages 1/2 keep gathered), no gradient, master or
+  /// optimizer state. Listed on a row of their own.
+  int64_t frozen_params = 0;
   int world_size = 1;
   /// Ranks one copy of the model states is sharded over (1 for NO_SHARD / zero-0,
   /// the machine size for HYBRID_SHARD, else world_size).

@@ -214,11 +214,14 @@ std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, cons
 
 }  // namespace
 
-double training_flops_per_token(const LlamaConfig& c, int64_t num_params, int64_t seq_len) {
+double training_flops_per_token(const LlamaConfig& c, int64_t num_params, int64_t seq_len,
+                                int64_t trained_matmul_params) {
   const double embedding = static_cast<double>(c.vocab_size) * c.hidden_size;
   // Input embeddings are a lookup, not a matmul; a tied table is also the LM head.
   const double matmul_params = static_cast<double>(num_params) - (c.tie_word_embeddings ? 0.0 : embedding);
-  return 6.0 * matmul_params + 12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
+  const double trained = trained_matmul_params < 0 ? matmul_params : static_cast<double>(trained_matmul_params);
+  return 4.0 * matmul_params + 2.0 * trained +
+         12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
 }
 
 at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {

@@ -13,9 +13,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "build_config.h"
 #include "engine/activation_recompute.h"
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
+#include "shardtrain/precision_plan.h"
+#include "shardtrain/config.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/safetensors.h"
@@ -344,6 +347,28 @@ TEST(UnitLora, DropoutDrawsTheSameMaskWhenFullRecomputationReplaysTheForward) {
       .sum()
       .backward();
   EXPECT_TRUE(at::equal(torch::rand({4}), next_without_replay));
+}
+
+TEST(UnitLora, ThePlanListsTheFrozenBaseAndTheFlopsCountNoWeightGradientForIt) {
+  shardtrain::TrainingConfig config = shardtrain::load_config(std::string(SHARDTRAIN_SOURCE_DIR) +
+                                                              "/configs/zero3_bf16.json");
+  shardtrain::PrecisionPlan plan = shardtrain::plan_precision(config, 57344, 2, /*on_cuda=*/false);
+  const std::string trained_only = plan.to_string();
+  EXPECT_EQ(trained_only.find("frozen"), std::string::npos) << trained_only;
+  plan.frozen_params = 3098880;
+  const std::string text = plan.to_string();
+  EXPECT_NE(text.find("57344 parameters trained, 3098880 frozen"), std::string::npos) << text;
+  // A frozen parameter is its bf16 shard at rest: 2 bytes over 2 ranks.
+  EXPECT_NE(text.find("frozen (shard)           1.000 B/param/rank  = 3.10 MB per rank"), std::string::npos) << text;
+
+  const auto c = shardtrain::models::LlamaConfig::from_json_file(shardtrain::testing::golden_dir("llama") +
+                                                                  "/config.json");
+  const int64_t all = 10000, trained = 100, T = 16;
+  const double embedding = static_cast<double>(c.vocab_size * c.hidden_size);  // untied: a lookup, no matmul
+  const double attention = 12.0 * c.num_hidden_layers * c.hidden_size * T;
+  EXPECT_DOUBLE_EQ(shardtrain::models::training_flops_per_token(c, all, T), 6 * (all - embedding) + attention);
+  EXPECT_DOUBLE_EQ(shardtrain::models::training_flops_per_token(c, all, T, trained),
+                   4 * (all - embedding) + 2 * trained + attention);
 }
 
 }  // namespace

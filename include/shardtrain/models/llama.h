@@ -275,7 +275,11 @@ int64_t count_loss_tokens(const at::Tensor& labels, int64_t ignore_index = -100)
 /// FLOPs of one trained token (forward + backward), PaLM's estimate:
 /// 6 x (matmul parameters) + 12 x layers x hidden x sequence (attention
 /// scores); recomputation is not counted. `num_params`: all parameters.
-double training_flops_per_token(const LlamaConfig& config, int64_t num_params, int64_t seq_len);
+/// `trained_matmul_params` (>= 0: a LoRA run, the adapters' parameters):
+/// frozen weights get no weight gradient, so a matmul parameter costs 4
+/// (forward, input gradient) and only a trained one 2 more.
+double training_flops_per_token(const LlamaConfig& config, int64_t num_params, int64_t seq_len,
+                                int64_t trained_matmul_params = -1);
 
 /// Positions restarting at 0 at every change of document id along dim 1.
 at::Tensor positions_from_document_ids(const at::Tensor& document_ids);
