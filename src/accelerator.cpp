@@ -220,12 +220,11 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   // LoRA adapters keep fp32 masters (lora.h); pure low precision has none.
   // Refused until the engine holds adapter entries in fp32 under that mode
   // (issue 27), rather than trained in bf16 where small updates are lost.
-  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
-    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
-    ST_CHECK_T(ConfigError, !(linear && linear->has_lora() && s.plan.master_dtype == "none"), s.plan.engine,
+  if (const auto adapted = lora_layers(*s.module); !adapted.empty()) {
+    ST_CHECK_T(ConfigError, s.plan.master_dtype != "none", s.plan.engine,
                " keeps no fp32 master (FSDP pure low precision), and LoRA adapters must train on fp32 masters: ",
-               item.key(), " has one. Use FSDP's standard mode (mixed_precision bf16 with fp32 parameters, e.g. "
-               "configs/llama/fsdp_standard_bf16.yaml) or ZeRO");
+               adapted.front().first, " has one. Use FSDP's standard mode (mixed_precision bf16 with fp32 "
+               "parameters, e.g. configs/llama/fsdp_standard_bf16.yaml) or ZeRO");
   }
   s.engine = make_engine(s.module, s.comm, s.config.distributed_type, std::move(plan));
   s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
@@ -437,11 +436,7 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   options.config_json_path = config_json;
   engine::Engine& running = engine();  // refuses a call before prepare()
   checkpoint::ExportSelection selection;
-  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
-    if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get()); linear && linear->has_lora()) {
-      selection.merge_lora[item.key()] = linear->lora_scaling;
-    }
-  }
+  for (const auto& [path, linear] : lora_layers(*s.module)) selection.merge_lora[path] = linear->lora_scaling;
   checkpoint::save_model(running, *s.comm, out_dir, options, selection);
 }
 
@@ -450,23 +445,20 @@ void Accelerator::save_lora_adapter(const std::string& out_dir, const LoraConfig
   State& s = *state_;
   engine::Engine& running = engine();  // refuses a call before prepare()
   // The config is written as the adapter's meaning: it must be the one applied.
-  int adapted = 0;
-  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) {
-    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
-    if (!linear || !linear->has_lora()) continue;
-    ++adapted;
+  const auto adapted = lora_layers(*s.module);
+  ST_CHECK_T(ConfigError, !adapted.empty(), "save_lora_adapter: the model has no LoRA adapter (apply_lora it before "
+             "prepare()); to save the whole model use save_model");
+  for (const auto& [path, linear] : adapted) {
     ST_CHECK_T(ConfigError, linear->lora_A->weight.size(0) == config.r && linear->lora_scaling == config.scaling(),
-               "save_lora_adapter: ", item.key(), " has an adapter of rank ", linear->lora_A->weight.size(0),
+               "save_lora_adapter: ", path, " has an adapter of rank ", linear->lora_A->weight.size(0),
                " scaled by ", linear->lora_scaling, ", but the config to save says r ", config.r, " scaled by ",
                config.scaling(), ": pass the LoraConfig that apply_lora applied");
   }
-  ST_CHECK_T(ConfigError, adapted > 0, "save_lora_adapter: the model has no LoRA adapter (apply_lora it before "
-             "prepare()); to save the whole model use save_model");
+  // The adapters, and what the config trains besides (biases, modules_to_save).
   std::set<std::string> trainable;
   for (const auto& item : s.module->named_parameters()) {
     if (item.value().requires_grad()) trainable.insert(item.key());
   }
-  ST_CHECK_T(ConfigError, !trainable.empty(), "save_lora_adapter: the model has no trainable parameters");
   checkpoint::ExportOptions options;
   options.dtype = "fp32";  // PEFT keeps adapters in fp32
   options.weights_stem = "adapter_model";

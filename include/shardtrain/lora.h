@@ -22,12 +22,17 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 namespace shardtrain {
+
+namespace nn {
+class LinearImpl;
+}
 
 /// PEFT's LoraConfig, the fields shardtrain implements. Options PEFT has and
 /// shardtrain does not (DoRA, LoftQ or PiSSA initialisation, rank patterns,
@@ -96,6 +101,10 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config);
 /// when the files are missing, or when the config is refused. Returns the
 /// config it read (for saving again).
 LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, LoraSummary* summary = nullptr);
+
+/// The layers of `model` that carry an adapter, with their paths, in the
+/// order of named_modules().
+std::vector<std::pair<std::string, const nn::LinearImpl*>> lora_layers(const torch::nn::Module& model);
 
 /// PEFT's key for a parameter of the model in adapter_model.safetensors:
 /// "base_model.model." + name.

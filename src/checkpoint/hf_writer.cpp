@@ -189,8 +189,8 @@ HfWeightsWriter::HfWeightsWriter(std::vector<ExportTensor> tensors, const std::s
       shards_[i].file = options.weights_stem + ".safetensors";
     } else {
       std::ostringstream name;
-      name << options.weights_stem << "-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5) << std::setfill('0')
-           << count << ".safetensors";
+      name << options.weights_stem << "-" << std::setw(5) << std::setfill('0') << (i + 1) << "-of-" << std::setw(5)
+           << std::setfill('0') << count << ".safetensors";
       shards_[i].file = name.str();
     }
     shards_[i].header = shard_header(tensors_, shards_[i].tensors, dtype_);

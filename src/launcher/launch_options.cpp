@@ -262,11 +262,6 @@ namespace {
 
 /// The job's rendezvous token and id, from the flags, the environment, or fresh.
 void resolve_rendezvous_identity(const LaunchFlags& flags, LaunchOptions& options) {
-  const auto variable = [](const char* name) -> std::optional<std::string> {
-    const char* value = std::getenv(name);
-    if (value == nullptr || *value == '\0') return std::nullopt;
-    return std::string(value);
-  };
   ST_CHECK_T(ConfigError, !(flags.rdzv_token && flags.rdzv_token_file),
              "--rdzv_token and --rdzv_token_file both give the rendezvous token; keep one (the file: a token in "
              "the command line is visible in ps)");
@@ -278,10 +273,8 @@ void resolve_rendezvous_identity(const LaunchFlags& flags, LaunchOptions& option
     options.rdzv_token = *flags.rdzv_token;
   } else if (flags.rdzv_token_file) {
     options.rdzv_token = comm::rendezvous::read_token_file(*flags.rdzv_token_file);
-  } else if (auto token = variable("SHARDTRAIN_RDZV_TOKEN")) {
+  } else if (auto token = comm::rendezvous::token_from_environment(std::getenv)) {
     options.rdzv_token = *token;
-  } else if (auto file = variable("SHARDTRAIN_RDZV_TOKEN_FILE")) {
-    options.rdzv_token = comm::rendezvous::read_token_file(*file);
   } else if (options.machine_rank > 0) {
     ST_THROW(ConfigError, "machine ", options.machine_rank, " of ", options.num_machines,
              " has no rendezvous token: pass the one machine 0's launcher printed (or the one you generated) with "
@@ -294,8 +287,8 @@ void resolve_rendezvous_identity(const LaunchFlags& flags, LaunchOptions& option
 
   if (flags.rdzv_id) {
     options.rdzv_id = *flags.rdzv_id;
-  } else if (auto id = variable("SHARDTRAIN_RDZV_ID")) {
-    options.rdzv_id = *id;
+  } else if (const char* id = std::getenv("SHARDTRAIN_RDZV_ID"); id != nullptr && *id != '\0') {
+    options.rdzv_id = id;
   } else if (options.num_machines == 1) {
     // Each launch its own job: a second job started on the same port with
     // the same (exported) token is refused by the first one's store by name.

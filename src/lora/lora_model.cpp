@@ -61,6 +61,15 @@ std::string with_thousands(int64_t n) {
 
 std::string peft_adapter_key(const std::string& parameter_name) { return "base_model.model." + parameter_name; }
 
+std::vector<std::pair<std::string, const nn::LinearImpl*>> lora_layers(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, const nn::LinearImpl*>> layers;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
+    if (linear != nullptr && linear->has_lora()) layers.emplace_back(item.key(), linear);
+  }
+  return layers;
+}
+
 std::string LoraSummary::describe() const {
   std::ostringstream out;
   out << "trainable params: " << with_thousands(trainable_parameters)

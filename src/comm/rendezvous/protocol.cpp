@@ -91,22 +91,40 @@ std::string generate_token() {
   return token;
 }
 
+namespace {
+
+/// A job id is printable ASCII: the server names it in its log and its refusal.
+template <typename Iterator>
+bool printable_ascii(Iterator begin, Iterator end) {
+  return std::all_of(begin, end, [](auto c) {
+    const auto byte = static_cast<uint8_t>(c);
+    return byte >= 0x20 && byte < 0x7f;
+  });
+}
+
+}  // namespace
+
 void check_job_id(const std::string& job_id) {
   ST_CHECK_T(ConfigError, job_id.size() <= kMaxJobIdBytes, "the rendezvous job id '", job_id, "' is ",
              job_id.size(), " bytes long; at most ", kMaxJobIdBytes, " are allowed (SHARDTRAIN_RDZV_ID / --rdzv_id)");
-  ST_CHECK_T(ConfigError, std::all_of(job_id.begin(), job_id.end(), [](char c) { return c >= 0x20 && c < 0x7f; }),
+  ST_CHECK_T(ConfigError, printable_ascii(job_id.begin(), job_id.end()),
              "the rendezvous job id must be printable ASCII (SHARDTRAIN_RDZV_ID / --rdzv_id)");
 }
 
 Bytes client_proof(const std::string& token, const std::string& job_id, const Bytes& server_nonce,
                    const Bytes& client_nonce) {
   check_job_id(job_id);
-  Bytes proof(kMagic.begin(), kMagic.end());
-  proof.insert(proof.end(), client_nonce.begin(), client_nonce.end());
   const Bytes mac = handshake_mac(token, "client", server_nonce, client_nonce, job_id);
-  proof.insert(proof.end(), mac.begin(), mac.end());
-  proof.push_back(static_cast<uint8_t>(job_id.size()));
-  proof.insert(proof.end(), job_id.begin(), job_id.end());
+  ST_CHECK(client_nonce.size() == kNonceBytes && mac.size() == kMacBytes, "rendezvous handshake: a nonce of ",
+           client_nonce.size(), " bytes or a MAC of ", mac.size(), " bytes");
+  // Copied into a buffer sized once: growing a vector with insert() makes
+  // GCC 12 warn (-Wstringop-overread, a false positive in vector.tcc).
+  Bytes proof(kProofBytes + 1 + job_id.size());
+  auto out = std::copy(kMagic.begin(), kMagic.end(), proof.begin());
+  out = std::copy(client_nonce.begin(), client_nonce.end(), out);
+  out = std::copy(mac.begin(), mac.end(), out);
+  *out++ = static_cast<uint8_t>(job_id.size());
+  std::copy(job_id.begin(), job_id.end(), out);
   return proof;
 }
 
@@ -132,10 +150,8 @@ ClientProof parse_client_proof(const Bytes& in) {
     return proof;
   }
   if (in.size() < kProofBytes + 1 + id_bytes) return proof;
-  // Printable ASCII only: the server names the id in its log and its refusal.
-  if (!std::all_of(in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1),
-                   in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1 + id_bytes),
-                   [](uint8_t c) { return c >= 0x20 && c < 0x7f; })) {
+  if (!printable_ascii(in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1),
+                       in.begin() + static_cast<std::ptrdiff_t>(kProofBytes + 1 + id_bytes))) {
     proof.status = ClientProof::Status::kBadJobId;
     return proof;
   }

@@ -252,11 +252,7 @@ DistEnv detect_dist_env() {
 
 DistEnv detect_dist_env(const Lookup& lookup) {
   DistEnv env = detect_launcher_env(lookup);
-  if (auto token = get(lookup, "SHARDTRAIN_RDZV_TOKEN")) {
-    env.rdzv_token = *token;
-  } else if (auto file = get(lookup, "SHARDTRAIN_RDZV_TOKEN_FILE")) {
-    env.rdzv_token = comm::rendezvous::read_token_file(*file);
-  }
+  if (auto token = comm::rendezvous::token_from_environment(lookup)) env.rdzv_token = *token;
   if (auto bind = get(lookup, "SHARDTRAIN_RDZV_BIND")) env.rdzv_bind = *bind;
   for (const char* name : {"SHARDTRAIN_RDZV_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}) {
     if (auto id = get(lookup, name)) {

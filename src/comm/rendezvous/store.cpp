@@ -103,7 +103,9 @@ void RendezvousStore::connect_locked(Clock::time_point deadline) {
         }
         Bytes server_mac(kMacBytes);
         recv_all(fd, server_mac.data(), server_mac.size(), deadline, peer);
-        ST_CHECK_T(ConfigError, same_mac(server_mac, handshake_mac(endpoint_.token, "server", server_nonce, client_nonce, endpoint_.job_id)),
+        ST_CHECK_T(ConfigError,
+                   same_mac(server_mac,
+                            handshake_mac(endpoint_.token, "server", server_nonce, client_nonce, endpoint_.job_id)),
                    describe(), " does not hold this job's rendezvous token: another job (or an impostor) listens "
                    "on that port. Check MASTER_ADDR/MASTER_PORT and --rdzv_token");
         fd_ = fd;

@@ -40,4 +40,12 @@ std::string read_token_file(const std::string& path) {
   return token;
 }
 
+std::optional<std::string> token_from_environment(const std::function<const char*(const char*)>& lookup) {
+  if (const char* token = lookup("SHARDTRAIN_RDZV_TOKEN"); token != nullptr && *token != '\0') return token;
+  if (const char* file = lookup("SHARDTRAIN_RDZV_TOKEN_FILE"); file != nullptr && *file != '\0') {
+    return read_token_file(file);
+  }
+  return std::nullopt;
+}
+
 }  // namespace shardtrain::comm::rendezvous
