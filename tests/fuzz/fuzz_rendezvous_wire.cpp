@@ -112,6 +112,12 @@ void exchange(int port, bool member, const uint8_t* data, size_t size) {
       break;  // closed (or reset): done
     }
   }
+  // Closed with a reset once the server has closed its side: this end sent
+  // the first FIN, so a plain close would keep the port in TIME_WAIT for a
+  // minute, and thousands of inputs a second exhaust the ephemeral ports
+  // (the harness's connect then fails, which is no finding about the server).
+  const linger reset{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
   ::close(fd);
 }
 
