@@ -21,6 +21,11 @@
 // bytes the run holds per rank (parameters, gradients, master, optimizer
 // state; for engines Accelerator::memory()), next to the precision plan's
 // prediction. Peak RSS is the process's high-water mark during the run.
+// The *_lora configurations train a LoRA adapter (r --lora-r, alpha 2r, on
+// q/k/v/o_proj, PEFT's semantics: shardtrain/lora.h) instead of the whole
+// model; *_qlora ones also hold the frozen base in NF4
+// (shardtrain/quantization.h). Their "model states peak" adds the most
+// gathered bytes at once to the states at rest.
 
 #include <chrono>
 #include <cstdio>
@@ -38,7 +43,9 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/error.h"
+#include "shardtrain/lora.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/quantization.h"
 #include "shardtrain/nn/linear.h"
 
 namespace {
@@ -60,6 +67,8 @@ struct BenchOptions {
   bool auto_buckets = true;
   /// The lost-update audit (precision_audit.sample_fraction 1, the default) or none (0).
   bool audit = true;
+  /// Rank of the *_lora and *_qlora configurations' adapters.
+  int64_t lora_r = 8;
 };
 
 struct RunResult {
@@ -67,9 +76,11 @@ struct RunResult {
   double optimizer_seconds = 0;  ///< mean time of accelerator.step() in the timed steps (engines)
   double final_loss = 0;
   int64_t state_bytes = 0;
+  int64_t state_peak_bytes = 0;  ///< engines: states at rest plus the gathered peak
   int64_t planned_bytes = -1;  ///< -1: no plan (plain loops)
   int64_t peak_rss = 0;
-  int64_t num_params = 0;
+  int64_t num_params = 0;  ///< the model's, adapters included, before any quantization
+  double flops_per_token = 0;  ///< what MFU counts (LoRA: no weight gradient for the frozen base)
 };
 
 /// Random tokens of step `step` on `rank`: [micro_batch, seq_len + 1].
@@ -137,6 +148,7 @@ RunResult run_plain(const BenchOptions& o, shardtrain::comm::Communicator* all_r
   result.step_seconds = timed / o.steps;
   for (auto& p : master_params) {
     result.num_params += p.numel();
+    result.flops_per_token = models::training_flops_per_token(o.model, result.num_params, o.seq_len);
     result.state_bytes += 4 * tensor_bytes(p);  // parameter, gradient, exp_avg, exp_avg_sq
   }
   if (o.bf16) {
@@ -181,24 +193,56 @@ shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOpt
   return c;
 }
 
+/// "zero3_qlora" -> {"zero3", LoRA, NF4 base}.
+struct EngineVariant {
+  std::string engine;
+  bool lora = false, qlora = false;
+};
+
+EngineVariant variant_of(const std::string& name) {
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("_qlora")) return {name.substr(0, name.size() - 6), true, true};
+  if (ends_with("_lora")) return {name.substr(0, name.size() - 5), true, false};
+  return {name};
+}
+
 RunResult run_engine(const std::string& name, const BenchOptions& o, const shardtrain::comm::CommunicatorPtr& comm) {
+  const EngineVariant variant = variant_of(name);
   shardtrain::AcceleratorOptions accelerator_options;
-  accelerator_options.config = engine_config(name, o, comm->world_size());
+  accelerator_options.config = engine_config(variant.engine, o, comm->world_size());
   accelerator_options.communicator = comm;
   accelerator_options.print_plan = false;
   shardtrain::Accelerator accelerator(accelerator_options);
   torch::manual_seed(0);
   models::LlamaForCausalLM model(o.model);
   shardtrain::RunInfo run;
-  if (name == "fsdp_pure") {
+  if (variant.engine == "fsdp_pure") {
     model->to(at::kBFloat16);
     run.load_dtype = "bf16";
   }
+  if (variant.lora) {
+    shardtrain::LoraConfig lora;
+    lora.r = o.lora_r;
+    lora.lora_alpha = static_cast<double>(2 * o.lora_r);
+    lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    shardtrain::apply_lora(*model, lora);
+  }
+  RunResult result;
+  int64_t trainable = 0;
+  for (const auto& p : model->parameters()) {
+    result.num_params += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  result.flops_per_token = variant.lora
+                               ? models::training_flops_per_token(o.model, result.num_params, o.seq_len, trainable)
+                               : models::training_flops_per_token(o.model, result.num_params, o.seq_len);
+  if (variant.qlora) shardtrain::quantize_frozen_base(*model);
   run.hidden_size = o.model.hidden_size;
   run.micro_batch_size = o.micro_batch;
   run.total_steps = o.skip + o.steps;
   auto prepared = accelerator.prepare(model, {}, run);
-  RunResult result;
   double timed = 0, optimizer = 0;
   for (int step = 0; step < o.skip + o.steps; ++step) {
     at::Tensor tokens = random_tokens(o, step, comm->rank());
@@ -220,10 +264,9 @@ RunResult run_engine(const std::string& name, const BenchOptions& o, const shard
   result.optimizer_seconds = optimizer / o.steps;
   const shardtrain::MemoryReport mem = accelerator.memory();
   result.state_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered;
+  result.state_peak_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered_peak;
   const shardtrain::PrecisionPlan plan = accelerator.precision_plan();
-  result.num_params = plan.num_params;
-  result.planned_bytes = plan.predicted_bytes(plan.params_bytes + plan.grads_bytes + plan.master_bytes +
-                                              plan.optimizer_bytes + plan.gathered_at_rest_bytes);
+  result.planned_bytes = static_cast<int64_t>(plan.total_bytes_per_rank());
   return result;
 }
 
@@ -239,6 +282,11 @@ const std::map<std::string, std::string>& known_configs() {
       {"fsdp_shard_grad_op", "FSDP SHARD_GRAD_OP standard"},
       {"fsdp_no_shard", "FSDP NO_SHARD"},
       {"fsdp_pure", "FSDP FULL_SHARD pure bf16 (whatever --dtype)"},
+      {"ddp_lora", "zero-0/DDP, LoRA"},
+      {"zero3_lora", "ZeRO-3, LoRA"},
+      {"fsdp_full_shard_lora", "FSDP FULL_SHARD standard, LoRA"},
+      {"zero3_qlora", "ZeRO-3, QLoRA (NF4 base)"},
+      {"fsdp_full_shard_qlora", "FSDP FULL_SHARD standard, QLoRA (NF4 base)"},
   };
   return known;
 }
@@ -260,6 +308,7 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", o.micro_batch, "Rows per rank per step")->capture_default_str();
   app.add_option("--steps", o.steps, "Timed steps per run")->capture_default_str();
   app.add_option("--skip", o.skip, "Warm-up steps per run, not timed")->capture_default_str();
+  app.add_option("--lora-r", o.lora_r, "Adapter rank of the *_lora and *_qlora configurations")->capture_default_str();
   app.add_option("--rounds", rounds, "Runs of every configuration (interleaved); the median is reported")
       ->capture_default_str();
   std::string names;
@@ -329,9 +378,10 @@ int main(int argc, char** argv) {
             optimizer_seconds[key].push_back(r.optimizer_seconds);
             if (audit) last[key] = r;
             if (main_process) {
-              std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f  peak RSS %.0f MiB\n", round + 1,
-                          name.c_str(), dtype.c_str(), audit ? "" : " (no audit)", r.step_seconds, r.final_loss,
-                          r.peak_rss / 1048576.0);
+              std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f  peak RSS %.0f MiB  model states %.2f MB, "
+                          "peak %.2f MB\n",
+                          round + 1, name.c_str(), dtype.c_str(), audit ? "" : " (no audit)", r.step_seconds,
+                          r.final_loss, r.peak_rss / 1048576.0, r.state_bytes / 1e6, r.state_peak_bytes / 1e6);
               std::fflush(stdout);
             }
           }
@@ -341,7 +391,6 @@ int main(int argc, char** argv) {
     if (main_process) {
       const RunResult& any = last.begin()->second;
       const std::string baseline = world == 1 ? "plain" : "allreduce_dp";
-      const double token_flops = models::training_flops_per_token(o.model, any.num_params, o.seq_len);
       std::printf("\nLlama %lld parameters (%s), world %d, seq %lld x micro-batch %lld per rank, "
                   "median of %d rounds (%d timed steps each)\n",
                   static_cast<long long>(any.num_params), model_config.c_str(), world,
@@ -363,7 +412,7 @@ int main(int argc, char** argv) {
           if (r.planned_bytes >= 0) std::snprintf(plan, sizeof plan, "%.1f MB", r.planned_bytes / 1e6);
           std::printf("| %s | %s | %.3f | %.0f | %s | %.1f%% | %.1f MB | %s | %.0f MiB |\n",
                       known_configs().at(name).c_str(), dtype.c_str(), seconds, tokens_per_s, ratio,
-                      100.0 * tokens_per_s * token_flops / peak[dtype], r.state_bytes / 1e6, plan,
+                      100.0 * tokens_per_s * r.flops_per_token / peak[dtype], r.state_bytes / 1e6, plan,
                       r.peak_rss / 1048576.0);
         }
       }

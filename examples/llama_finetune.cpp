@@ -122,6 +122,9 @@ int main(int argc, char** argv) {
   app.add_flag("--merge-lora", options.merge_lora,
                "With LoRA: also export OUTPUT/hf, the model with the adapters folded in (the adapter always goes "
                "to OUTPUT/adapter)");
+  app.add_flag("--load-in-4bit", options.load_in_4bit,
+               "QLoRA: hold the frozen base in 4-bit NF4 (blocksize 64, double quant, as bitsandbytes), compute in "
+               "bf16; needs LoRA (--lora-r, ...)");
   app.add_flag("--no-save", options.no_save, "No checkpoint at the end (benchmarks)");
   app.add_flag("--no-progress", options.no_progress, "No progress bar");
   app.add_option("--throughput-skip-steps", options.throughput_skip_steps,

@@ -13,6 +13,10 @@ ids, as bench_train_step does), the next-token cross entropy.
   deepspeed  DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu) over Gloo, torch's AdamW
              as the client optimizer (DeepSpeed's own CPU Adam would be a
              different optimizer kernel).
+--lora R: PEFT's get_peft_model with LoraConfig(r=R, lora_alpha=2R,
+target_modules q/k/v/o_proj, dropout 0) on the model before wrapping, the
+optimizer over the adapters only (what PEFT users run; bench_train_step's
+*_lora configurations apply the same adapters).
 Prints one JSON line on rank 0: {"step_seconds": mean of the timed steps of
 the slowest rank, "loss": the last loss, "peak_rss_mib": the largest rank's
 high-water mark of resident memory from just before the model is built to
@@ -24,7 +28,7 @@ Offline: nothing is downloaded.
 
 Usage: .venv/bin/python scripts/bench_pytorch.py --mode plain|ddp|fsdp2|deepspeed
        [--world 2] [--model-config F] [--seq-len 256] [--micro-batch 4]
-       [--steps 3] [--skip 1] [--threads 1] [--port 29611]
+       [--steps 3] [--skip 1] [--threads 1] [--port 29611] [--lora 8]
 """
 import argparse
 import json
@@ -57,8 +61,18 @@ def build(args, cfg):
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     model.train()
     return model
+
+
+def decoder_layers(model):
+    """The decoder layers, under PEFT's wrapper too."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.layers
 
 
 def wrap(args, model):
@@ -67,7 +81,7 @@ def wrap(args, model):
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
     elif args.mode == "deepspeed":
@@ -78,7 +92,8 @@ def wrap(args, model):
                   "steps_per_print": 1 << 30}
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, optimizer
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.01)
 
 
 def run(rank, args):
@@ -135,6 +150,7 @@ def main():
     parser.add_argument("--skip", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--port", type=int, default=29611)
+    parser.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on q/k/v/o_proj (0: none)")
     args = parser.parse_args()
     if args.mode == "deepspeed":
         os.environ["DS_ACCELERATOR"] = "cpu"

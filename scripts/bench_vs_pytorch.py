@@ -10,6 +10,13 @@ each in its own processes (so each peak RSS is its own), interleaved:
   world 1: Python plain loop | shardtrain plain LibTorch loop | shardtrain zero-0
   world 2: Python DDP | FSDP2 | DeepSpeed ZeRO-3 | shardtrain zero-0, zero-1,
            zero-2, zero-3, fsdp standard, fsdp pure (bf16)
+With --lora, the LoRA table instead (r --lora-r, alpha 2r, q/k/v/o_proj):
+  world 1: PEFT + PyTorch plain loop | shardtrain zero-0 LoRA | zero-0 full
+  world 2: PEFT + FSDP2 | shardtrain zero-3 LoRA, fsdp LoRA, zero-3 full,
+           and in bf16 zero-3 LoRA (bf16 base) and zero-3 QLoRA (NF4 base)
+with issue 27's targets: a LoRA step <= 0.5x the full fine-tune's, <= 1.00x
+PEFT's, and QLoRA's model states (at rest plus the gathered peak) <= 0.35x
+the bf16-base LoRA's.
 Python sides: scripts/bench_pytorch.py; shardtrain: bench_train_step under
 `shardtrain launch`. Reports the median step time over the rounds, the peak
 RSS per rank, the ratios shardtrain / peer and the issue's targets.
@@ -37,30 +44,45 @@ RATIOS = [("zero0_w1", "python_plain", 1.00), ("cpp_plain", "python_plain", None
           ("fsdp_standard", "python_fsdp2", 1.00), ("fsdp_standard", "python_ddp", 1.10),
           ("fsdp_pure_bf16", "python_fsdp2", None)]
 
+LORA_PEERS = [("peft_plain", 1, "plain"), ("peft_fsdp2", 2, "fsdp2")]
+# (name, world, bench_train_step configuration, dtype)
+LORA_SHARDTRAIN = [("lora_zero0_w1", 1, "ddp_lora", "fp32"), ("full_zero0_w1", 1, "ddp", "fp32"),
+                   ("lora_zero3", 2, "zero3_lora", "fp32"), ("lora_fsdp", 2, "fsdp_full_shard_lora", "fp32"),
+                   ("full_zero3", 2, "zero3", "fp32"), ("lora_zero3_bf16", 2, "zero3_lora", "bf16"),
+                   ("qlora_zero3_bf16", 2, "zero3_qlora", "bf16")]
+LORA_RATIOS = [("lora_zero0_w1", "full_zero0_w1", 0.5), ("lora_zero3", "full_zero3", 0.5),
+               ("lora_zero0_w1", "peft_plain", 1.00), ("lora_zero3", "peft_fsdp2", 1.00),
+               ("lora_fsdp", "peft_fsdp2", 1.00)]
+# (run, reference, target) on model states per rank, not time
+LORA_STATE_RATIOS = [("qlora_zero3_bf16", "lora_zero3_bf16", 0.35)]
+
 
 def run_peer(args, mode, world):
     command = [sys.executable, os.path.join(ROOT, "scripts", "bench_pytorch.py"), "--mode", mode,
                "--world", str(world), "--steps", str(args.steps), "--skip", str(args.skip)]
+    if args.lora:
+        command += ["--lora", str(args.lora_r)]
     out = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"bench-vs-pytorch: {' '.join(command)} failed (exit {out.returncode}):\n"
                          f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     result = json.loads(lines[-1])
-    return result["step_seconds"], result["peak_rss_mib"]
+    return result["step_seconds"], result["peak_rss_mib"], None
 
 
-def run_shardtrain(args, config, world):
+def run_shardtrain(args, config, world, dtype="fp32"):
     command = [os.path.join(args.build, "bin", "shardtrain"), "launch", "--num_processes", str(world),
                os.path.join(args.build, "bin", "bench_train_step"), "--rounds", "1", "--configs", config,
-               "--steps", str(args.steps), "--skip", str(args.skip)]
+               "--dtype", dtype, "--lora-r", str(args.lora_r), "--steps", str(args.steps), "--skip", str(args.skip)]
     env = dict(os.environ, SHARDTRAIN_LOG_LEVEL="warn")
     out = subprocess.run(command, capture_output=True, text=True, env=env)
-    match = re.search(r"round 1 +\S+ +fp32 +([0-9.]+) s/step .*peak RSS ([0-9]+) MiB", out.stdout)
+    match = re.search(r"round 1 +\S+ +" + dtype + r" +([0-9.]+) s/step .*peak RSS ([0-9]+) MiB .*peak ([0-9.]+) MB",
+                      out.stdout)
     if out.returncode != 0 or not match:
         raise SystemExit(f"bench-vs-pytorch: {' '.join(command)} failed (exit {out.returncode}):\n"
                          f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return float(match.group(1)), float(match.group(2))
+    return float(match.group(1)), float(match.group(2)), float(match.group(3))
 
 
 def main():
@@ -70,6 +92,8 @@ def main():
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps per run (DeepSpeed's ZeRO-3 traces "
                         "its module order in the first steps)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--lora", action="store_true", help="the LoRA/QLoRA table (issue 27) instead")
+    parser.add_argument("--lora-r", type=int, default=8, help="adapter rank with --lora")
     parser.add_argument("--runs", nargs="+", metavar="RUN",
                         help="only these runs (names as in the table, e.g. python_plain cpp_plain zero0_w1): more "
                         "rounds of a few runs where the machine's noise is as large as the difference")
@@ -77,14 +101,16 @@ def main():
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    known = [p[0] for p in PEERS] + [r[0] for r in SHARDTRAIN]
+    peer_table, ours_table, ratio_table = (LORA_PEERS, LORA_SHARDTRAIN, LORA_RATIOS) if args.lora else (
+        PEERS, [r + ("fp32",) for r in SHARDTRAIN], RATIOS)
+    known = [p[0] for p in peer_table] + [r[0] for r in ours_table]
     unknown = sorted(set(args.runs or []) - set(known))
     if unknown:
         parser.error(f"unknown run(s) {', '.join(unknown)}; the runs are: {' '.join(known)}")
     wanted = lambda name: args.runs is None or name in args.runs
-    peers = [p for p in PEERS if not (args.no_deepspeed and p[2] == "deepspeed") and wanted(p[0])]
-    shardtrain_runs = [r for r in SHARDTRAIN if wanted(r[0])]
-    times, rss = {}, {}
+    peers = [p for p in peer_table if not (args.no_deepspeed and p[2] == "deepspeed") and wanted(p[0])]
+    shardtrain_runs = [r for r in ours_table if wanted(r[0])]
+    times, rss, states = {}, {}, {}
     for round_index in range(1, args.rounds + 1):
         # Peer, shardtrain, peer, ...: the two kinds alternate through the round.
         schedule = []
@@ -93,28 +119,44 @@ def main():
                 schedule.append(("peer",) + peers[i])
             for entry in shardtrain_runs[2 * i:2 * i + 2]:
                 schedule.append(("shardtrain",) + entry)
-        for kind, name, world, what in schedule:
-            seconds, peak = run_peer(args, what, world) if kind == "peer" else run_shardtrain(args, what, world)
+        for kind, name, world, what, *dtype in schedule:
+            seconds, peak, state = (run_peer(args, what, world) if kind == "peer"
+                                    else run_shardtrain(args, what, world, *dtype))
             times.setdefault(name, []).append(seconds)
             rss[name] = max(rss.get(name, 0.0), peak)
+            if state is not None:
+                states[name] = state
             print(f"round {round_index}  {name:<17} world {world}  {seconds:7.3f} s/step  peak RSS {peak:6.0f} MiB",
                   flush=True)
     median = {name: statistics.median(values) for name, values in times.items()}
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
-    print(f"\nLlama 58M fp32, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
+    lora = f", LoRA r {args.lora_r} on q/k/v/o_proj" if args.lora else ""
+    print(f"\nLlama 58M fp32{lora}, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
           f"interleaved rounds ({args.steps} timed steps after {args.skip} warm-up each)")
-    print("| run | world | step (s) | peak RSS/rank (MiB) |\n|---|---:|---:|---:|")
-    for name, world, _ in [(p[0], p[1], p[2]) for p in peers] + shardtrain_runs:
-        print(f"| {name} | {world} | {median[name]:.3f} | {rss[name]:.0f} |")
-    print("\n| shardtrain / peer | ratio | target | met |\n|---|---:|---:|---|")
+    print("| run | world | dtype | step (s) | peak RSS/rank (MiB) | model states/rank, peak (MB) |\n"
+          "|---|---:|---|---:|---:|---:|")
+    for name, world, *rest in [(p[0], p[1], p[2]) for p in peers] + shardtrain_runs:
+        dtype = rest[1] if len(rest) > 1 else "fp32"
+        state = f"{states[name]:.2f}" if name in states else "-"
+        print(f"| {name} | {world} | {dtype} | {median[name]:.3f} | {rss[name]:.0f} | {state} |")
+    print("\n| shardtrain / reference (step time) | ratio | target | met |\n|---|---:|---:|---|")
     missed = 0
-    for ours, peer, target in RATIOS:
+    for ours, peer, target in ratio_table:
         if peer not in median or ours not in median:
             continue
         ratio = median[ours] / median[peer]
         met = "-" if target is None else ("yes" if ratio <= target else "NO")
         missed += met == "NO"
         print(f"| {ours} / {peer} | {ratio:.3f} | {'-' if target is None else f'<= {target:.2f}'} | {met} |")
+    if args.lora:
+        print("\n| model states (at rest + gathered peak) | ratio | target | met |\n|---|---:|---:|---|")
+        for ours, reference, target in LORA_STATE_RATIOS:
+            if ours not in states or reference not in states:
+                continue
+            ratio = states[ours] / states[reference]
+            met = "yes" if ratio <= target else "NO"
+            missed += met == "NO"
+            print(f"| {ours} / {reference} | {ratio:.3f} | <= {target:.2f} | {met} |")
     print(f"\n{missed} target(s) missed")
 
 

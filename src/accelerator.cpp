@@ -184,11 +184,12 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.config = resolve_auto(s.config, context);
   s.accumulation = s.config.gradient_accumulation_steps.value_or(1);
 
-  int64_t num_params = 0, frozen_params = 0;
+  int64_t num_params = 0, frozen_params = 0, frozen_nf4_bytes = 0;
   bool on_cuda = false;
   std::string load_dtype = run.load_dtype;
   for (const auto& p : s.module->parameters()) {
-    (p.requires_grad() ? num_params : frozen_params) += p.numel();
+    // uint8 parameters are the NF4 bytes of a quantized base (quantization.h).
+    (p.requires_grad() ? num_params : p.scalar_type() == at::kByte ? frozen_nf4_bytes : frozen_params) += p.numel();
     on_cuda = on_cuda || p.is_cuda();
   }
   if (!s.module->parameters().empty()) {
@@ -217,6 +218,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.config.optimizer.momentum = plan.optimizer.momentum;
   s.plan = precision_plan_of(plan, num_params, plan_context);
   s.plan.frozen_params = frozen_params;
+  s.plan.frozen_nf4_bytes = frozen_nf4_bytes;
   // LoRA adapters keep fp32 masters (lora.h); pure low precision has none.
   // Refused until the engine holds adapter entries in fp32 under that mode
   // (issue 27), rather than trained in bf16 where small updates are lost.
@@ -349,8 +351,8 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   at::Tensor input = tensor.to(device()).contiguous();
   const bool widen = !comm::is_supported_dtype(input.scalar_type());
   if (widen) input = input.to(at::isFloatingType(input.scalar_type()) ? at::kFloat : at::kLong);
-  std::vector<int64_t> shape = input.sizes().vec();
-  if (shape.empty()) shape = {1};
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  if (shape.empty()) shape.push_back(1);
   shape[0] *= num_processes();
   at::Tensor output = at::empty(shape, input.options());
   communicator().all_gather(output, input);
@@ -435,6 +437,13 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   options.max_shard_bytes = max_shard_bytes;
   options.config_json_path = config_json;
   engine::Engine& running = engine();  // refuses a call before prepare()
+  for (const auto& item : s.module->named_parameters()) {
+    // Every rank has the same parameters, so every rank refuses alike.
+    ST_CHECK_T(ConfigError, item.value().scalar_type() != at::kByte, "save_model: ", item.key(),
+               " is a quantized NF4 base weight (quantize_frozen_base); a Hugging Face export needs the original "
+               "weights. Save the adapter (save_lora_adapter) and merge it onto the unquantized base (the fine-tune "
+               "examples: --lora-adapter DIR --merge-lora on the original model)");
+  }
   checkpoint::ExportSelection selection;
   for (const auto& [path, linear] : lora_layers(*s.module)) selection.merge_lora[path] = linear->lora_scaling;
   checkpoint::save_model(running, *s.comm, out_dir, options, selection);
@@ -512,6 +521,12 @@ MemoryReport Accelerator::memory() const {
 
 void Accelerator::reset_memory_peaks() {
   if (state_->engine) state_->engine->reset_gathered_peak();
+}
+
+TrafficReport Accelerator::traffic() const { return state_->engine ? state_->engine->traffic() : TrafficReport(); }
+
+void Accelerator::reset_traffic() {
+  if (state_->engine) state_->engine->reset_traffic();
 }
 
 }  // namespace shardtrain

@@ -83,9 +83,13 @@ namespace {
 void check_tensor(const Communicator& comm, const CollectiveEvent& event, const at::Tensor& t,
                   const char* role) {
   ST_CHECK(t.defined(), event.op, ": the ", role, " tensor is undefined");
-  ST_CHECK(is_supported_dtype(t.scalar_type()), event.op, " on ", comm.backend(), ": dtype ",
-           c10::toString(t.scalar_type()), " of the ", role,
-           " is not supported; use float32, bfloat16, float16, float64 or int64");
+  // Collectives that only move data also take raw bytes (uint8: the NF4
+  // buffers of a quantized frozen base); reductions need an arithmetic type.
+  const bool moves_only = event.op == "all_gather" || event.op == "broadcast";
+  ST_CHECK(is_supported_dtype(t.scalar_type()) || (moves_only && t.scalar_type() == at::kByte), event.op, " on ",
+           comm.backend(), ": dtype ", c10::toString(t.scalar_type()), " of the ", role,
+           " is not supported; use float32, bfloat16, float16, float64 or int64",
+           moves_only ? " (or uint8 bytes)" : "");
   ST_CHECK(t.is_contiguous(), event.op, ": the ", role,
            " tensor must be contiguous (call .contiguous() first)");
   ST_CHECK(t.device().type() == comm.device_type(), event.op, ": the ", role, " tensor is on ",

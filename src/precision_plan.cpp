@@ -101,6 +101,18 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   return plan;
 }
 
+double PrecisionPlan::frozen_nf4_bytes_per_rank() const {
+  return static_cast<double>(frozen_nf4_bytes) *
+         (1.0 / static_cast<double>(shard_count) + (gathered_at_rest_bytes > 0 ? 1.0 : 0.0));
+}
+
+double PrecisionPlan::total_bytes_per_rank() const {
+  const double trained = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
+  // A frozen parameter is its shard at rest (and what is kept gathered), nothing else.
+  return trained * static_cast<double>(num_params) +
+         (params_bytes + gathered_at_rest_bytes) * static_cast<double>(frozen_params) + frozen_nf4_bytes_per_rank();
+}
+
 std::string PrecisionPlan::to_string() const {
   std::ostringstream out;
   out << "precision plan (" << engine << ", " << num_params << " parameters"
@@ -125,14 +137,15 @@ std::string PrecisionPlan::to_string() const {
   row("optimizer state", optimizer_bytes, num_params);
   row("gathered at rest", gathered_at_rest_bytes, num_params);
   const double trained_total = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
-  if (frozen_params > 0) {
-    // A frozen parameter is its shard at rest (and what is kept gathered), nothing else.
+  if (frozen_params > 0 || frozen_nf4_bytes > 0) {
     row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
+    if (frozen_nf4_bytes > 0) {
+      out << "  " << std::left << std::setw(22) << "frozen NF4 (shard)" << std::right << std::setw(8) << ""
+          << "                = " << human(frozen_nf4_bytes_per_rank()) << " per rank ("
+          << human(static_cast<double>(frozen_nf4_bytes)) << " of 4-bit weights and their absmax)\n";
+    }
     out << "  " << std::left << std::setw(22) << "total model states" << std::right << std::setw(8) << ""
-        << "                = "
-        << human(trained_total * static_cast<double>(num_params) +
-                 (params_bytes + gathered_at_rest_bytes) * static_cast<double>(frozen_params))
-        << " per rank\n";
+        << "                = " << human(total_bytes_per_rank()) << " per rank\n";
   } else {
     row("total model states", trained_total, num_params);
   }

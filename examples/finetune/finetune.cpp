@@ -26,6 +26,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/lora.h"
+#include "shardtrain/quantization.h"
 #include "shardtrain/models/generation.h"
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/instruction_data.h"
@@ -268,6 +269,8 @@ nlohmann::json summary_to_json(const FinetuneSummary& summary) {
               {"peak_source", summary.peak_source},
               {"mfu", finite_or_null(summary.mfu)},
               {"peak_rss_max_bytes", summary.peak_rss_max},
+              {"gathered_bytes_per_step", summary.gathered_bytes_per_step},
+              {"frozen_gathered_bytes_per_step", summary.frozen_gathered_bytes_per_step},
               {"peak_device_allocated_max_bytes", summary.peak_device_memory_max},
               {"losses", summary.losses},
               {"step_seconds", summary.step_seconds},
@@ -408,7 +411,13 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
   models::LlamaForCausalLM model{nullptr};
   shardtrain::WeightSource weight_source;
-  if (!options.model_dir.empty()) {
+  if (!options.model_dir.empty() && options.load_in_4bit) {
+    // QLoRA quantizes the weights it holds: each rank loads the base whole
+    // (as transformers does with load_in_4bit), then keeps only NF4 bytes.
+    model = models::LlamaForCausalLM(mc);
+    model->to(device, dtype_of(load_dtype));
+    models::load_hf_weights(model, options.model_dir);
+  } else if (!options.model_dir.empty()) {
     // No rank holds the full model: each builds it without weights (layer by
     // layer, storage released) and the engine fills this rank's shard from
     // the safetensors files, reading only those bytes.
@@ -443,6 +452,15 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   for (const auto& p : model->parameters()) {
     all_params += p.numel();
     if (p.requires_grad()) trainable_params += p.numel();
+  }
+  if (options.load_in_4bit) {
+    ST_CHECK_T(shardtrain::ConfigError, lora.has_value(),
+               "--load-in-4bit quantizes the frozen base of a LoRA run; give --lora-r (or --lora-config, --lora-adapter)");
+    ST_CHECK_T(shardtrain::ConfigError, !options.merge_lora,
+               "--merge-lora needs the original base weights, which --load-in-4bit replaces; merge OUTPUT/adapter in a "
+               "run without --load-in-4bit (--lora-adapter OUTPUT/adapter --merge-lora)");
+    const shardtrain::QuantizationSummary quantized = shardtrain::quantize_frozen_base(*model);
+    if (verbose) std::cout << "QLoRA base: " << quantized.describe() << std::endl;
   }
 
   shardtrain::OptimizerOptions optimizer;
@@ -554,8 +572,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
                        std::max(1, accelerator.config().steps_per_print));
   double train_seconds = 0;
   int64_t train_tokens = 0;  // token positions (rows x seq_len) this rank computed
+  shardtrain::TrafficReport step_traffic;  // the training steps' all-gathers (evals and saves left out)
   for (int64_t step = summary.first_step; step < options.max_steps; ++step) {
     const auto start = Clock::now();
+    accelerator.reset_traffic();
     // The window's batches come first, as the Trainer's get_batch_samples:
     // a global-token loss needs the window's loss-token count before the
     // first backward.
@@ -623,6 +643,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
       line["peak_rss"] = mem.peak_rss;
       metrics << line.dump() << "\n" << std::flush;
     }
+    step_traffic.param_gather_bytes += accelerator.traffic().param_gather_bytes;
+    step_traffic.frozen_gather_bytes += accelerator.traffic().frozen_gather_bytes;
     const bool last = step + 1 == options.max_steps;
     if (options.save_every > 0 && (step + 1) % options.save_every == 0 && !last) {
       progress.interrupt();
@@ -673,6 +695,9 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
           ? accelerator.reduce(at::full({1}, train_tokens / train_seconds, at::kDouble), "mean").item<double>()
           : 0;
   summary.flops_per_token = token_flops;
+  const double steps_run = static_cast<double>(std::max<int64_t>(1, options.max_steps - summary.first_step));
+  summary.gathered_bytes_per_step = static_cast<double>(step_traffic.param_gather_bytes) / steps_run;
+  summary.frozen_gathered_bytes_per_step = static_cast<double>(step_traffic.frozen_gather_bytes) / steps_run;
   summary.mfu = summary.tokens_per_s_per_rank * token_flops / peak_flops;
   const shardtrain::MemoryReport mem = accelerator.memory();
   // One gather for both peaks: [world, 2], RSS then the GPU's caching
@@ -719,6 +744,11 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     }
     table.add("MFU", percent(summary.mfu) + " of " + peak_source);
     table.add("peak memory (RSS)", per_rank(rss));
+    if (summary.gathered_bytes_per_step > 0) {
+      table.add("parameter all-gathers per step (rank 0)",
+                format_bytes(summary.gathered_bytes_per_step) + " (frozen base " +
+                    format_bytes(summary.frozen_gathered_bytes_per_step) + ")");
+    }
     if (device.is_cuda()) table.add("peak GPU memory (allocated)", per_rank(device_peak));
     if (!summary.checkpoint_dir.empty()) table.add("checkpoint", summary.checkpoint_dir);
     if (!summary.adapter_dir.empty()) table.add("LoRA adapter (PEFT)", summary.adapter_dir);

@@ -74,6 +74,8 @@ struct FinetuneOptions {
   /// With LoRA: also export OUTPUT/hf, a full model with the adapters folded
   /// in (the adapter itself always goes to OUTPUT/adapter).
   bool merge_lora = false;
+  /// QLoRA (shardtrain/quantization.h): the frozen base in NF4, compute in bf16.
+  bool load_in_4bit = false;
   bool no_save = false;  ///< no checkpoint at the end (benchmarks)
   bool no_progress = false;
   bool quiet = false;  ///< tests, benchmarks: no progress bar, no plan, no summary
@@ -111,6 +113,8 @@ struct FinetuneSummary {
   std::string checkpoint_dir, export_dir;
   std::string adapter_dir;              ///< the PEFT adapter saved at the end ("" without LoRA)
   int64_t trainable_parameters = 0, total_parameters = 0;
+  /// Parameter bytes this rank all-gathered per step (all, and the frozen base's).
+  double gathered_bytes_per_step = 0, frozen_gathered_bytes_per_step = 0;
   std::string metrics_file;  ///< the per-step JSONL rank 0 wrote ("" when none)
   shardtrain::PrecisionPlan plan;
 };

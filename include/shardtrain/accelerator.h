@@ -265,10 +265,14 @@ class Accelerator {
   std::map<std::string, int64_t>& checkpoint_extras();
 
   // ---- state
-  /// Every parameter's full fp32 value by name (collective; rank 0 gets all, so do others).
+  /// Every parameter's full fp32 value by name (a quantized weight: its NF4
+  /// bytes; collective; rank 0 gets all, so do others).
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   MemoryReport memory() const;
   void reset_memory_peaks();
+  /// Parameter bytes all-gathered since the last reset_traffic() (zero before prepare()).
+  TrafficReport traffic() const;
+  void reset_traffic();
 
   // Used by PreparedModel.
   void begin_forward();

@@ -105,6 +105,30 @@ at::Tensor non_finite_flag(const at::Tensor& t);
 /// even when narrowing). Same device and numel.
 void cast_into(at::Tensor& dst, const at::Tensor& src);
 
+/// NF4 (QLoRA's 4-bit NormalFloat with blocksize 64 and double-quantized
+/// absmax values, bitsandbytes' quantize_4bit format): the bytes of `weight`
+/// (fp32, bf16 or fp16, numel a multiple of 64, finite), as one uint8 buffer
+/// on weight's device that holds the codes and the quantization state
+/// (src/kernels/nf4_format.h lays it out). Computed on the CPU.
+at::Tensor nf4_quantize(const at::Tensor& weight);
+
+/// Bytes of the NF4 buffer of `numel` elements (about numel / 2 * 1.03).
+int64_t nf4_buffer_bytes(int64_t numel);
+
+/// Decodes an NF4 buffer into a new tensor of `numel` elements of `dtype`
+/// (fp32, bf16, fp16) on the buffer's device; CPU and CUDA kernels give the
+/// same bits.
+at::Tensor nf4_dequantize(const at::Tensor& buffer, int64_t numel, at::ScalarType dtype);
+
+/// The pieces of an NF4 buffer as bitsandbytes' QuantState names them, for
+/// checks and exports: `codes` (the packed bytes), `absmax` (uint8 codes of
+/// the absmax values), `nested_absmax` (fp32), `offset` (fp32, 0-dim) and
+/// `nested_quant_map` (the 256-entry fp32 map). CPU copies.
+struct Nf4State {
+  at::Tensor codes, absmax, nested_absmax, offset, nested_quant_map;
+};
+Nf4State nf4_state(const at::Tensor& buffer, int64_t numel);
+
 /// Whether this build has kernels for `device` (CPU always; CUDA where nvcc
 /// compiled the CUDA kernels).
 bool has_kernels_for(c10::DeviceType device);

@@ -37,6 +37,9 @@ struct PrecisionPlan {
   /// shard at rest (and what stages 1/2 keep gathered), no gradient, master or
   /// optimizer state. Listed on a row of their own.
   int64_t frozen_params = 0;
+  /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
+  /// row of their own, their shard at rest and what stages 1/2 keep gathered.
+  int64_t frozen_nf4_bytes = 0;
   int world_size = 1;
   /// Ranks one copy of the model states is sharded over (1 for NO_SHARD / zero-0,
   /// the machine size for HYBRID_SHARD, else world_size).
@@ -46,6 +49,11 @@ struct PrecisionPlan {
   /// Optimizer bytes per parameter per copy of the model (master + state), DESIGN.md's last column.
   double optimizer_bytes_per_param_total() const;
   int64_t predicted_bytes(double per_param) const { return static_cast<int64_t>(per_param * num_params); }
+  /// The NF4 base's bytes on one rank: its shard, and all of it where
+  /// parameters stay gathered (stages 1/2, NO_SHARD).
+  double frozen_nf4_bytes_per_rank() const;
+  /// Every row together: the model states one rank holds at rest.
+  double total_bytes_per_rank() const;
   /// The table rank 0 prints.
   std::string to_string() const;
 };

@@ -49,4 +49,15 @@ struct MemoryReport {
   int64_t peak_rss = 0;   ///< the process's peak resident set (the Accelerator's, not the engine's)
 };
 
+/// Bytes of parameter values this rank all-gathered since the last
+/// Accelerator::reset_traffic(): each gather's full buffer in the dtype it
+/// travels in (this rank's own shard included; zero where parameters are not
+/// sharded). The communication the sharding costs, per kind of weight.
+struct TrafficReport {
+  int64_t param_gather_bytes = 0;
+  /// The part of it that is frozen weights (a LoRA base: bf16 values, or the
+  /// NF4 bytes of a quantized one).
+  int64_t frozen_gather_bytes = 0;
+};
+
 }  // namespace shardtrain

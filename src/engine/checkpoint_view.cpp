@@ -1,5 +1,7 @@
 // The checkpoint slices of this rank's shards (save and load) and the owned
-// ranges, by parameter name and element range.
+// ranges, by parameter name and element range. A quantized base (packed
+// entries) is not part of a checkpoint: it is made again, bit for bit, from
+// the base weights (quantize_frozen_base is deterministic), and is not trained.
 
 #include "engine/checkpoint_view.h"
 
@@ -14,6 +16,7 @@ std::vector<CheckpointSlice> CheckpointView::slices() const {
   for (int i = 0; i < units_.size(); ++i) {
     const UnitEntry& u = units_[i];
     const UnitShard& shard = storage_.unit(i);
+    if (u.packed) continue;
     for (const auto& seg : u.layout->segments_of_rank(groups_.layout_rank())) {
       CheckpointSlice slice;
       slice.name = u.names[seg.param_index];
@@ -41,6 +44,7 @@ void CheckpointView::load(const SliceSource& source) {
   for (int i = 0; i < units_.size(); ++i) {
     const UnitEntry& u = units_[i];
     const UnitShard& shard = storage_.unit(i);
+    if (u.packed) continue;
     for (const auto& seg : u.layout->segments_of_rank(groups_.layout_rank())) {
       const std::string& name = u.names[seg.param_index];
       auto fill = [&](const at::Tensor& target, const std::string& kind) {

@@ -78,7 +78,7 @@ class Engine : public UnitHooks {
   /// Multiplies the loss before backward (fp16 loss scaling; 1 otherwise).
   virtual double loss_scale() const = 0;
 
-  /// Every parameter's full fp32 value by fully-qualified name, then every
+  /// Every parameter's full fp32 value (a quantized weight: its NF4 bytes) by fully-qualified name, then every
   /// buffer in its original dtype (as a state dict holds them). Collective.
   virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
   /// Every parameter's name and shape, in the order visit_full_parameters
@@ -92,6 +92,8 @@ class Engine : public UnitHooks {
   /// Every field but peak_rss (the process's, which the Accelerator adds).
   virtual MemoryReport memory() const = 0;
   virtual void reset_gathered_peak() = 0;
+  virtual TrafficReport traffic() const = 0;
+  virtual void reset_traffic() = 0;
 
   // ---- checkpoints: what the checkpoint format reads and writes, the same
   // for every engine (a checkpoint of one resumes under the other).

@@ -31,7 +31,8 @@ void GatherScheduler::mark_gathered(int i) {
 }
 
 int64_t GatherScheduler::full_bytes(int i) const {
-  return units_[i].layout->full_numel() * static_cast<int64_t>(c10::elementSize(plan_.compute_dtype));
+  const at::ScalarType dtype = units_[i].packed ? at::kByte : plan_.compute_dtype;
+  return units_[i].layout->full_numel() * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
 bool GatherScheduler::frees_after_forward(int i) const {
@@ -76,8 +77,12 @@ void GatherScheduler::start(int i) {
     slot.work = comm::completed_work();
     return;
   }
+  // What crosses the wire: the full buffer in the shard's dtype.
+  const int64_t wire_bytes = u.layout->full_numel() * static_cast<int64_t>(lp.element_size());
+  traffic_.param_gather_bytes += wire_bytes;
+  if (!u.trainable) traffic_.frozen_gather_bytes += wire_bytes;
   at::Tensor target = slot.full;
-  if (plan_.param_dtype != plan_.compute_dtype) {
+  if (!u.packed && plan_.param_dtype != plan_.compute_dtype) {
     // fp16 on a CPU computes in fp32: gathered in fp16, then widened.
     slot.staging = at::empty({u.layout->full_numel()}, lp.options());
     add_live(bytes_of(slot.staging));

@@ -18,6 +18,7 @@
 #include "engine/shard_groups.h"
 #include "engine/shard_storage.h"
 #include "engine/unit_table.h"
+#include "shardtrain/step_report.h"
 
 namespace shardtrain::engine {
 
@@ -77,6 +78,8 @@ class GatherScheduler {
   int64_t live_bytes() const { return live_bytes_; }
   int64_t peak_bytes() const { return peak_bytes_; }
   void reset_peak() { peak_bytes_ = live_bytes_; }
+  const TrafficReport& traffic() const { return traffic_; }
+  void reset_traffic() { traffic_ = TrafficReport(); }
   /// Waits (bounded by the communicator's timeout) for gathers still in
   /// flight, which write into buffers this scheduler owns; failures are
   /// logged, as this runs on the engine's destruction.
@@ -101,6 +104,7 @@ class GatherScheduler {
   std::vector<Slot> slots_;
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
+  TrafficReport traffic_;
 };
 
 }  // namespace shardtrain::engine

@@ -108,6 +108,8 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
         shard.exp_avg = exp_avg_.narrow(0, u.shard_offset, S);
         shard.exp_avg_sq = exp_avg_sq_.narrow(0, u.shard_offset, S);
       }
+    } else if (u.packed) {
+      shard.lp = at::zeros({S}, fp32.dtype(at::kByte));
     } else {
       shard.lp = at::zeros({S}, low);
       if (!pure) shard.master = at::zeros({S}, fp32);

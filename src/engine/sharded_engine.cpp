@@ -238,7 +238,8 @@ void ShardedEngine::visit_full_parameters(const std::function<void(const std::st
   for (int i = 0; i < s.units.size(); ++i) {
     const UnitEntry& u = s.units[i];
     const UnitShard& shard = s.storage.unit(i);
-    const at::Tensor source = shard.value().to(at::kFloat).contiguous();  // the master, or the widened shard
+    // The master, or the widened shard; a quantized weight's bytes as they are.
+    const at::Tensor source = u.packed ? shard.lp : shard.value().to(at::kFloat).contiguous();
     at::Tensor full = source;  // without sharding the shard is the full buffer
     if (s.plan.shard_params) {
       full = at::empty({u.layout->full_numel()}, source.options());
@@ -278,6 +279,10 @@ MemoryReport ShardedEngine::memory() const {
 }
 
 void ShardedEngine::reset_gathered_peak() { state_->gather.reset_peak(); }
+
+TrafficReport ShardedEngine::traffic() const { return state_->gather.traffic(); }
+
+void ShardedEngine::reset_traffic() { state_->gather.reset_traffic(); }
 
 // ---- introspection (tests) -------------------------------------------------------------
 

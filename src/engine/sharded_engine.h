@@ -53,6 +53,8 @@ class ShardedEngine : public Engine {
   void visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) override;
   MemoryReport memory() const override;
   void reset_gathered_peak() override;
+  TrafficReport traffic() const override;
+  void reset_traffic() override;
 
   // ---- introspection (tests, checkpoints)
   /// What the optimizer steps: the fp32 master partition, or in pure mode the low-precision one.

@@ -77,21 +77,23 @@ UnitTable::UnitTable(torch::nn::Module& model, const EnginePlan& plan, int layou
 
   std::unordered_set<const c10::TensorImpl*> claimed;
   auto collect = [&](const std::string& path, Unit* unit, torch::nn::Module& module) {
-    UnitEntry trainable, frozen;
-    for (UnitEntry* entry : {&trainable, &frozen}) {
+    UnitEntry trainable, frozen, packed;
+    for (UnitEntry* entry : {&trainable, &frozen, &packed}) {
       entry->path = path;
       entry->unit = unit;
     }
     frozen.trainable = false;
+    packed.trainable = false;
+    packed.packed = true;
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
       const at::Tensor& p = item.value();
       if (!claimed.insert(p.unsafeGetTensorImpl()).second) continue;  // shared/tied: the first owner keeps it
-      UnitEntry& entry = p.requires_grad() ? trainable : frozen;
+      UnitEntry& entry = p.requires_grad() ? trainable : p.scalar_type() == at::kByte ? packed : frozen;
       entry.names.push_back(join_path(path, item.key()));
       entry.params.push_back(p);
       entry.shapes.push_back(p.sizes().vec());
     }
-    for (UnitEntry* entry : {&trainable, &frozen}) {
+    for (UnitEntry* entry : {&trainable, &frozen, &packed}) {
       if (!entry->params.empty() || (entry == &trainable && unit == nullptr)) entries_.push_back(std::move(*entry));
     }
   };

@@ -24,11 +24,14 @@ class Module;
 
 namespace shardtrain::engine {
 
-/// One unit's parameters of one kind (trainable or frozen).
+/// One unit's parameters of one kind (trainable, frozen, or frozen bytes).
 struct UnitEntry {
   std::string path;                 ///< module path ("" = root)
   Unit* unit = nullptr;             ///< nullptr for the root
   bool trainable = true;
+  /// Frozen opaque bytes (uint8 parameters: an NF4-quantized base weight):
+  /// stored, gathered and viewed as bytes, never converted; no master.
+  bool packed = false;
   std::vector<std::string> names;   ///< fully-qualified parameter names
   std::vector<at::Tensor> params;   ///< the module's parameters (identity kept)
   std::vector<std::vector<int64_t>> shapes;

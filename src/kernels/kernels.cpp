@@ -10,9 +10,11 @@
 #include <c10/core/DeviceGuard.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/nf4_cpu.h"
 #include "kernels/cuda/cuda_dispatch.h"
 #include "kernels/device_checks.h"
 #include "kernels/element_math.h"
+#include "kernels/nf4_format.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::kernels {
@@ -122,6 +124,41 @@ void cast_into(at::Tensor& dst, const at::Tensor& src) {
     return;
   }
   unsupported_device(dst, "cast_into");
+}
+
+at::Tensor nf4_quantize(const at::Tensor& weight) {
+  ST_CHECK(weight.defined(), "nf4_quantize: undefined weight");
+  if (weight.is_cpu()) return cpu::nf4_quantize(weight.contiguous());
+  return cpu::nf4_quantize(weight.to(at::kCPU)).to(weight.device());
+}
+
+int64_t nf4_buffer_bytes(int64_t numel) { return nf4::Layout::of(numel).bytes; }
+
+at::Tensor nf4_dequantize(const at::Tensor& buffer, int64_t numel, at::ScalarType dtype) {
+  ST_CHECK(buffer.defined(), "nf4_dequantize: undefined buffer");
+  at::Tensor out = at::empty({numel}, buffer.options().dtype(dtype));
+  if (buffer.is_cpu()) {
+    cpu::nf4_dequantize(buffer.contiguous(), out);
+  } else if (buffer.is_cuda()) {
+    cuda_dispatch::nf4_dequantize(buffer.contiguous(), out);
+  } else {
+    unsupported_device(buffer, "nf4_dequantize");
+  }
+  return out;
+}
+
+Nf4State nf4_state(const at::Tensor& buffer, int64_t numel) {
+  const nf4::Layout l = nf4::Layout::of(numel);
+  ST_CHECK(buffer.scalar_type() == at::kByte && buffer.numel() == l.bytes, "nf4_state: a buffer of ",
+           buffer.numel(), " bytes does not hold ", numel, " NF4 elements");
+  const at::Tensor host = buffer.to(at::kCPU).contiguous();
+  Nf4State state;
+  state.codes = host.narrow(0, l.codes, numel / 2).clone();
+  state.absmax = host.narrow(0, l.absmax_codes, l.blocks).clone();
+  state.nested_absmax = host.narrow(0, l.absmax_scales, 4 * l.absmax_blocks).clone().view(at::kFloat);
+  state.offset = host.narrow(0, l.offset, 4).clone().view(at::kFloat).reshape({});
+  state.nested_quant_map = cpu::nf4_absmax_code().clone();
+  return state;
 }
 
 }  // namespace shardtrain::kernels

@@ -191,35 +191,54 @@ LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, L
              " has no adapter_model.safetensors (adapter_model.bin, PyTorch's pickle, is not read: convert it with "
              "PEFT's save_pretrained(safe_serialization=True))");
   const LoraConfig config = LoraConfig::from_peft_json_file(config_path.string());
-  const LoraSummary summary = apply_lora(model, config);
   const safetensors::Reader reader(weights_path.string());
-  std::set<std::string> unused;
-  for (const auto& key : reader.names()) unused.insert(key);
+  // What apply_lora changes, to put back if the adapter does not fit: the
+  // model is left as it was on every refusal.
+  std::map<std::string, bool> trained_before;
+  for (const auto& item : model.named_parameters()) trained_before[item.key()] = item.value().requires_grad();
+  const LoraSummary summary = apply_lora(model, config);
+  std::vector<std::pair<at::Tensor, at::Tensor>> assignments;  // (parameter, the adapter's value)
+  try {
+    std::set<std::string> unused;
+    for (const auto& key : reader.names()) unused.insert(key);
+    for (auto& item : model.named_parameters()) {
+      if (!item.value().requires_grad()) continue;  // the base: the model's own weights
+      const std::string key = peft_adapter_key(item.key());
+      ST_CHECK_T(ConfigError, reader.contains(key), "the PEFT adapter in ", dir, " has no tensor ", key,
+                 ", which this model's LoRA layers need: the adapter was trained with another config or for another "
+                 "model");
+      const at::Tensor value = reader.read(key);
+      ST_CHECK_T(ConfigError, value.sizes() == item.value().sizes(), "the PEFT adapter in ", dir, " has ", key,
+                 " of shape ", value.sizes(), " but this model's is ", item.value().sizes(),
+                 ": the adapter was trained for a base model of another size");
+      assignments.emplace_back(item.value(), value);
+      unused.erase(key);
+    }
+    if (!unused.empty()) {
+      std::vector<std::string> names(unused.begin(), unused.end());
+      ST_THROW(ConfigError, "the PEFT adapter in ", dir, " has tensors this model has no place for: ",
+               join(names, 4), "; its base model has other module names (another architecture?)");
+    }
+  } catch (...) {
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get())) linear->remove_lora();
+    }
+    for (auto& item : model.named_parameters()) {
+      if (trained_before.count(item.key())) item.value().set_requires_grad(trained_before.at(item.key()));
+    }
+    throw;
+  }
   at::NoGradGuard no_grad;
-  for (auto& item : model.named_parameters()) {
-    if (!item.value().requires_grad()) continue;  // the base: the model's own weights
-    const std::string key = peft_adapter_key(item.key());
-    ST_CHECK_T(ConfigError, reader.contains(key), "the PEFT adapter in ", dir, " has no tensor ", key,
-               ", which this model's LoRA layers need: the adapter was trained with another config or for another "
-               "model");
-    const at::Tensor value = reader.read(key);
-    ST_CHECK_T(ConfigError, value.sizes() == item.value().sizes(), "the PEFT adapter in ", dir, " has ", key, " of shape ",
-               value.sizes(), " but this model's is ", item.value().sizes(),
-               ": the adapter was trained for a base model of another size");
-    if (is_storage_released(item.value())) {
+  for (auto& [param, value] : assignments) {
+    at::Tensor target = param;
+    if (is_storage_released(target)) {
       // A model built without its weights (the engine fills those from the
       // weight source): a parameter the adapter trains (modules_to_save, a
       // bias) takes the adapter's values instead, so it gets storage here and
       // prepare() keeps what it holds.
-      item.value().set_data(at::empty(item.value().sizes(), item.value().options()));
+      target.set_data(at::empty(target.sizes(), target.options()));
     }
-    item.value().copy_(value);
-    unused.erase(key);
-  }
-  if (!unused.empty()) {
-    std::vector<std::string> names(unused.begin(), unused.end());
-    ST_THROW(ConfigError, "the PEFT adapter in ", dir, " has tensors this model has no place for: ", join(names, 4),
-             "; its base model has other module names (another architecture?)");
+    target.copy_(value);
   }
   if (summary_out) *summary_out = summary;
   return config;

@@ -6,6 +6,9 @@
 
 #include "kernels/cpu/cpu_gemm_choice.h"
 #include "kernels/mixed_gemm.h"
+#include "nn/nf4_linear.h"
+#include "shardtrain/error.h"
+#include "shardtrain/kernels.h"
 
 namespace shardtrain::nn {
 
@@ -23,7 +26,9 @@ std::string CpuLowPrecisionGemm::describe() const {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
-  at::Tensor result = linear(input, weight, bias);
+  at::Tensor result = weight_quantized() ? nf4_linear(input, weight, bias, options.out_features(),
+                                                      options.in_features(), quantized_compute_dtype)
+                                         : linear(input, weight, bias);
   if (!has_lora()) return result;
   // PEFT's LoRA layer (peft/tuners/lora/layer.py, Linear.forward): the input
   // in the adapter's dtype, dropout only while training, the update added to
@@ -35,7 +40,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
 }
 
 void LinearImpl::add_lora(int64_t r, double scaling, double dropout) {
-  const int64_t in = weight.size(1), out = weight.size(0);
+  const int64_t in = options.in_features(), out = options.out_features();
   // torch::nn::Linear's default weight initialisation is PEFT's for lora_A:
   // kaiming_uniform_(a = sqrt(5)).
   lora_A = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in, r).bias(false)));
@@ -48,6 +53,30 @@ void LinearImpl::add_lora(int64_t r, double scaling, double dropout) {
   lora_B->to(weight.device());
   lora_scaling = scaling;
   lora_dropout = dropout;
+}
+
+void LinearImpl::remove_lora() {
+  if (!has_lora()) return;
+  unregister_module("lora_A");
+  unregister_module("lora_B");
+  lora_A = nullptr;
+  lora_B = nullptr;
+  lora_scaling = 0.0;
+  lora_dropout = 0.0;
+}
+
+void LinearImpl::quantize_weight_nf4(at::ScalarType compute_dtype) {
+  ST_CHECK(!weight_quantized(), "quantize_weight_nf4: the weight is quantized already");
+  ST_CHECK_T(ConfigError, !weight.requires_grad(), "quantize_weight_nf4: the weight trains; only a frozen weight "
+             "can be quantized (apply_lora freezes the base)");
+  ST_CHECK_T(ConfigError, weight.has_storage() && weight.numel() > 0 && weight.data_ptr() != nullptr,
+             "quantize_weight_nf4: the weight has no values (a model built without its weights); load them first");
+  ST_CHECK_T(ConfigError, compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf || compute_dtype == at::kFloat,
+             "quantize_weight_nf4: the compute dtype must be bf16, fp16 or fp32, got ", compute_dtype);
+  at::Tensor buffer = kernels::nf4_quantize(weight.detach());
+  at::NoGradGuard no_grad;
+  weight.set_data(buffer);  // the module's parameter and this handle share the TensorImpl
+  quantized_compute_dtype = compute_dtype;
 }
 
 }  // namespace shardtrain::nn

@@ -20,6 +20,7 @@
 #include "shardtrain/models/llama.h"
 #include "shardtrain/safetensors.h"
 #include "shardtrain/weight_loading.h"
+#include "support/llama_golden.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
@@ -51,18 +52,7 @@ LlamaConfig big_config() {
   return c;
 }
 
-/// Grouped-query attention, untied head: small enough to write and read quickly.
-LlamaConfig small_config() {
-  LlamaConfig c;
-  c.vocab_size = 256;
-  c.hidden_size = 64;
-  c.intermediate_size = 128;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 64;
-  return c;
-}
+LlamaConfig small_config() { return shardtrain::testing::small_gqa_llama_config(256); }
 
 int64_t parameter_bytes(LlamaForCausalLM& model) {
   int64_t total = 0;

@@ -323,3 +323,20 @@ TEST(GpuKernels, BadArgumentsAreClearErrorsAndLaunchNothing) {
 }
 
 }  // namespace
+
+TEST(GpuKernels, Nf4DecodingIsTheCpuKernelsBitsAtEveryByteOffset) {
+  REQUIRE_TEST_DEVICE();
+  // 2 x 256 + 9 blocks: two full absmax blocks and a partial third. A
+  // gathered buffer may start at any byte of its unit, so the GPU copy starts
+  // at offsets 0..3 (the fp32 scales are read byte by byte).
+  const at::Tensor weight = at::randn({521, 64}) * 0.02;
+  const at::Tensor buffer = k::nf4_quantize(weight);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor expected = k::nf4_dequantize(buffer, weight.numel(), dtype);
+    for (int64_t offset = 0; offset < 4; ++offset) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " at byte offset " + std::to_string(offset));
+      const at::Tensor decoded = k::nf4_dequantize(gpu_copy(buffer, offset), weight.numel(), dtype);
+      EXPECT_TRUE(same_bits(decoded.cpu(), expected));
+    }
+  }
+}

@@ -297,6 +297,7 @@ TEST(UnitLora, AnAdapterIsLoadedAndOneForAnotherBaseIsRefused) {
   other_config.hidden_size = 32;
   other_config.num_attention_heads = 4;
   LlamaForCausalLM wider(other_config);
+  const std::vector<std::string> names_before = wider->named_parameters().keys();
   try {
     shardtrain::load_lora_adapter(*wider, dir.path());
     ADD_FAILURE() << "an adapter for another base was loaded";
@@ -305,6 +306,10 @@ TEST(UnitLora, AnAdapterIsLoadedAndOneForAnotherBaseIsRefused) {
     EXPECT_NE(what.find("lora_A.weight of shape [4, 24]"), std::string::npos) << what;
     EXPECT_NE(what.find("base model of another size"), std::string::npos) << what;
   }
+  // The refusal left the model as it was: no adapters, everything still trains.
+  EXPECT_EQ(wider->named_parameters().keys(), names_before);
+  EXPECT_TRUE(shardtrain::lora_layers(*wider).empty());
+  for (const auto& p : wider->parameters()) EXPECT_TRUE(p.requires_grad());
   // A directory without an adapter.
   EXPECT_THROW(shardtrain::load_lora_adapter(*golden_llama(), dir.path() + "/nothing"), ConfigError);
 }

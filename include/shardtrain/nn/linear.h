@@ -64,11 +64,24 @@ class LinearImpl : public torch::nn::LinearImpl {
   /// (lora_A Kaiming-uniform with a = sqrt(5), lora_B zero), in fp32.
   void add_lora(int64_t r, double scaling, double dropout);
   bool has_lora() const { return !lora_A.is_empty(); }
+  /// Takes the adapter off again (a refused load_lora_adapter).
+  void remove_lora();
   /// Set by add_lora; registered as submodules "lora_A" and "lora_B", so the
   /// parameters are named as PEFT names them ("q_proj.lora_A.weight").
   torch::nn::Linear lora_A{nullptr}, lora_B{nullptr};
   double lora_scaling = 0.0;
   double lora_dropout = 0.0;
+
+  /// QLoRA (shardtrain/quantization.h, quantize_frozen_base): replaces the
+  /// frozen weight by its NF4 bytes, as bitsandbytes' Linear4bit holds it:
+  /// the parameter "weight" becomes a 1-D uint8 tensor (the sharding engines
+  /// keep, gather and checkpoint-skip it as bytes). The forward decodes it
+  /// into `compute_dtype` and multiplies there, the input cast to
+  /// `compute_dtype` and the result back to the input's dtype; backward decodes
+  /// it again rather than keeping the decoded matrix alive.
+  void quantize_weight_nf4(at::ScalarType compute_dtype);
+  bool weight_quantized() const { return quantized_compute_dtype != at::ScalarType::Undefined; }
+  at::ScalarType quantized_compute_dtype = at::ScalarType::Undefined;
 };
 TORCH_MODULE(Linear);
 

@@ -63,6 +63,7 @@ ncclDataType_t nccl_type(at::ScalarType dtype) {
     case at::kHalf: return ncclFloat16;
     case at::kLong: return ncclInt64;
     case at::kDouble: return ncclFloat64;
+    case at::kByte: return ncclUint8;  // moved only (all-gather, broadcast); never reduced
     default:
       ST_THROW(Error, "the nccl backend has no mapping for dtype ", c10::toString(dtype),
                "; use float32, bfloat16, float16, float64 or int64");

@@ -4,12 +4,16 @@
 
 #include "kernels/cuda/cuda_dispatch.h"
 
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 
+#include "kernels/cpu/nf4_cpu.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/nf4_format.h"
 #include "kernels/device_checks.h"
 #include "kernels/optimizer_params.h"
 #include "shardtrain/error.h"
@@ -153,6 +157,29 @@ void cast_into(at::Tensor& dst, const at::Tensor& src) {
   const cuda::DType dst_type = cuda_type(dst, "cast_into destination");
   on_cuda(dst, "cast_into", [&](cudaStream_t stream) {
     return cuda::launch_cast(src.data_ptr(), src_type, dst.data_ptr(), dst_type, dst.numel(), stream);
+  });
+}
+
+void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out) {
+  check_same_device(out, buffer, "nf4_dequantize buffer");
+  ST_CHECK(buffer.scalar_type() == at::kByte && buffer.is_contiguous() && out.is_contiguous(),
+           "nf4_dequantize: the buffer must be contiguous uint8 and out contiguous");
+  ST_CHECK(out.numel() % nf4::kBlock == 0 && buffer.numel() == nf4::Layout::of(out.numel()).bytes,
+           "nf4_dequantize: a buffer of ", buffer.numel(), " bytes does not hold ", out.numel(), " NF4 elements");
+  const cuda::DType out_type = cuda_type(out, "nf4_dequantize output");
+  // The absmax map, built on the host once, copied to each device once.
+  static std::mutex mutex;
+  static std::map<int, at::Tensor> code_on_device;
+  at::Tensor code;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    at::Tensor& cached = code_on_device[out.device().index()];
+    if (!cached.defined()) cached = cpu::nf4_absmax_code().to(out.device());
+    code = cached;
+  }
+  on_cuda(out, "nf4_dequantize", [&](cudaStream_t stream) {
+    return cuda::launch_nf4_dequantize(buffer.data_ptr<uint8_t>(), code.data_ptr<float>(), out.data_ptr(), out_type,
+                                       out.numel(), stream);
   });
 }
 

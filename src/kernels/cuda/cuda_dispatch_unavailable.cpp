@@ -31,5 +31,6 @@ void sgd_step(at::Tensor&, at::Tensor*, const at::Tensor&, at::Tensor*, const Sg
 at::Tensor sum_of_squares(const at::Tensor&) { no_cuda_kernels("sum_of_squares"); }
 at::Tensor non_finite_flag(const at::Tensor&) { no_cuda_kernels("non_finite_flag"); }
 void cast_into(at::Tensor&, const at::Tensor&) { no_cuda_kernels("cast_into"); }
+void nf4_dequantize(const at::Tensor&, at::Tensor&) { no_cuda_kernels("nf4_dequantize"); }
 
 }  // namespace shardtrain::kernels::cuda_dispatch

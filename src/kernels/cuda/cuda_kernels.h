@@ -87,4 +87,12 @@ cudaError_t launch_cast(const void* src, DType src_type, void* dst, DType dst_ty
 /// "float32", "bfloat16" or "float16".
 const char* to_string(DType dtype);
 
+/// Decodes the NF4 buffer of `numel` elements (kernels/nf4_format.h;
+/// numel a multiple of 64) into `out` (`out_type`), each value
+/// nf4[code] * (absmax_code[absmax_byte] * scale + offset) rounded as the CPU
+/// kernel rounds it. `absmax_code`: the 256-entry map on the device.
+cudaError_t launch_nf4_dequantize(const uint8_t* buffer, const float* absmax_code, void* out, DType out_type,
+                                  int64_t numel, cudaStream_t stream);
+
+
 }  // namespace shardtrain::kernels::cuda

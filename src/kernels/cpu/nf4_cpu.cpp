@@ -1,0 +1,176 @@
+// NF4 on the CPU (nf4_cpu.h). Quantization reproduces bitsandbytes 0.50's
+// arithmetic on the CPU step by step, so the codes and absmax values are its
+// bits (UnitNf4 checks them against bitsandbytes itself):
+//  - the 4-bit codes as its quantize_4bit: x * (1 / max(absmax, 1e-38)),
+//    clamped to [-1, 1], then the number of level midpoints below it
+//    (torch.bucketize over (v[k] + v[k+1]) / 2);
+//  - the absmax values as its CPU quantize_blockwise in blocks of 256 after
+//    subtracting their mean: y / absmax256, then the nearest map entry, ties
+//    to the lower one.
+// This file is compiled with -ffp-contract=off (CMakeLists.txt): each product
+// and sum is rounded on its own, as in bitsandbytes, never fused.
+
+#include "kernels/cpu/nf4_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "kernels/nf4_format.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain::kernels::cpu {
+namespace {
+
+float load_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+void store_f32(uint8_t* p, float v) { std::memcpy(p, &v, sizeof v); }
+
+/// Index of the level nearest to `normed` in the sorted `code` (256 entries), ties to the lower.
+uint8_t nearest_absmax_code(const float* code, float normed) {
+  // The last entry <= normed (the first when normed is below all: the map
+  // starts at -0.99297), then the right neighbour if it is strictly closer:
+  // bitsandbytes' rule.
+  const float* upper = std::upper_bound(code, code + kernels::nf4::kAbsmaxCodeSize, normed);
+  int64_t idx = std::max<int64_t>(0, (upper - code) - 1);
+  if (idx < kernels::nf4::kAbsmaxCodeSize - 1 &&
+      std::fabs(normed - code[idx + 1]) < std::fabs(normed - code[idx])) {
+    ++idx;
+  }
+  return static_cast<uint8_t>(idx);
+}
+
+template <class Out>
+void dequantize_as(const uint8_t* buffer, const nf4::Layout& l, const float* code8, Out* out) {
+  const uint8_t* codes = buffer + l.codes;
+  const uint8_t* absmax_codes = buffer + l.absmax_codes;
+  const float offset = load_f32(buffer + l.offset);
+  at::parallel_for(0, l.blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float scale = load_f32(buffer + l.absmax_scales + 4 * (b / nf4::kAbsmaxBlock));
+      const float scaled = code8[absmax_codes[b]] * scale;
+      const float absmax = scaled + offset;
+      for (int64_t i = b * nf4::kBlock; i < (b + 1) * nf4::kBlock; i += 2) {
+        const uint8_t byte = codes[i / 2];
+        out[i] = static_cast<Out>(nf4::value(byte >> 4) * absmax);
+        out[i + 1] = static_cast<Out>(nf4::value(byte & 15) * absmax);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+const at::Tensor& nf4_absmax_code() {
+  static const at::Tensor code = [] {
+    // bitsandbytes' create_dynamic_map(signed=True, max_exponent_bits=7,
+    // total_bits=8): for each exponent i, the midpoints of
+    // linspace(0.1, 1, 2^i + 1) in fp32 scaled by 10^(i-6), both signs, then
+    // 0 and 1, sorted. The same ATen calls make the same roundings.
+    std::vector<double> data;
+    for (int i = 0; i < 7; ++i) {
+      const at::Tensor bounds = at::linspace(0.1, 1, (int64_t{1} << i) + 1, at::kFloat);
+      const at::Tensor means = (bounds.slice(0, 0, -1) + bounds.slice(0, 1)) / 2.0;
+      const double scale = i < 6 ? std::pow(10.0, i - 6) : 1.0;
+      for (const at::Tensor& part : {means.mul(scale), means.mul(-scale)}) {
+        const float* p = part.data_ptr<float>();
+        data.insert(data.end(), p, p + part.numel());
+      }
+    }
+    data.push_back(0.0);
+    data.push_back(1.0);
+    ST_CHECK(static_cast<int>(data.size()) == nf4::kAbsmaxCodeSize, "the NF4 absmax map has ", data.size(),
+             " entries, expected ", nf4::kAbsmaxCodeSize);
+    std::sort(data.begin(), data.end());
+    return at::tensor(data, at::kDouble).to(at::kFloat);
+  }();
+  return code;
+}
+
+at::Tensor nf4_quantize(const at::Tensor& weight) {
+  ST_CHECK(weight.defined() && weight.is_cpu(), "nf4_quantize: the weight must be a CPU tensor");
+  ST_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+               weight.scalar_type() == at::kHalf,
+           "nf4_quantize: the weight must be fp32, bf16 or fp16, got ", weight.scalar_type());
+  const int64_t n = weight.numel();
+  ST_CHECK(n > 0 && n % nf4::kBlock == 0, "nf4_quantize: ", n, " elements are not a whole number of ",
+           nf4::kBlock, "-element blocks");
+  const at::Tensor values = weight.reshape({-1}).to(at::kFloat).contiguous();
+  ST_CHECK(at::isfinite(values).all().item<bool>(), "nf4_quantize: the weight holds inf or NaN");
+  const nf4::Layout l = nf4::Layout::of(n);
+  at::Tensor buffer = at::zeros({l.bytes}, at::kByte);
+  uint8_t* out = buffer.data_ptr<uint8_t>();
+  const float* x = values.data_ptr<float>();
+  at::Tensor absmax = at::empty({l.blocks}, at::kFloat);
+  float* am = absmax.data_ptr<float>();
+
+  // Level midpoints, as bitsandbytes computes them: (v[k] + v[k+1]) / 2 in fp32.
+  float midpoints[15];
+  for (int k = 0; k < 15; ++k) midpoints[k] = (nf4::value(k) + nf4::value(k + 1)) / 2.0f;
+  at::parallel_for(0, l.blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* block = x + b * nf4::kBlock;
+      float m = 0.0f;
+      for (int64_t j = 0; j < nf4::kBlock; ++j) m = std::max(m, std::fabs(block[j]));
+      am[b] = m;
+      // torch.clamp(absmax, min=1e-38): the double 1e-38 rounded to fp32.
+      const float inverse = 1.0f / std::max(m, static_cast<float>(1e-38));
+      for (int64_t j = 0; j < nf4::kBlock; j += 2) {
+        uint8_t q[2];
+        for (int h = 0; h < 2; ++h) {
+          const float s = std::min(1.0f, std::max(-1.0f, block[j + h] * inverse));
+          q[h] = static_cast<uint8_t>(std::lower_bound(midpoints, midpoints + 15, s) - midpoints);
+        }
+        out[l.codes + (b * nf4::kBlock + j) / 2] = static_cast<uint8_t>((q[0] << 4) | q[1]);
+      }
+    }
+  });
+
+  // Double quantization: the mean (ATen's, as bitsandbytes takes it with
+  // torch) is the offset; the centred values are coded in blocks of 256.
+  const at::Tensor offset = absmax.mean();
+  const at::Tensor centred = absmax - offset;
+  const float* c = centred.data_ptr<float>();
+  const float* code = nf4_absmax_code().data_ptr<float>();
+  for (int64_t a = 0; a < l.absmax_blocks; ++a) {
+    const int64_t begin = a * nf4::kAbsmaxBlock, end = std::min(l.blocks, begin + nf4::kAbsmaxBlock);
+    float scale = -std::numeric_limits<float>::max();
+    for (int64_t b = begin; b < end; ++b) scale = std::fmax(scale, std::fabs(c[b]));
+    store_f32(out + l.absmax_scales + 4 * a, scale);
+    for (int64_t b = begin; b < end; ++b) {
+      // A block of equal absmax values has scale 0: each is the offset itself,
+      // coded as the map's 0 (bitsandbytes would divide 0 by 0 here).
+      out[l.absmax_codes + b] = nearest_absmax_code(code, scale > 0.0f ? c[b] / scale : 0.0f);
+    }
+  }
+  store_f32(out + l.offset, offset.item<float>());
+  return buffer;
+}
+
+void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out) {
+  ST_CHECK(buffer.defined() && buffer.is_cpu() && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
+           "nf4_dequantize: the buffer must be a contiguous CPU uint8 tensor");
+  ST_CHECK(out.defined() && out.is_cpu() && out.is_contiguous(), "nf4_dequantize: out must be a contiguous CPU tensor");
+  const nf4::Layout l = nf4::Layout::of(out.numel());
+  ST_CHECK(out.numel() % nf4::kBlock == 0 && buffer.numel() == l.bytes, "nf4_dequantize: a buffer of ",
+           buffer.numel(), " bytes does not hold ", out.numel(), " NF4 elements (", l.bytes, " bytes)");
+  const uint8_t* in = buffer.data_ptr<uint8_t>();
+  const float* code8 = nf4_absmax_code().data_ptr<float>();
+  switch (out.scalar_type()) {
+    case at::kFloat: dequantize_as(in, l, code8, out.data_ptr<float>()); break;
+    case at::kBFloat16: dequantize_as(in, l, code8, out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: dequantize_as(in, l, code8, out.data_ptr<at::Half>()); break;
+    default: ST_THROW(Error, "nf4_dequantize: out must be fp32, bf16 or fp16, got ", out.scalar_type());
+  }
+}
+
+}  // namespace shardtrain::kernels::cpu

@@ -1,0 +1,151 @@
+// QLoRA under the sharding engines at world 2: the NF4 base is sharded and
+// all-gathered as its bytes (the frozen weights' traffic per step drops by
+// exactly the difference between bf16 and NF4 bytes of the quantized
+// weights), the adapters train on it, the base's bytes never change, and a
+// checkpoint of the run saves and loads without the base.
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "shardtrain/accelerator.h"
+#include "shardtrain/error.h"
+#include "shardtrain/kernels.h"
+#include "shardtrain/lora.h"
+#include "shardtrain/models/llama.h"
+#include "shardtrain/quantization.h"
+#include "support/llama_golden.h"
+#include "support/multirank.h"
+#include "support/tiny_compare.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using shardtrain::models::LlamaForCausalLM;
+using shardtrain::testing::RankContext;
+
+constexpr int kWorld = 2;
+constexpr int kSteps = 3;
+
+shardtrain::models::LlamaConfig model_config() { return shardtrain::testing::small_gqa_llama_config(64); }
+
+struct RunResult {
+  shardtrain::TrafficReport traffic;  // over kSteps steps
+  int64_t quantized_weights = 0, nf4_bytes = 0;
+};
+
+/// LoRA r 8 on q/k/v/o, bf16 mixed precision, kSteps SGD steps; with
+/// `quantize`, the frozen base in NF4 (lm_head kept, as by default: every
+/// quantized weight is then in a decoder layer's unit).
+RunResult train(RankContext& ctx, bool fsdp, bool quantize, const fs::path& checkpoint_dir) {
+  torch::manual_seed(11);
+  LlamaForCausalLM model(model_config());
+  shardtrain::LoraConfig lora;
+  lora.r = 8;
+  lora.lora_alpha = 16;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  shardtrain::apply_lora(*model, lora);
+  RunResult result;
+  std::map<std::string, at::Tensor> base_bytes;
+  if (quantize) {
+    const auto summary = shardtrain::quantize_frozen_base(*model);
+    result.nf4_bytes = summary.bytes_after;
+    result.quantized_weights = summary.quantized_parameters;
+    for (const auto& item : model->named_parameters()) {
+      if (item.value().scalar_type() == at::kByte) base_bytes[item.key()] = item.value().detach().clone();
+    }
+  }
+  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
+  config.mixed_precision = shardtrain::MixedPrecision::kBf16;
+  config.optimizer.type = "SGD";
+  config.optimizer.lr = 0.5;
+  config.optimizer.weight_decay = 0.0;
+  auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+  accelerator->reset_traffic();
+  torch::manual_seed(100 + ctx.rank());
+  for (int step = 0; step < kSteps; ++step) {
+    const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
+    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    accelerator->backward(loss);
+    accelerator->step();
+    accelerator->zero_grad();
+  }
+  result.traffic = accelerator->traffic();
+  if (!quantize) return result;
+
+  bool adapters_moved = false;
+  int base_seen = 0;
+  for (const auto& [name, value] : accelerator->full_state_dict()) {
+    if (base_bytes.count(name)) {
+      ++base_seen;
+      EXPECT_TRUE(at::equal(value.reshape({-1}), base_bytes.at(name))) << "the NF4 base " << name << " changed";
+    } else if (name.find("lora_B") != std::string::npos) {
+      adapters_moved = adapters_moved || !value.eq(0).all().item<bool>();
+    }
+  }
+  EXPECT_EQ(base_seen, static_cast<int>(base_bytes.size()));
+  EXPECT_TRUE(adapters_moved) << "training on the NF4 base did not move any lora_B";
+
+  // No full export of a quantized base; the adapter saves as for LoRA.
+  EXPECT_THROW(accelerator->save_model((checkpoint_dir / "merged").string()), shardtrain::ConfigError);
+  accelerator->save_lora_adapter((checkpoint_dir / "adapter").string(), lora);
+  EXPECT_TRUE(fs::exists(checkpoint_dir / "adapter" / "adapter_model.safetensors"));
+
+  // A checkpoint holds the adapters and their optimizer state, not the base;
+  // it loads back into the same quantized model.
+  const std::string saved = accelerator->save_state(checkpoint_dir.string());
+  EXPECT_FALSE(saved.empty());
+  accelerator->load_state(checkpoint_dir.string());
+  for (const auto& [name, value] : accelerator->full_state_dict()) {
+    if (base_bytes.count(name)) EXPECT_TRUE(at::equal(value.reshape({-1}), base_bytes.at(name))) << name;
+  }
+  return result;
+}
+
+class DistQlora : public ::testing::TestWithParam<bool> {};
+
+}  // namespace
+
+TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
+  const bool fsdp = GetParam();
+  const fs::path dir = fs::path(::testing::TempDir()) /
+                       ("shardtrain-qlora-" + std::string(fsdp ? "fsdp" : "zero3") + "-" + std::to_string(::getpid()));
+  shardtrain::testing::MultiRankOptions harness;
+  harness.env["QLORA_DIR"] = dir.string();
+  harness.timeout = std::chrono::seconds(300);
+  shardtrain::testing::run_on_ranks(kWorld, [fsdp](RankContext& ctx) {
+    const fs::path work = std::getenv("QLORA_DIR");
+    const RunResult bf16 = train(ctx, fsdp, false, work / "unused");
+    const RunResult nf4 = train(ctx, fsdp, true, work / ("ckpt-rank-group"));
+    // The adapters (and everything trainable) travel the same in both runs.
+    EXPECT_EQ(bf16.traffic.param_gather_bytes - bf16.traffic.frozen_gather_bytes,
+              nf4.traffic.param_gather_bytes - nf4.traffic.frozen_gather_bytes);
+    // Every quantized weight lives in a decoder layer, and each layer is
+    // gathered the same number of times per step in both runs: the frozen
+    // traffic falls by exactly (2 bytes - NF4 bytes) per quantized weight per
+    // gather of the layers. The layouts pad nothing here (every
+    // entry is an even number of elements, world 2).
+    const int64_t saved = bf16.traffic.frozen_gather_bytes - nf4.traffic.frozen_gather_bytes;
+    const int64_t per_gather = 2 * nf4.quantized_weights - nf4.nf4_bytes;
+    ASSERT_GT(saved, 0) << "the NF4 base did not travel as bytes";
+    EXPECT_EQ(saved % per_gather, 0) << "saved " << saved << " bytes, not whole gathers of " << per_gather;
+    const double ratio = static_cast<double>(nf4.nf4_bytes) / static_cast<double>(2 * nf4.quantized_weights);
+    EXPECT_LE(ratio, 0.5 / 2 + 1.0 / 128 + 6.0 / 2048);  // 4 bits + the absmax byte per 64 + scale, offset, padding
+    if (ctx.rank() == 0) {
+      std::cout << (fsdp ? "fsdp" : "zero3") << " per step: frozen weights gathered " << bf16.traffic.frozen_gather_bytes / kSteps
+                << " B with a bf16 base, " << nf4.traffic.frozen_gather_bytes / kSteps
+                << " B with the NF4 base (the quantized weights: " << ratio << " of their bf16 bytes); all parameters "
+                << bf16.traffic.param_gather_bytes / kSteps << " -> " << nf4.traffic.param_gather_bytes / kSteps << " B\n";
+    }
+  }, harness);
+  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values(false, true),
+                         [](const auto& info) { return std::string(info.param ? "fsdp_standard" : "zero3"); });
