@@ -192,10 +192,12 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
     (p.requires_grad() ? num_params : p.scalar_type() == at::kByte ? frozen_nf4_bytes : frozen_params) += p.numel();
     on_cuda = on_cuda || p.is_cuda();
   }
-  if (!s.module->parameters().empty()) {
-    // The model tells its load dtype (the pure-low-precision rule depends on it).
-    const at::ScalarType first = s.module->parameters().front().scalar_type();
-    load_dtype = first == at::kBFloat16 ? "bf16" : first == at::kHalf ? "fp16" : "fp32";
+  for (const auto& p : s.module->parameters()) {
+    // The model tells its load dtype (the pure-low-precision rule depends on
+    // it): its first floating parameter's (NF4 bytes are uint8).
+    if (!at::isFloatingType(p.scalar_type())) continue;
+    load_dtype = p.scalar_type() == at::kBFloat16 ? "bf16" : p.scalar_type() == at::kHalf ? "fp16" : "fp32";
+    break;
   }
 
   // ---- every rank must train the same thing: checked before the engine's

@@ -102,8 +102,11 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
 }
 
 double PrecisionPlan::frozen_nf4_bytes_per_rank() const {
-  return static_cast<double>(frozen_nf4_bytes) *
-         (1.0 / static_cast<double>(shard_count) + (gathered_at_rest_bytes > 0 ? 1.0 : 0.0));
+  // Where parameters stay gathered, the NF4 bytes are not sharded and the
+  // parameters view them (no second copy, unlike a float shard kept gathered
+  // in another dtype); otherwise each rank holds its shard.
+  const bool unsharded = gathered_at_rest_bytes > 0 || shard_count == 1;
+  return static_cast<double>(frozen_nf4_bytes) / (unsharded ? 1.0 : static_cast<double>(shard_count));
 }
 
 double PrecisionPlan::total_bytes_per_rank() const {
@@ -138,7 +141,7 @@ std::string PrecisionPlan::to_string() const {
   row("gathered at rest", gathered_at_rest_bytes, num_params);
   const double trained_total = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
   if (frozen_params > 0 || frozen_nf4_bytes > 0) {
-    row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
+    if (frozen_params > 0) row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
     if (frozen_nf4_bytes > 0) {
       out << "  " << std::left << std::setw(22) << "frozen NF4 (shard)" << std::right << std::setw(8) << ""
           << "                = " << human(frozen_nf4_bytes_per_rank()) << " per rank ("

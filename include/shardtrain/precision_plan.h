@@ -49,8 +49,8 @@ struct PrecisionPlan {
   /// Optimizer bytes per parameter per copy of the model (master + state), DESIGN.md's last column.
   double optimizer_bytes_per_param_total() const;
   int64_t predicted_bytes(double per_param) const { return static_cast<int64_t>(per_param * num_params); }
-  /// The NF4 base's bytes on one rank: its shard, and all of it where
-  /// parameters stay gathered (stages 1/2, NO_SHARD).
+  /// The NF4 base's bytes on one rank: its shard, or all of it where
+  /// parameters are not sharded (stages 0-2, NO_SHARD).
   double frozen_nf4_bytes_per_rank() const;
   /// Every row together: the model states one rank holds at rest.
   double total_bytes_per_rank() const;

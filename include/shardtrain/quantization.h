@@ -17,7 +17,9 @@
 ///     accelerator.prepare(model, ...);
 ///
 /// Call it after apply_lora (or load_lora_adapter) and before prepare(), on
-/// every rank, on a model that holds its weights. A quantized base is not
+/// every rank, on a model that holds its weights, after moving the model to
+/// its device and dtype: LibTorch's Module::to(dtype) converts every
+/// parameter, the NF4 bytes too (a layer then refuses to run). A quantized base is not
 /// written to checkpoints (it is made again from the base weights, the same
 /// bits) and cannot be exported as a full model: save the adapter
 /// (Accelerator::save_lora_adapter) and merge it onto the original base.

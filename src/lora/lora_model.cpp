@@ -219,6 +219,18 @@ LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, L
       ST_THROW(ConfigError, "the PEFT adapter in ", dir, " has tensors this model has no place for: ",
                join(names, 4), "; its base model has other module names (another architecture?)");
     }
+    at::NoGradGuard no_grad;
+    for (auto& [param, value] : assignments) {
+      at::Tensor target = param;
+      if (is_storage_released(target)) {
+        // A model built without its weights (the engine fills those from the
+        // weight source): a parameter the adapter trains (modules_to_save, a
+        // bias) takes the adapter's values instead, so it gets storage here and
+        // prepare() keeps what it holds.
+        target.set_data(at::empty(target.sizes(), target.options()));
+      }
+      target.copy_(value);
+    }
   } catch (...) {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
       if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get())) linear->remove_lora();
@@ -227,18 +239,6 @@ LoraConfig load_lora_adapter(torch::nn::Module& model, const std::string& dir, L
       if (trained_before.count(item.key())) item.value().set_requires_grad(trained_before.at(item.key()));
     }
     throw;
-  }
-  at::NoGradGuard no_grad;
-  for (auto& [param, value] : assignments) {
-    at::Tensor target = param;
-    if (is_storage_released(target)) {
-      // A model built without its weights (the engine fills those from the
-      // weight source): a parameter the adapter trains (modules_to_save, a
-      // bias) takes the adapter's values instead, so it gets storage here and
-      // prepare() keeps what it holds.
-      target.set_data(at::empty(target.sizes(), target.options()));
-    }
-    target.copy_(value);
   }
   if (summary_out) *summary_out = summary;
   return config;

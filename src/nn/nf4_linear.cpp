@@ -47,6 +47,9 @@ class Nf4Matmul : public torch::autograd::Function<Nf4Matmul> {
 
 at::Tensor nf4_linear(const at::Tensor& input, const at::Tensor& buffer, const at::Tensor& bias, int64_t out_features,
                       int64_t in_features, at::ScalarType compute_dtype) {
+  ST_CHECK(buffer.scalar_type() == at::kByte, "nf4_linear: the quantized weight is ", buffer.scalar_type(),
+           ", not its NF4 bytes (uint8): the model was converted after quantize_frozen_base (Module::to(dtype) "
+           "converts every parameter); move it to its dtype before quantizing");
   ST_CHECK(input.size(-1) == in_features, "nf4_linear: the input's last dimension is ", input.size(-1),
            ", the layer takes ", in_features);
   at::Tensor y = Nf4Matmul::apply(input.to(compute_dtype), buffer, out_features, in_features);

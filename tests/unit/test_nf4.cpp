@@ -5,6 +5,7 @@
 // layer is the decoded weight's product, forward and backward; and the
 // refusals of quantize_frozen_base.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -87,6 +88,26 @@ TEST(UnitNf4, QuantizationEqualsBitsandbytesBitForBit) {
                                            << (ours.to(at::kDouble) - theirs.to(at::kDouble)).abs().max().item<double>();
     }
   }
+}
+
+TEST(UnitNf4, TheBytesDoNotDependOnTheThreadCount) {
+  // 33,792 blocks: above the 32K elements where ATen's reductions go
+  // parallel, so the absmax mean (the offset) would round by thread count.
+  // Every rank quantizes its own copy of the base and must get the same bytes.
+  const at::Tensor weight = torch::randn({2048, 1056});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor one = shardtrain::kernels::nf4_quantize(weight);
+  at::set_num_threads(std::max(2, threads));
+  const at::Tensor several = shardtrain::kernels::nf4_quantize(weight);
+  at::set_num_threads(threads);
+  const auto a = shardtrain::kernels::nf4_state(one, weight.numel());
+  const auto b = shardtrain::kernels::nf4_state(several, weight.numel());
+  EXPECT_TRUE(at::equal(a.codes, b.codes)) << "codes";
+  EXPECT_TRUE(at::equal(a.absmax, b.absmax)) << "absmax codes";
+  EXPECT_TRUE(at::equal(a.nested_absmax, b.nested_absmax)) << "nested absmax";
+  EXPECT_TRUE(at::equal(a.offset, b.offset)) << "offset " << a.offset.item<float>() << " " << b.offset.item<float>();
+  EXPECT_TRUE(at::equal(one, several));
 }
 
 TEST(UnitNf4, TheBufferHoldsFourBitsAndAFewPercentPerWeight) {

@@ -137,7 +137,23 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
 
   // Double quantization: the mean (ATen's, as bitsandbytes takes it with
   // torch) is the offset; the centred values are coded in blocks of 256.
-  const at::Tensor offset = absmax.mean();
+  // On one thread: above 32K blocks ATen's parallel reduction rounds by its
+  // thread count, and every rank (and a resume) must make the same bytes
+  // whatever its OMP_NUM_THREADS; bitsandbytes on one thread computes this
+  // mean. With OpenMP (PyPI's LibTorch) the thread count set here is this
+  // thread's own, restored at once.
+  at::Tensor offset;
+  {
+    const int threads = at::get_num_threads();
+    at::set_num_threads(1);
+    try {
+      offset = absmax.mean();
+    } catch (...) {
+      at::set_num_threads(threads);
+      throw;
+    }
+    at::set_num_threads(threads);
+  }
   const at::Tensor centred = absmax - offset;
   const float* c = centred.data_ptr<float>();
   const float* code = nf4_absmax_code().data_ptr<float>();

@@ -1,6 +1,7 @@
 // Decoding NF4 buffers (kernels/nf4_format.h) on the GPU: the CUDA half of
 // the dequantizing matmul (the bf16 GEMM that follows is cuBLAS's, through
-// ATen). One thread per byte, i.e. two elements; each product and sum is
+// ATen). A grid-stride loop over the bytes, two elements each (the grid is
+// the elementwise launch plan's for numel/2 items); each product and sum is
 // rounded on its own (__fmul_rn, __fadd_rn: nvcc would otherwise fuse them),
 // so the values are the CPU kernel's bits.
 
