@@ -41,7 +41,7 @@ struct RunResult {
 /// LoRA r 8 on q/k/v/o, bf16 mixed precision, kSteps SGD steps; with
 /// `quantize`, the frozen base in NF4 (lm_head kept, as by default: every
 /// quantized weight is then in a decoder layer's unit).
-RunResult train(RankContext& ctx, bool fsdp, bool quantize, const fs::path& checkpoint_dir) {
+RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quantize, const fs::path& checkpoint_dir) {
   torch::manual_seed(11);
   LlamaForCausalLM model(model_config());
   shardtrain::LoraConfig lora;
@@ -59,7 +59,6 @@ RunResult train(RankContext& ctx, bool fsdp, bool quantize, const fs::path& chec
       if (item.value().scalar_type() == at::kByte) base_bytes[item.key()] = item.value().detach().clone();
     }
   }
-  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
   config.mixed_precision = shardtrain::MixedPrecision::kBf16;
   config.optimizer.type = "SGD";
   config.optimizer.lr = 0.5;
@@ -121,8 +120,9 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
   harness.timeout = std::chrono::seconds(300);
   shardtrain::testing::run_on_ranks(kWorld, [fsdp](RankContext& ctx) {
     const fs::path work = std::getenv("QLORA_DIR");
-    const RunResult bf16 = train(ctx, fsdp, false, work / "unused");
-    const RunResult nf4 = train(ctx, fsdp, true, work / ("ckpt-rank-group"));
+    const shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
+    const RunResult bf16 = train(ctx, config, false, work / "unused");
+    const RunResult nf4 = train(ctx, config, true, work / "checkpoints");
     // The adapters (and everything trainable) travel the same in both runs.
     EXPECT_EQ(bf16.traffic.param_gather_bytes - bf16.traffic.frozen_gather_bytes,
               nf4.traffic.param_gather_bytes - nf4.traffic.frozen_gather_bytes);
@@ -149,3 +149,27 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values(false, true),
                          [](const auto& info) { return std::string(info.param ? "fsdp_standard" : "zero3"); });
+
+// Where parameters are not sharded (ZeRO-2 at world 2, zero-0 at world 1)
+// the NF4 bytes are replicated: the parameters view the (whole) shard, the
+// base is never gathered, and the adapters still train on the unchanged base,
+// save and resume (train() checks each).
+TEST(DistQloraUnsharded, ZeroTwoAtWorldTwoAndZeroZeroAtWorldOneTrainOnTheNf4Base) {
+  for (const int world : {2, 1}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const fs::path dir = fs::path(::testing::TempDir()) /
+                         ("shardtrain-qlora-unsharded-" + std::to_string(world) + "-" + std::to_string(::getpid()));
+    shardtrain::testing::MultiRankOptions harness;
+    harness.env["QLORA_DIR"] = dir.string();
+    harness.timeout = std::chrono::seconds(300);
+    shardtrain::testing::run_on_ranks(world, [world](RankContext& ctx) {
+      const shardtrain::TrainingConfig config =
+          shardtrain::testing::zero_test_config(world == 2 ? 2 : 0, shardtrain::MixedPrecision::kBf16);
+      const RunResult nf4 = train(ctx, config, true, fs::path(std::getenv("QLORA_DIR")) / "checkpoints");
+      // ZeRO-2 all-gathers the adapters' stepped shards after each step, as
+      // DeepSpeed does; the frozen base is never sent.
+      EXPECT_EQ(nf4.traffic.frozen_gather_bytes, 0) << "the replicated NF4 base was gathered";
+    }, harness);
+    if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
+  }
+}
