@@ -133,9 +133,7 @@ int main(int argc, char** argv) {
       for (const auto& name : configs) {
         const double tps = median(tokens_per_s[name]);
         const finetune::FinetuneSummary& s = last[name];
-        const double states = (s.plan.params_bytes + s.plan.grads_bytes + s.plan.master_bytes +
-                               s.plan.optimizer_bytes + s.plan.gathered_at_rest_bytes) *
-                              static_cast<double>(s.plan.num_params);
+        const double states = s.plan.trained_bytes_per_param() * static_cast<double>(s.plan.num_params);
         char ratio[32] = "-";
         if (reference > 0) std::snprintf(ratio, sizeof ratio, "%.3f", tps / reference);
         std::printf("%-34s %14.0f %10s %7.1f%% %13.1f MB %11.1f MiB\n", known.at(name).second.c_str(), tps, ratio,

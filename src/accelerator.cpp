@@ -187,17 +187,17 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   int64_t num_params = 0, frozen_params = 0, frozen_nf4_bytes = 0;
   bool on_cuda = false;
   std::string load_dtype = run.load_dtype;
+  bool load_dtype_seen = false;
   for (const auto& p : s.module->parameters()) {
     // uint8 parameters are the NF4 bytes of a quantized base (quantization.h).
     (p.requires_grad() ? num_params : p.scalar_type() == at::kByte ? frozen_nf4_bytes : frozen_params) += p.numel();
     on_cuda = on_cuda || p.is_cuda();
-  }
-  for (const auto& p : s.module->parameters()) {
     // The model tells its load dtype (the pure-low-precision rule depends on
-    // it): its first floating parameter's (NF4 bytes are uint8).
-    if (!at::isFloatingType(p.scalar_type())) continue;
-    load_dtype = p.scalar_type() == at::kBFloat16 ? "bf16" : p.scalar_type() == at::kHalf ? "fp16" : "fp32";
-    break;
+    // it): its first floating parameter's.
+    if (!load_dtype_seen && at::isFloatingType(p.scalar_type())) {
+      load_dtype = p.scalar_type() == at::kBFloat16 ? "bf16" : p.scalar_type() == at::kHalf ? "fp16" : "fp32";
+      load_dtype_seen = true;
+    }
   }
 
   // ---- every rank must train the same thing: checked before the engine's

@@ -109,10 +109,13 @@ double PrecisionPlan::frozen_nf4_bytes_per_rank() const {
   return static_cast<double>(frozen_nf4_bytes) / (unsharded ? 1.0 : static_cast<double>(shard_count));
 }
 
+double PrecisionPlan::trained_bytes_per_param() const {
+  return params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
+}
+
 double PrecisionPlan::total_bytes_per_rank() const {
-  const double trained = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
   // A frozen parameter is its shard at rest (and what is kept gathered), nothing else.
-  return trained * static_cast<double>(num_params) +
+  return trained_bytes_per_param() * static_cast<double>(num_params) +
          (params_bytes + gathered_at_rest_bytes) * static_cast<double>(frozen_params) + frozen_nf4_bytes_per_rank();
 }
 
@@ -139,7 +142,6 @@ std::string PrecisionPlan::to_string() const {
   }
   row("optimizer state", optimizer_bytes, num_params);
   row("gathered at rest", gathered_at_rest_bytes, num_params);
-  const double trained_total = params_bytes + grads_bytes + master_bytes + optimizer_bytes + gathered_at_rest_bytes;
   if (frozen_params > 0 || frozen_nf4_bytes > 0) {
     if (frozen_params > 0) row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
     if (frozen_nf4_bytes > 0) {
@@ -150,7 +152,7 @@ std::string PrecisionPlan::to_string() const {
     out << "  " << std::left << std::setw(22) << "total model states" << std::right << std::setw(8) << ""
         << "                = " << human(total_bytes_per_rank()) << " per rank\n";
   } else {
-    row("total model states", trained_total, num_params);
+    row("total model states", trained_bytes_per_param(), num_params);
   }
   out << "  optimizer bytes per parameter (master + state, one copy of the model): " << optimizer_bytes_per_param_total()
       << "\n";

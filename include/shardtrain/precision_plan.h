@@ -52,6 +52,8 @@ struct PrecisionPlan {
   /// The NF4 base's bytes on one rank: its shard, or all of it where
   /// parameters are not sharded (stages 0-2, NO_SHARD).
   double frozen_nf4_bytes_per_rank() const;
+  /// Bytes per trainable parameter on one rank: every row but the frozen ones.
+  double trained_bytes_per_param() const;
   /// Every row together: the model states one rank holds at rest.
   double total_bytes_per_rank() const;
   /// The table rank 0 prints.

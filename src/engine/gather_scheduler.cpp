@@ -30,9 +30,12 @@ void GatherScheduler::mark_gathered(int i) {
   if (!slot.views_shard) add_live(full_bytes(i));
 }
 
+at::ScalarType GatherScheduler::full_dtype(int i) const {
+  return units_[i].packed ? at::kByte : plan_.compute_dtype;
+}
+
 int64_t GatherScheduler::full_bytes(int i) const {
-  const at::ScalarType dtype = units_[i].packed ? at::kByte : plan_.compute_dtype;
-  return units_[i].layout->full_numel() * static_cast<int64_t>(c10::elementSize(dtype));
+  return units_[i].layout->full_numel() * static_cast<int64_t>(c10::elementSize(full_dtype(i)));
 }
 
 bool GatherScheduler::frees_after_forward(int i) const {
@@ -82,7 +85,7 @@ void GatherScheduler::start(int i) {
   traffic_.param_gather_bytes += wire_bytes;
   if (!u.trainable) traffic_.frozen_gather_bytes += wire_bytes;
   at::Tensor target = slot.full;
-  if (!u.packed && plan_.param_dtype != plan_.compute_dtype) {
+  if (lp.scalar_type() != full_dtype(i)) {
     // fp16 on a CPU computes in fp32: gathered in fp16, then widened.
     slot.staging = at::empty({u.layout->full_numel()}, lp.options());
     add_live(bytes_of(slot.staging));

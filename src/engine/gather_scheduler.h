@@ -39,6 +39,9 @@ class GatherScheduler {
   bool views_shard(int i) const { return slots_[static_cast<std::size_t>(i)].views_shard; }
   /// The buffer was filled in place at set-up: it counts as gathered.
   void mark_gathered(int i);
+  /// The dtype of entry i's full buffer, what its parameters view: the
+  /// compute dtype, or bytes for a packed (NF4) entry.
+  at::ScalarType full_dtype(int i) const;
   /// Bytes of entry i's full buffer.
   int64_t full_bytes(int i) const;
 

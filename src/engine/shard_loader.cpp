@@ -159,14 +159,15 @@ void ShardLoader::load() {
     ST_CHECK_T(ConfigError, !(released && u.packed), plan_.name, ": the quantized weights of unit '",
                u.path.empty() ? "<root>" : u.path, "' were built without their values on some rank; quantize "
                "the base (shardtrain::quantize_frozen_base) on every rank from the loaded weights");
+    // Pure mode keeps the load dtype's values exactly; otherwise the fp32
+    // master starts from them; NF4 bytes stay bytes.
     const at::TensorOptions init_options = u.packed ? fp32.dtype(at::kByte) : pure ? low : fp32;
     at::Tensor shard_init = released ? reuse(shard_buffer_, S, init_options) : at::empty({S}, init_options);
     std::vector<at::Tensor> values;
     if (!released) {
       int64_t value_bytes = 0;
       for (const auto& p : u.params) {
-        // Pure mode keeps the load dtype's values exactly; otherwise the fp32 master starts from them.
-        at::Tensor v = u.packed ? p.detach().contiguous() : p.detach().to(pure ? plan_.param_dtype : at::kFloat).contiguous();
+        at::Tensor v = p.detach().to(init_options.dtype().toScalarType()).contiguous();
         if (plan_.sync_module_states) sync.broadcast(v, 0);
         if (!v.is_alias_of(p)) value_bytes += bytes_of(v);
         values.push_back(v);
@@ -184,12 +185,12 @@ void ShardLoader::load() {
     // that dtype, the shard itself, so the optimizer's writes are the next
     // forward's values and nothing is ever gathered or copied.
     const bool views_shard = groups_.layout_world() == 1 && !released &&
-                             (u.packed || plan_.param_dtype == plan_.compute_dtype) &&
+                             unit_shard.lp.scalar_type() == gather_.full_dtype(i) &&
                              unit_shard.lp.numel() == u.layout->full_numel();
     if (views_shard) {
       gather_.bind(i, unit_shard.lp, true);
     } else {
-      const at::TensorOptions compute = fp32.dtype(u.packed ? at::kByte : plan_.compute_dtype);
+      const at::TensorOptions compute = fp32.dtype(gather_.full_dtype(i));
       gather_.bind(i,
                    released ? ShardStorage::unallocated_buffer(u.layout->full_numel(), compute)
                             : at::empty({u.layout->full_numel()}, compute),
@@ -203,7 +204,7 @@ void ShardLoader::load() {
     for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
       at::Tensor view = full.narrow(0, u.layout->param_offset_in_full(k), u.params[k].numel()).view(u.shapes[k]);
       // Compute on the values the shard holds (fp16-on-CPU computes in fp32 on fp16-rounded values).
-      if (!released) view.copy_(u.packed ? values[k] : values[k].to(plan_.param_dtype));
+      if (!released) view.copy_(values[k].to(unit_shard.lp.scalar_type()));
       // set_data replaces the parameter's TensorImpl contents; the handle is shared with the module.
       at::Tensor param = u.params[k];
       param.set_data(view);

@@ -134,8 +134,22 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
 
 int64_t nf4_buffer_bytes(int64_t numel) { return nf4::Layout::of(numel).bytes; }
 
+namespace {
+
+/// The layout of `numel` NF4 elements, once `buffer` is checked to be exactly its bytes.
+nf4::Layout nf4_layout_of(const at::Tensor& buffer, int64_t numel, const char* what) {
+  ST_CHECK(buffer.defined(), what, ": undefined buffer");
+  const nf4::Layout layout = nf4::Layout::of(numel);
+  ST_CHECK(buffer.scalar_type() == at::kByte && numel % nf4::kBlock == 0 && buffer.numel() == layout.bytes, what,
+           ": a ", buffer.scalar_type(), " buffer of ", buffer.numel(), " elements does not hold ", numel,
+           " NF4 elements (", layout.bytes, " uint8 bytes)");
+  return layout;
+}
+
+}  // namespace
+
 at::Tensor nf4_dequantize(const at::Tensor& buffer, int64_t numel, at::ScalarType dtype) {
-  ST_CHECK(buffer.defined(), "nf4_dequantize: undefined buffer");
+  nf4_layout_of(buffer, numel, "nf4_dequantize");
   at::Tensor out = at::empty({numel}, buffer.options().dtype(dtype));
   if (buffer.is_cpu()) {
     cpu::nf4_dequantize(buffer.contiguous(), out);
@@ -148,9 +162,7 @@ at::Tensor nf4_dequantize(const at::Tensor& buffer, int64_t numel, at::ScalarTyp
 }
 
 Nf4State nf4_state(const at::Tensor& buffer, int64_t numel) {
-  const nf4::Layout l = nf4::Layout::of(numel);
-  ST_CHECK(buffer.scalar_type() == at::kByte && buffer.numel() == l.bytes, "nf4_state: a buffer of ",
-           buffer.numel(), " bytes does not hold ", numel, " NF4 elements");
+  const nf4::Layout l = nf4_layout_of(buffer, numel, "nf4_state");
   const at::Tensor host = buffer.to(at::kCPU).contiguous();
   Nf4State state;
   state.codes = host.narrow(0, l.codes, numel / 2).clone();

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include "lora/lora_common.h"
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/nn/linear.h"
@@ -23,13 +24,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-/// PEFT's rule for a name in target_modules or modules_to_save: the whole
-/// path, or its tail after a dot ("q_proj" matches "model.layers.0.self_attn.q_proj").
-bool names_module(const std::string& path, const std::string& name) {
-  return path == name ||
-         (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
-          path[path.size() - name.size() - 1] == '.');
-}
+using lora_detail::names_module;
+using lora_detail::with_thousands;
 
 /// PEFT's "all-linear" leaves out the output layer.
 bool is_output_layer(const std::string& path) { return names_module(path, "lm_head"); }
@@ -49,12 +45,6 @@ std::vector<std::string> distinct_leaf_names(const std::vector<std::string>& pat
     if (std::find(names.begin(), names.end(), leaf) == names.end()) names.push_back(leaf);
   }
   return names;
-}
-
-std::string with_thousands(int64_t n) {
-  std::string digits = std::to_string(n);
-  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<std::size_t>(i), ",");
-  return digits;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "kernels/cpu/cpu_gemm_choice.h"
 #include "kernels/mixed_gemm.h"
+#include "kernels/nf4_format.h"
 #include "nn/nf4_linear.h"
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"
@@ -65,14 +66,25 @@ void LinearImpl::remove_lora() {
   lora_dropout = 0.0;
 }
 
+std::string LinearImpl::nf4_refusal(at::ScalarType compute_dtype) const {
+  if (weight_quantized()) return "the weight is quantized already";
+  if (weight.requires_grad()) return "the weight trains; only a frozen weight can be quantized (apply_lora freezes the base)";
+  if (!weight.has_storage() || weight.numel() == 0 || weight.data_ptr() == nullptr) {
+    return "the weight has no values (a model built without its weights); load the weights before quantizing";
+  }
+  if (weight.numel() % kernels::nf4::kBlock != 0) {
+    return "the weight has " + std::to_string(weight.numel()) + " elements, not a multiple of the NF4 block of " +
+           std::to_string(kernels::nf4::kBlock) + "; leave the layer out (QuantizationConfig::skip_modules)";
+  }
+  if (compute_dtype != at::kBFloat16 && compute_dtype != at::kHalf && compute_dtype != at::kFloat) {
+    return std::string("the compute dtype must be bf16, fp16 or fp32, got ") + c10::toString(compute_dtype);
+  }
+  return "";
+}
+
 void LinearImpl::quantize_weight_nf4(at::ScalarType compute_dtype) {
-  ST_CHECK(!weight_quantized(), "quantize_weight_nf4: the weight is quantized already");
-  ST_CHECK_T(ConfigError, !weight.requires_grad(), "quantize_weight_nf4: the weight trains; only a frozen weight "
-             "can be quantized (apply_lora freezes the base)");
-  ST_CHECK_T(ConfigError, weight.has_storage() && weight.numel() > 0 && weight.data_ptr() != nullptr,
-             "quantize_weight_nf4: the weight has no values (a model built without its weights); load them first");
-  ST_CHECK_T(ConfigError, compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf || compute_dtype == at::kFloat,
-             "quantize_weight_nf4: the compute dtype must be bf16, fp16 or fp32, got ", compute_dtype);
+  const std::string refusal = nf4_refusal(compute_dtype);
+  ST_CHECK_T(ConfigError, refusal.empty(), "quantize_weight_nf4: ", refusal);
   at::Tensor buffer = kernels::nf4_quantize(weight.detach());
   at::NoGradGuard no_grad;
   weight.set_data(buffer);  // the module's parameter and this handle share the TensorImpl

@@ -49,6 +49,18 @@ uint8_t nearest_absmax_code(const float* code, float normed) {
   return static_cast<uint8_t>(idx);
 }
 
+/// ATen's intra-op threads set to 1 on this thread while it lives.
+class OneThread {
+ public:
+  OneThread() : threads_(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneThread() { at::set_num_threads(threads_); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int threads_;
+};
+
 template <class Out>
 void dequantize_as(const uint8_t* buffer, const nf4::Layout& l, const float* code8, Out* out) {
   const uint8_t* codes = buffer + l.codes;
@@ -144,15 +156,8 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
   // thread's own, restored at once.
   at::Tensor offset;
   {
-    const int threads = at::get_num_threads();
-    at::set_num_threads(1);
-    try {
-      offset = absmax.mean();
-    } catch (...) {
-      at::set_num_threads(threads);
-      throw;
-    }
-    at::set_num_threads(threads);
+    const OneThread one_thread;
+    offset = absmax.mean();
   }
   const at::Tensor centred = absmax - offset;
   const float* c = centred.data_ptr<float>();
@@ -173,12 +178,9 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
 }
 
 void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out) {
-  ST_CHECK(buffer.defined() && buffer.is_cpu() && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
-           "nf4_dequantize: the buffer must be a contiguous CPU uint8 tensor");
+  ST_CHECK(buffer.is_cpu() && buffer.is_contiguous(), "nf4_dequantize: the buffer must be a contiguous CPU tensor");
   ST_CHECK(out.defined() && out.is_cpu() && out.is_contiguous(), "nf4_dequantize: out must be a contiguous CPU tensor");
   const nf4::Layout l = nf4::Layout::of(out.numel());
-  ST_CHECK(out.numel() % nf4::kBlock == 0 && buffer.numel() == l.bytes, "nf4_dequantize: a buffer of ",
-           buffer.numel(), " bytes does not hold ", out.numel(), " NF4 elements (", l.bytes, " bytes)");
   const uint8_t* in = buffer.data_ptr<uint8_t>();
   const float* code8 = nf4_absmax_code().data_ptr<float>();
   switch (out.scalar_type()) {

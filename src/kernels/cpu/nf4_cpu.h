@@ -17,8 +17,9 @@ const at::Tensor& nf4_absmax_code();
 /// multiple of 64): a 1-D uint8 tensor of nf4::Layout::of(numel).bytes.
 at::Tensor nf4_quantize(const at::Tensor& weight);
 
-/// Decodes `buffer` (contiguous CPU uint8 of nf4::Layout::of(out.numel()).bytes)
-/// into `out` (contiguous CPU fp32, bf16 or fp16), rounding to nearest even.
+/// Decodes `buffer` (contiguous CPU uint8 of nf4::Layout::of(out.numel()).bytes,
+/// which kernels::nf4_dequantize checked) into `out` (contiguous CPU fp32,
+/// bf16 or fp16), rounding to nearest even.
 void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out);
 
 }  // namespace shardtrain::kernels::cpu

@@ -13,7 +13,6 @@
 
 #include "kernels/cpu/nf4_cpu.h"
 #include "kernels/cuda/cuda_kernels.h"
-#include "kernels/nf4_format.h"
 #include "kernels/device_checks.h"
 #include "kernels/optimizer_params.h"
 #include "shardtrain/error.h"
@@ -162,10 +161,8 @@ void cast_into(at::Tensor& dst, const at::Tensor& src) {
 
 void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out) {
   check_same_device(out, buffer, "nf4_dequantize buffer");
-  ST_CHECK(buffer.scalar_type() == at::kByte && buffer.is_contiguous() && out.is_contiguous(),
-           "nf4_dequantize: the buffer must be contiguous uint8 and out contiguous");
-  ST_CHECK(out.numel() % nf4::kBlock == 0 && buffer.numel() == nf4::Layout::of(out.numel()).bytes,
-           "nf4_dequantize: a buffer of ", buffer.numel(), " bytes does not hold ", out.numel(), " NF4 elements");
+  // kernels::nf4_dequantize checked that the buffer holds out.numel() NF4 elements.
+  ST_CHECK(buffer.is_contiguous() && out.is_contiguous(), "nf4_dequantize: the buffer and out must be contiguous");
   const cuda::DType out_type = cuda_type(out, "nf4_dequantize output");
   // The absmax map, built on the host once, copied to each device once.
   static std::mutex mutex;

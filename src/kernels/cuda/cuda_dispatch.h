@@ -28,6 +28,7 @@ void sgd_step(at::Tensor& master, at::Tensor* momentum_buffer, const at::Tensor&
 at::Tensor sum_of_squares(const at::Tensor& t);
 at::Tensor non_finite_flag(const at::Tensor& t);
 void cast_into(at::Tensor& dst, const at::Tensor& src);
+/// The caller (kernels.cpp) has checked the buffer's dtype and size against out.numel().
 void nf4_dequantize(const at::Tensor& buffer, at::Tensor& out);
 
 }  // namespace shardtrain::kernels::cuda_dispatch
