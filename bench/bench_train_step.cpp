@@ -287,6 +287,8 @@ const std::map<std::string, std::string>& known_configs() {
       {"fsdp_full_shard_lora", "FSDP FULL_SHARD standard, LoRA"},
       {"zero3_qlora", "ZeRO-3, QLoRA (NF4 base)"},
       {"fsdp_full_shard_qlora", "FSDP FULL_SHARD standard, QLoRA (NF4 base)"},
+      {"fsdp_pure_lora", "FSDP FULL_SHARD pure, LoRA (bf16-only base, fp32 adapters)"},
+      {"fsdp_pure_qlora", "FSDP FULL_SHARD pure, QLoRA (NF4 base, bf16 embeddings, fp32 adapters)"},
   };
   return known;
 }

@@ -213,6 +213,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   plan_context.local_world_size = s.env.local_world_size;
   plan_context.on_cuda = on_cuda;
   plan_context.load_dtype = load_dtype;
+  plan_context.trains_lora_adapters = !lora_layers(*s.module).empty();
   engine::EnginePlan plan = plan_engine(s.config, plan_context);
   plan.optimizer.custom_factory = optimizer.custom_factory;
   plan.weight_source = run.weight_source;
@@ -221,15 +222,6 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.plan = precision_plan_of(plan, num_params, plan_context);
   s.plan.frozen_params = frozen_params;
   s.plan.frozen_nf4_bytes = frozen_nf4_bytes;
-  // LoRA adapters keep fp32 masters (lora.h); pure low precision has none.
-  // Refused until the engine holds adapter entries in fp32 under that mode
-  // (issue 27), rather than trained in bf16 where small updates are lost.
-  if (const auto adapted = lora_layers(*s.module); !adapted.empty()) {
-    ST_CHECK_T(ConfigError, s.plan.master_dtype != "none", s.plan.engine,
-               " keeps no fp32 master (FSDP pure low precision), and LoRA adapters must train on fp32 masters: ",
-               adapted.front().first, " has one. Use FSDP's standard mode (mixed_precision bf16 with fp32 "
-               "parameters, e.g. configs/llama/fsdp_standard_bf16.yaml) or ZeRO");
-  }
   s.engine = make_engine(s.module, s.comm, s.config.distributed_type, std::move(plan));
   s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
       s.config.precision_audit,

@@ -85,6 +85,7 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   plan.master_bytes = (pure || low == DType::kFp32) ? 0.0 : 4.0 / shards;
   plan.grads_bytes = (low_grads ? shard : 4.0) / shards + (boundary_accumulator ? 4.0 : 0.0);
   plan.optimizer_bytes = states * (pure ? shard : 4.0) / shards;
+  plan.frozen_copy_bytes = (engine_plan.frozen_fp32_copy && low != DType::kFp32) ? 4.0 / shards : 0.0;
   // A shard that is the whole model (one rank, or no sharding) and holds the
   // compute dtype: the parameters view the shard, nothing is kept gathered.
   if ((context.world_size == 1 || shards == 1) && !fp16_on_cpu) gathered_at_rest = 0;
@@ -97,6 +98,9 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   }
   if (pure) {
     plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost. ";
+  } else if (!engine_plan.frozen_fp32_copy) {
+    plan.notes += "Pure low precision with LoRA: the frozen base is held in " + std::string(to_string(low)) +
+                  " only; the trained parameters (adapters) keep fp32 masters and fp32 optimizer state. ";
   }
   return plan;
 }
@@ -114,9 +118,10 @@ double PrecisionPlan::trained_bytes_per_param() const {
 }
 
 double PrecisionPlan::total_bytes_per_rank() const {
-  // A frozen parameter is its shard at rest (and what is kept gathered), nothing else.
+  // A frozen parameter is its shard at rest (and what is kept gathered) and its fp32 copy, nothing else.
   return trained_bytes_per_param() * static_cast<double>(num_params) +
-         (params_bytes + gathered_at_rest_bytes) * static_cast<double>(frozen_params) + frozen_nf4_bytes_per_rank();
+         (params_bytes + gathered_at_rest_bytes + frozen_copy_bytes) * static_cast<double>(frozen_params) +
+         frozen_nf4_bytes_per_rank();
 }
 
 std::string PrecisionPlan::to_string() const {
@@ -144,6 +149,7 @@ std::string PrecisionPlan::to_string() const {
   row("gathered at rest", gathered_at_rest_bytes, num_params);
   if (frozen_params > 0 || frozen_nf4_bytes > 0) {
     if (frozen_params > 0) row("frozen (shard)", params_bytes + gathered_at_rest_bytes, frozen_params);
+    if (frozen_params > 0 && frozen_copy_bytes > 0) row("frozen fp32 copy", frozen_copy_bytes, frozen_params);
     if (frozen_nf4_bytes > 0) {
       out << "  " << std::left << std::setw(22) << "frozen NF4 (shard)" << std::right << std::setw(8) << ""
           << "                = " << human(frozen_nf4_bytes_per_rank()) << " per rank ("

@@ -33,10 +33,16 @@ struct PrecisionPlan {
   bool master_is_params = false;
   /// Trainable parameters: the rows above are per trainable parameter.
   int64_t num_params = 0;
-  /// Parameters that do not train (a LoRA base): the engine keeps only their
-  /// shard at rest (and what stages 1/2 keep gathered), no gradient, master or
-  /// optimizer state. Listed on a row of their own.
+  /// Parameters that do not train (a LoRA base): the engine keeps their
+  /// shard at rest (and what stages 1/2 keep gathered) and its fp32 copy
+  /// (frozen_copy_bytes), no gradient or optimizer state. Listed on rows of
+  /// their own.
   int64_t frozen_params = 0;
+  /// Bytes per frozen parameter per rank of the fp32 copy the engine keeps
+  /// beside a low-precision frozen shard (what state dicts and checkpoints
+  /// read); 0 where the shard is fp32 itself, or in fsdp pure low precision,
+  /// which holds the frozen base in the low dtype alone.
+  double frozen_copy_bytes = 0;
   /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
   /// row of their own, their shard at rest and what stages 1/2 keep gathered.
   int64_t frozen_nf4_bytes = 0;

@@ -37,9 +37,10 @@ class UnitHooks {
   virtual ~UnitHooks() = default;
   /// Makes the unit's parameters usable (all-gather, wait for prefetch).
   virtual void before_unit_forward(Unit& unit) = 0;
-  /// Receives the unit's output; may release parameters and attach backward
-  /// hooks to the output. Returns the tensor the model continues with.
-  virtual at::Tensor after_unit_forward(Unit& unit, at::Tensor output) = 0;
+  /// Receives the unit's input and output; may release parameters and attach
+  /// backward hooks (to the output: the unit's backward is about to run; to
+  /// the input: it has run). Returns the tensor the model continues with.
+  virtual at::Tensor after_unit_forward(Unit& unit, const at::Tensor& input, at::Tensor output) = 0;
   /// Activation checkpointing: recompute this unit's forward during backward
   /// instead of keeping its activations.
   virtual bool recompute_in_backward(const Unit& unit) const {
@@ -85,7 +86,7 @@ class Unit {
     at::Tensor output = hooks_->recompute_in_backward(*this)
                             ? hooks_->run_recomputed(*this, std::function<at::Tensor(const at::Tensor&)>(body), input)
                             : body(input);
-    return hooks_->after_unit_forward(*this, std::move(output));
+    return hooks_->after_unit_forward(*this, input, std::move(output));
   }
 
  private:

@@ -51,6 +51,14 @@ struct EnginePlan {
   bool reduce_at_boundary_only = false;
   /// fsdp pure low precision: shard, gradients and optimizer state in param_dtype; no fp32 master.
   bool pure_low_precision = false;
+  /// Frozen entries keep an fp32 copy of their shard beside the param_dtype
+  /// one they are gathered from: what state dicts, exports and checkpoints
+  /// read, so a frozen fp32-loaded weight is saved as it was loaded. Off in
+  /// fsdp pure low precision, where the loaded low-precision values are the
+  /// only copy (with LoRA too: there pure_low_precision is off for the
+  /// trained adapters, which keep fp32 masters, while the frozen base stays
+  /// in param_dtype alone).
+  bool frozen_fp32_copy = true;
   /// fsdp keep_low_precision_grads: the sharded gradient the optimizer reads
   /// stays in param_dtype (the kernels widen it to fp32 as they read it)
   /// instead of an fp32 gradient partition. Half the gradient memory with a
@@ -120,6 +128,10 @@ struct PlanContext {
   /// Compute happens on a GPU (fp16 then computes in fp16; on a CPU in fp32).
   bool on_cuda = false;
   std::string load_dtype = "fp32";
+  /// The model trains LoRA adapters (lora.h), which keep fp32 masters under
+  /// every backend: fsdp pure low precision then holds only the frozen base
+  /// in the low dtype.
+  bool trains_lora_adapters = false;
 };
 
 /// The communicators a plan runs over, made from the world by its backend.

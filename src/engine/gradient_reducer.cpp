@@ -139,13 +139,30 @@ void GradientReducer::unit_grads_ready(int i) {
     if (!plan_.overlap_comm) finish_reductions();
   }
   // Every autograd node that read the unit's trainable weights has run (each
-  // produced its weight's gradient). Frozen weights give no such signal, so a
-  // unit holding some stays gathered until the end of backward.
+  // produced its weight's gradient). Frozen weights give no such signal: a
+  // unit holding some also waits for its input's gradient
+  // (unit_input_grad_ready), or else for the end of backward.
   if (u.unit != nullptr) {
-    const bool has_frozen = units_.entries_of(*u.unit).size() > 1;
-    if (!has_frozen) gather_.release_unit(*u.unit, /*after_forward=*/false);
+    if (units_.holds_frozen(*u.unit)) {
+      frozen_unit_backward_[u.unit].grads_in = true;
+      release_frozen_unit_if_done(*u.unit);
+    } else {
+      gather_.release_unit(*u.unit, /*after_forward=*/false);
+    }
     if (plan_.backward_prefetch == BackwardPrefetchMode::kPost) gather_.prefetch_for_backward(*u.unit);
   }
+}
+
+void GradientReducer::unit_input_grad_ready(const Unit& unit) {
+  frozen_unit_backward_[&unit].input_grad_in = true;
+  release_frozen_unit_if_done(unit);
+}
+
+void GradientReducer::release_frozen_unit_if_done(const Unit& unit) {
+  const UnitBackward& state = frozen_unit_backward_[&unit];
+  // AccumulateGrad can run after the input's gradient is out: the trainable
+  // gradients must be in as well before the views they came from go.
+  if (state.input_grad_in && (state.grads_in || !units_.trains(unit))) gather_.release_unit(unit, /*after_forward=*/false);
 }
 
 void GradientReducer::flush_bucket() {
@@ -244,6 +261,7 @@ void GradientReducer::reduce_boundary_accumulators() {
 
 void GradientReducer::backward(const at::Tensor& scaled_loss, bool sync) {
   boundary_backward_ = plan_.reduce_at_boundary_only && sync;
+  frozen_unit_backward_.clear();
   scaled_loss.backward();
   // Units some of whose parameters got no gradient (unused in this forward)
   // still take part in the reductions with zeros: every rank must issue the

@@ -6,6 +6,7 @@
 // boundary accumulators, the bucket being filled and the ones in flight.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +39,11 @@ class GradientReducer {
   /// starts, through to the gradients in the shards. `sync`: the last
   /// micro-batch of a gradient-accumulation window.
   void backward(const at::Tensor& scaled_loss, bool sync);
+  /// The gradient of `unit`'s input has arrived, so every autograd node that
+  /// read its weights has run: frees its parameters (FSDP's post-backward
+  /// reshard) once its trainable gradients are in too. For units that hold
+  /// frozen weights, which give no gradient to wait for.
+  void unit_input_grad_ready(const Unit& unit);
   /// zero_grad's part: ZeRO-1's accumulators, when a window left them non-zero.
   void clear_window();
   /// Bytes of ZeRO-1's boundary accumulators (gradients at rest).
@@ -79,6 +85,9 @@ class GradientReducer {
   /// (autograd's own output, not a copy) and leaves .grad() empty.
   void on_grad_accumulated(int i, int param_index);
   void unit_grads_ready(int i);
+  /// Frees a unit holding frozen weights after backward once both signals
+  /// came: its trainable gradients (if it has any) and its input's gradient.
+  void release_frozen_unit_if_done(const Unit& unit);
   /// A pending gradient in the reduce dtype, flattened (zeros where the
   /// parameter got none: every rank reduces the same pieces).
   at::Tensor reduce_input(int i, int k) const;
@@ -107,6 +116,13 @@ class GradientReducer {
   std::vector<std::unique_ptr<GradReadyHook>> hooks_;
   Bucket filling_;
   std::vector<Bucket> in_flight_;
+  /// This backward, per unit that holds frozen weights: its trainable
+  /// gradients are all in, its input's gradient has arrived.
+  struct UnitBackward {
+    bool grads_in = false;
+    bool input_grad_in = false;
+  };
+  std::map<const Unit*, UnitBackward> frozen_unit_backward_;
   /// zero 1: the running backward ends an accumulation window, so each unit's
   /// accumulator is reduced as soon as its gradients are in (overlapping the
   /// rest of backward, as ZeRO-2's reductions do) instead of after backward.

@@ -148,7 +148,6 @@ std::vector<std::vector<ShardLoader::Source>> ShardLoader::agree_on_sources() {
 void ShardLoader::load() {
   const std::vector<std::vector<Source>> sources = agree_on_sources();
   comm::Communicator& sync = groups_.sync();
-  const bool pure = plan_.pure_low_precision;
   const at::TensorOptions fp32 = storage_.fp32_options();
   const at::TensorOptions low = fp32.dtype(plan_.param_dtype);
   for (int i = 0; i < units_.size(); ++i) {
@@ -159,9 +158,12 @@ void ShardLoader::load() {
     ST_CHECK_T(ConfigError, !(released && u.packed), plan_.name, ": the quantized weights of unit '",
                u.path.empty() ? "<root>" : u.path, "' were built without their values on some rank; quantize "
                "the base (shardtrain::quantize_frozen_base) on every rank from the loaded weights");
-    // Pure mode keeps the load dtype's values exactly; otherwise the fp32
-    // master starts from them; NF4 bytes stay bytes.
-    const at::TensorOptions init_options = u.packed ? fp32.dtype(at::kByte) : pure ? low : fp32;
+    // An entry with an fp32 master (or frozen fp32 copy) starts it from the
+    // values; one without keeps the load dtype's values exactly (pure mode);
+    // NF4 bytes stay bytes.
+    const at::TensorOptions init_options = u.packed                      ? fp32.dtype(at::kByte)
+                                           : unit_shard.master.defined() ? fp32
+                                                                         : low;
     at::Tensor shard_init = released ? reuse(shard_buffer_, S, init_options) : at::empty({S}, init_options);
     std::vector<at::Tensor> values;
     if (!released) {

@@ -112,7 +112,7 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
       shard.lp = at::zeros({S}, fp32.dtype(at::kByte));
     } else {
       shard.lp = at::zeros({S}, low);
-      if (!pure) shard.master = at::zeros({S}, fp32);
+      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, fp32);
     }
   }
 }
@@ -136,7 +136,10 @@ void ShardStorage::add_memory(MemoryReport& stats) const {
   stats.grads += bytes_of(grad_) + bytes_of(host_grad_);
   stats.optimizer += bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
   for (const UnitShard& shard : shards_) {
-    if (!shard.grad.defined()) stats.params += bytes_of(shard.lp);  // a frozen entry's own shard
+    if (shard.grad.defined()) continue;
+    // A frozen entry's own shard, and its fp32 copy where it keeps one.
+    stats.params += bytes_of(shard.lp);
+    if (!shard.master.is_same(shard.lp)) stats.master += bytes_of(shard.master);
   }
 }
 

@@ -129,8 +129,17 @@ void ShardedEngine::before_unit_forward(Unit& unit) {
   s.gather.prefetch_after(s.units.trace(), pos, s.plan.prefetch_bucket_size);
 }
 
-at::Tensor ShardedEngine::after_unit_forward(Unit& unit, at::Tensor output) {
+at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input, at::Tensor output) {
   State& s = *state_;
+  // A unit holding frozen weights (a LoRA base) gets no gradient of them to
+  // tell when its backward is done; the gradient of its input does (FSDP2's
+  // post-backward signal). Without it the unit would stay gathered to the end
+  // of backward, and with every layer adapted, so would the whole model.
+  if (at::GradMode::is_enabled() && input.requires_grad() && s.units.holds_frozen(unit)) {
+    GradientReducer* reducer = &s.reducer;
+    const Unit* key = &unit;
+    input.register_hook([reducer, key](const at::Tensor&) { reducer->unit_input_grad_ready(*key); });
+  }
   // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
   const bool reused_soon = at::GradMode::is_enabled() && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
                            s.units.reuse_distance(unit) <= s.plan.max_reuse_distance;

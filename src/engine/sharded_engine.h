@@ -37,7 +37,7 @@ class ShardedEngine : public Engine {
 
   std::string name() const override;
   void before_unit_forward(Unit& unit) override;
-  at::Tensor after_unit_forward(Unit& unit, at::Tensor output) override;
+  at::Tensor after_unit_forward(Unit& unit, const at::Tensor& input, at::Tensor output) override;
   bool recompute_in_backward(const Unit& unit) const override;
   at::Tensor run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,
                             const at::Tensor& input) override;

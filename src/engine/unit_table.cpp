@@ -119,6 +119,16 @@ UnitTable::UnitTable(torch::nn::Module& model, const EnginePlan& plan, int layou
   }
 }
 
+bool UnitTable::holds_frozen(const Unit& unit) const {
+  const auto& entries = entries_of(unit);
+  return std::any_of(entries.begin(), entries.end(), [&](int i) { return !(*this)[i].trainable; });
+}
+
+bool UnitTable::trains(const Unit& unit) const {
+  const auto& entries = entries_of(unit);
+  return std::any_of(entries.begin(), entries.end(), [&](int i) { return (*this)[i].trainable; });
+}
+
 int64_t UnitTable::unit_numel(const Unit& unit) const {
   int64_t n = 0;
   for (int idx : entries_of(unit)) n += (*this)[idx].layout->total_param_numel();

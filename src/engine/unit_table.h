@@ -61,6 +61,11 @@ class UnitTable {
   /// The entries (trainable, then frozen) of a managed unit.
   const std::vector<int>& entries_of(const Unit& unit) const { return by_unit_.at(&unit); }
   int64_t unit_numel(const Unit& unit) const;
+  /// The unit holds a frozen entry (a LoRA base, an NF4 one): weights that
+  /// give backward no gradient to signal that the unit is done.
+  bool holds_frozen(const Unit& unit) const;
+  /// The unit holds a trainable entry.
+  bool trains(const Unit& unit) const;
 
   // ---- the recorded unit order -----------------------------------------------
   void begin_forward() { current_order_.clear(); }

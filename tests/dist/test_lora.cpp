@@ -4,13 +4,16 @@
 // the same logits as shardtrain's own load of it; the merged export
 // (save_model of a LoRA model) equals PEFT's merge_and_unload within the
 // rounding of one fp32 merge and loads as a plain LlamaForCausalLM; the base
-// weights do not move while the adapters train.
+// weights do not move while the adapters train. Under FSDP pure low
+// precision the adapters keep fp32 masters on a base held in bf16 alone.
 
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -19,6 +22,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/precision_plan.h"
 #include "shardtrain/safetensors.h"
 #include "support/llama_golden.h"
 #include "support/multirank.h"
@@ -179,20 +183,171 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistLora, ::testing::Values(false, true),
                          [](const auto& info) { return std::string(info.param ? "fsdp_standard" : "zero3"); });
 
-TEST(DistLoraRefusals, PureLowPrecisionWouldTrainAdaptersWithoutAnFp32MasterAndIsRefused) {
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    const shardtrain::TrainingConfig pure =
-        shardtrain::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/llama/fsdp_pure_bf16.yaml");
-    LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
-    shardtrain::apply_lora(*model, test_lora());
-    auto accelerator = shardtrain::testing::accelerator_for(pure, ctx);
-    try {
-      accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
-      ADD_FAILURE() << "LoRA was prepared under pure low precision";
-    } catch (const shardtrain::ConfigError& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find("LoRA adapters must train on fp32 masters"), std::string::npos) << what;
-      EXPECT_NE(what.find("fsdp_standard_bf16.yaml"), std::string::npos) << what;
+namespace {
+
+/// What one LoRA run at world 2 ends with (the state dict on every rank).
+struct AdapterRun {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> state;
+  shardtrain::MemoryReport memory;
+  shardtrain::PrecisionPlan plan;
+};
+
+/// LoRA r 8 on q/k/v/o of the golden Llama, kAdapterSteps AdamW steps at
+/// world 2 under `config`; `bf16_base`: the model arrives in bf16 (as
+/// from_pretrained(torch_dtype=bfloat16)) before the adapters are added, which
+/// then are fp32 (PEFT's autocast_adapter_dtype).
+constexpr int kAdapterSteps = 4;
+AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& config, bool bf16_base,
+                          const fs::path& save_dir) {
+  LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
+  if (bf16_base) model->to(torch::kBFloat16);
+  torch::manual_seed(7);  // the same adapter initialisation in every run
+  shardtrain::apply_lora(*model, test_lora());
+  model->train();
+  auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+  AdapterRun run;
+  torch::manual_seed(100 + ctx.rank());
+  for (int step = 0; step < kAdapterSteps; ++step) {
+    const at::Tensor ids = torch::randint(0, 48, {2, 12}, torch::kLong);
+    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
+    run.losses.push_back(loss.item<double>());
+    accelerator->backward(loss);
+    accelerator->step();
+    accelerator->zero_grad();
+  }
+  run.memory = accelerator->memory();
+  run.plan = accelerator->precision_plan();
+  for (const auto& [name, value] : accelerator->full_state_dict()) run.state[name] = value;
+  if (!save_dir.empty()) {
+    // The adapter saves in fp32, and a checkpoint of the run (the bf16 base
+    // and the adapters' fp32 masters and moments) loads back unchanged.
+    accelerator->save_lora_adapter((save_dir / "adapter").string(), test_lora());
+    accelerator->save_state((save_dir / "checkpoint").string());
+    accelerator->load_state((save_dir / "checkpoint").string());
+    for (const auto& [name, value] : accelerator->full_state_dict()) {
+      EXPECT_TRUE(at::equal(value, run.state.at(name))) << name << " changed in a checkpoint round trip";
     }
+  }
+  return run;
+}
+
+}  // namespace
+
+// FSDP pure low precision with LoRA: the frozen base stays in bf16 alone (no
+// fp32 copy), the adapters keep fp32 masters and fp32 Adam state. FSDP's
+// standard bf16 mode on the same base computes with the same bf16 base values
+// (its fp32 copy rounded to bf16 for the gather, the load's rounding), the
+// same bf16 views of the same fp32 adapters, reduces in bf16 alike and steps
+// the same fp32 masters, so the two runs are the same arithmetic: their
+// losses and adapters are equal bit for bit, and only the frozen copy's
+// memory differs.
+TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16OnlyBase) {
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("shardtrain-lora-pure-" + std::to_string(::getpid()));
+  shardtrain::testing::MultiRankOptions harness;
+  harness.env["LORA_DIR"] = dir.string();
+  harness.timeout = std::chrono::seconds(300);
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    shardtrain::TrainingConfig standard = shardtrain::testing::fp32_llama_engine_config(true);
+    standard.optimizer.type = "AdamW";
+    standard.optimizer.lr = 1e-3;
+    standard.optimizer.weight_decay = 0.0;
+    standard.mixed_precision = shardtrain::MixedPrecision::kBf16;
+    // Accelerate's rule: mixed_precision no with a bf16 model is pure low precision.
+    shardtrain::TrainingConfig pure = standard;
+    pure.mixed_precision = shardtrain::MixedPrecision::kNo;
+
+    const AdapterRun reference = train_adapters(ctx, standard, false, {});
+    const AdapterRun run = train_adapters(ctx, pure, true, std::getenv("LORA_DIR"));
+
+    EXPECT_NE(run.plan.engine.find("pure low precision, fp32 adapters"), std::string::npos) << run.plan.engine;
+    EXPECT_EQ(run.plan.master_dtype, "fp32");
+    EXPECT_EQ(run.plan.optimizer_dtype, "fp32");
+    EXPECT_EQ(run.plan.shard_dtype, "bf16");
+    EXPECT_EQ(run.plan.frozen_copy_bytes, 0.0);
+    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kWorld);
+    EXPECT_NE(run.plan.to_string().find("frozen base is held in bf16 only"), std::string::npos)
+        << run.plan.to_string();
+
+    ASSERT_EQ(run.losses.size(), reference.losses.size());
+    for (std::size_t k = 0; k < run.losses.size(); ++k) {
+      EXPECT_EQ(run.losses[k], reference.losses[k]) << "step " << k + 1;
+    }
+    bool adapters_moved = false;
+    for (const auto& [name, value] : reference.state) {
+      const at::Tensor& ours = run.state.at(name);
+      if (name.find("lora_") != std::string::npos) {
+        EXPECT_TRUE(at::equal(ours, value)) << name;
+        adapters_moved = adapters_moved || (name.find("lora_B") != std::string::npos && !value.eq(0).all().item<bool>());
+      } else {
+        // full_state_dict widens every value to fp32: the pure run's base is
+        // the bf16 load, the standard run's the fp32 weights themselves.
+        EXPECT_TRUE(at::equal(ours, value.to(at::kBFloat16).to(at::kFloat))) << name;
+        EXPECT_FALSE(at::equal(ours, value)) << name << ": the fp32 base should not be bf16-representable";
+      }
+    }
+    EXPECT_TRUE(adapters_moved) << "training did not move any lora_B";
+
+    // Memory, exactly: AdamW holds 8 B per trained element (fp32 m and v) and
+    // the master 4, so a run without a frozen copy has master == optimizer / 2;
+    // the bf16 shards are 2 B per trained element (optimizer / 4) plus the
+    // frozen base's, whose fp32 copy is twice its bf16 bytes.
+    EXPECT_EQ(run.memory.params, reference.memory.params);
+    EXPECT_EQ(run.memory.optimizer, reference.memory.optimizer);
+    EXPECT_EQ(run.memory.master * 2, run.memory.optimizer);
+    const int64_t frozen_bf16_bytes = reference.memory.params - reference.memory.optimizer / 4;
+    EXPECT_GT(frozen_bf16_bytes, 0);
+    EXPECT_EQ(reference.memory.master, reference.memory.optimizer / 2 + 2 * frozen_bf16_bytes);
+  }, harness);
+  if (shardtrain::testing::is_rank_process() || ::testing::Test::HasFatalFailure()) return;
+  const st::Reader adapter((dir / "adapter" / "adapter_model.safetensors").string());
+  for (const auto& name : adapter.names()) EXPECT_EQ(adapter.read(name).scalar_type(), at::kFloat) << name;
+  fs::remove_all(dir);
+}
+
+// Under FULL_SHARD each adapted layer is freed once its backward is done,
+// though its frozen base weights give backward no gradient to signal it: the
+// gradient of the layer's input does (FSDP2's post-backward hook). Without
+// that signal every layer stayed gathered to the end of backward: with every
+// layer adapted, the whole model. Eight layers, so the two differ by four.
+TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
+    model_config.num_hidden_layers = 8;
+    torch::manual_seed(3);
+    LlamaForCausalLM model(model_config);
+    shardtrain::apply_lora(*model, test_lora());
+    model->train();
+    int64_t root_numel = 0, layer_numel = 0, total_numel = 0;
+    for (const auto& item : model->named_parameters()) {
+      const std::string& name = item.key();
+      total_numel += item.value().numel();
+      if (name.rfind("model.layers.0.", 0) == 0) layer_numel += item.value().numel();
+      if (name.find("layers.") == std::string::npos) root_numel += item.value().numel();
+    }
+    shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
+    config.mixed_precision = shardtrain::MixedPrecision::kBf16;
+    config.optimizer.type = "SGD";
+    config.optimizer.lr = 0.1;
+    auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+    auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+    torch::manual_seed(100 + ctx.rank());
+    for (int step = 0; step < 2; ++step) {
+      const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
+      accelerator->backward(shardtrain::models::causal_lm_loss(prepared(ids), ids));
+      accelerator->step();
+      accelerator->zero_grad();
+    }
+    // bf16 buffers. At most: the root (gathered for the whole step), the
+    // layer whose backward just ended (freed by the hook that fires as the
+    // next one is gathered), that next layer and the one BACKWARD_PRE
+    // prefetches, and a shard-sized staging buffer per gather in flight:
+    // fewer than root + 4 layers. The whole model is root + 8.
+    const int64_t bound = 2 * (root_numel + 4 * layer_numel);
+    const int64_t peak = accelerator->memory().gathered_peak;
+    EXPECT_LE(peak, bound) << "root " << root_numel << ", layer " << layer_numel << " elements";
+    EXPECT_LT(peak, 2 * total_numel) << "the whole model was gathered at once";
   });
 }

@@ -35,15 +35,19 @@ shardtrain::models::LlamaConfig model_config() { return shardtrain::testing::sma
 
 struct RunResult {
   shardtrain::TrafficReport traffic;  // over kSteps steps
+  shardtrain::MemoryReport memory;
   int64_t quantized_weights = 0, nf4_bytes = 0;
 };
 
-/// LoRA r 8 on q/k/v/o, bf16 mixed precision, kSteps SGD steps; with
-/// `quantize`, the frozen base in NF4 (lm_head kept, as by default: every
-/// quantized weight is then in a decoder layer's unit).
-RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quantize, const fs::path& checkpoint_dir) {
+/// LoRA r 8 on q/k/v/o, bf16 mixed precision (`bf16_base`: the model built
+/// in bf16 and mixed_precision no, FSDP's pure low precision), kSteps SGD
+/// steps; with `quantize`, the frozen base in NF4 (lm_head kept, as by
+/// default: every quantized weight is then in a decoder layer's unit).
+RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quantize, const fs::path& checkpoint_dir,
+                bool bf16_base = false) {
   torch::manual_seed(11);
   LlamaForCausalLM model(model_config());
+  if (bf16_base) model->to(torch::kBFloat16);
   shardtrain::LoraConfig lora;
   lora.r = 8;
   lora.lora_alpha = 16;
@@ -59,7 +63,7 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
       if (item.value().scalar_type() == at::kByte) base_bytes[item.key()] = item.value().detach().clone();
     }
   }
-  config.mixed_precision = shardtrain::MixedPrecision::kBf16;
+  config.mixed_precision = bf16_base ? shardtrain::MixedPrecision::kNo : shardtrain::MixedPrecision::kBf16;
   config.optimizer.type = "SGD";
   config.optimizer.lr = 0.5;
   config.optimizer.weight_decay = 0.0;
@@ -76,6 +80,7 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
     accelerator->zero_grad();
   }
   result.traffic = accelerator->traffic();
+  result.memory = accelerator->memory();
   if (!quantize) return result;
 
   bool adapters_moved = false;
@@ -107,22 +112,31 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
   return result;
 }
 
-class DistQlora : public ::testing::TestWithParam<bool> {};
+/// zero3, fsdp_standard, fsdp_pure (the base loaded in bf16).
+class DistQlora : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
 TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
-  const bool fsdp = GetParam();
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       ("shardtrain-qlora-" + std::string(fsdp ? "fsdp" : "zero3") + "-" + std::to_string(::getpid()));
+  const std::string mode = GetParam();
+  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-qlora-" + mode + "-" + std::to_string(::getpid()));
   shardtrain::testing::MultiRankOptions harness;
   harness.env["QLORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [fsdp](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kWorld, [mode](RankContext& ctx) {
     const fs::path work = std::getenv("QLORA_DIR");
-    const shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
-    const RunResult bf16 = train(ctx, config, false, work / "unused");
-    const RunResult nf4 = train(ctx, config, true, work / "checkpoints");
+    const bool pure = mode == "fsdp_pure";
+    const shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(mode != "zero3");
+    const RunResult bf16 = train(ctx, config, false, work / "unused", pure);
+    const RunResult nf4 = train(ctx, config, true, work / "checkpoints", pure);
+    if (pure) {
+      // No fp32 copy of the frozen base (the bf16 embeddings, norms and
+      // lm_head): the fp32 masters are the adapters' alone, 4 B per trained
+      // element beside SGD's 2 B bf16 shard of it. The NF4 run holds the
+      // same adapters, and its frozen shards are smaller.
+      EXPECT_EQ(nf4.memory.master, bf16.memory.master);
+      EXPECT_LT(nf4.memory.params, bf16.memory.params);
+    }
     // The adapters (and everything trainable) travel the same in both runs.
     EXPECT_EQ(bf16.traffic.param_gather_bytes - bf16.traffic.frozen_gather_bytes,
               nf4.traffic.param_gather_bytes - nf4.traffic.frozen_gather_bytes);
@@ -138,7 +152,7 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
     const double ratio = static_cast<double>(nf4.nf4_bytes) / static_cast<double>(2 * nf4.quantized_weights);
     EXPECT_LE(ratio, 0.5 / 2 + 1.0 / 128 + 6.0 / 2048);  // 4 bits + the absmax byte per 64 + scale, offset, padding
     if (ctx.rank() == 0) {
-      std::cout << (fsdp ? "fsdp" : "zero3") << " per step: frozen weights gathered " << bf16.traffic.frozen_gather_bytes / kSteps
+      std::cout << mode << " per step: frozen weights gathered " << bf16.traffic.frozen_gather_bytes / kSteps
                 << " B with a bf16 base, " << nf4.traffic.frozen_gather_bytes / kSteps
                 << " B with the NF4 base (the quantized weights: " << ratio << " of their bf16 bytes); all parameters "
                 << bf16.traffic.param_gather_bytes / kSteps << " -> " << nf4.traffic.param_gather_bytes / kSteps << " B\n";
@@ -147,8 +161,8 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
   if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values(false, true),
-                         [](const auto& info) { return std::string(info.param ? "fsdp_standard" : "zero3"); });
+INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsdp_standard", "fsdp_pure"),
+                         [](const auto& info) { return info.param; });
 
 // Where parameters are not sharded (ZeRO-2 at world 2, zero-0 at world 1)
 // the NF4 bytes are replicated: the parameters view the (whole) shard, the

@@ -401,7 +401,7 @@ struct UnitRecompute : torch::autograd::Function<UnitRecompute> {
 class FullRecomputeHooks : public shardtrain::UnitHooks {
  public:
   void before_unit_forward(shardtrain::Unit&) override {}
-  at::Tensor after_unit_forward(shardtrain::Unit&, at::Tensor output) override { return output; }
+  at::Tensor after_unit_forward(shardtrain::Unit&, const at::Tensor&, at::Tensor output) override { return output; }
   bool recompute_in_backward(const shardtrain::Unit&) const override { return true; }
   at::Tensor run_recomputed(shardtrain::Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,
                             const at::Tensor& input) override {

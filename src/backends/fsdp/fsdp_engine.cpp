@@ -43,7 +43,13 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.param_dtype = engine::scalar_type(shard);
   o.compute_dtype = engine::compute_dtype(shard, context);
   o.reduce_dtype = engine::scalar_type(c.reduce_dtype.value_or(shard));
-  o.pure_low_precision = pure;
+  // LoRA adapters must not train in bf16 (a LoRA learning rate's updates are
+  // mostly below half an ulp): under pure mode they keep fp32 masters and fp32
+  // optimizer state, as PEFT's autocast_adapter_dtype keeps them fp32 on a
+  // bf16 base, and only the frozen base is held in the low dtype alone.
+  const bool pure_adapters = pure && context.trains_lora_adapters;
+  o.pure_low_precision = pure && !pure_adapters;
+  o.frozen_fp32_copy = !pure;
   // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
   o.keep_low_precision_grads = c.keep_low_precision_grads && !pure && o.param_dtype != at::kFloat;
   if (c.buffer_dtype) o.buffer_dtype = engine::scalar_type(*c.buffer_dtype);
@@ -106,13 +112,20 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
       break;
     }
   }
-  o.name = std::string("fsdp ") + to_string(c.sharding_strategy) + (pure ? " pure low precision" : " standard");
+  o.name = std::string("fsdp ") + to_string(c.sharding_strategy) +
+           (pure_adapters ? " pure low precision, fp32 adapters" : pure ? " pure low precision" : " standard");
   if (c.keep_low_precision_grads && !o.keep_low_precision_grads) {
     o.notices.push_back(std::string("fsdp: fsdp_keep_low_precision_grads has no effect here: ") +
                         (pure ? "pure low precision keeps every gradient in the low dtype already"
                               : "param_dtype is fp32, so gradients are fp32 anyway"));
   }
-  if (pure) {
+  if (pure_adapters) {
+    o.notices.push_back("fsdp pure low precision with LoRA: the frozen base is held in " +
+                        std::string(c10::toString(o.param_dtype)) +
+                        " only (no fp32 copy); the trained parameters (the adapters, and any modules_to_save or "
+                        "trained biases) keep fp32 masters and fp32 optimizer state and compute in " +
+                        std::string(c10::toString(o.param_dtype)) + ".");
+  } else if (pure) {
     o.notices.push_back("fsdp pure low precision: parameters, gradients and optimizer state are " +
                         std::string(c10::toString(o.param_dtype)) +
                         "; an update smaller than half an ulp of its weight is lost (the seeds' stalled Mistral "
