@@ -97,7 +97,8 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
                   "; the optimizer widens them as it reads them. ";
   }
   if (pure) {
-    plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost. ";
+    plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost "
+                  "(a model with LoRA adapters keeps fp32 masters for them: Accelerator::prepare plans it so). ";
   } else if (!engine_plan.frozen_fp32_copy) {
     plan.notes += "Pure low precision with LoRA: the frozen base is held in " + std::string(to_string(low)) +
                   " only; the trained parameters (adapters) keep fp32 masters and fp32 optimizer state. ";

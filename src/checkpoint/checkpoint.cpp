@@ -470,7 +470,8 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
              begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
     const std::optional<at::ScalarType> pure_dtype = engine.pure_low_precision_dtype();
     if (kind == "master" && !warned_rounding && result.scalar_type() == at::kFloat && comm.rank() == 0 && pure_dtype) {
-      ST_LOG_WARN("checkpoint: loading fp32 masters into a pure low-precision run rounds them to {}",
+      ST_LOG_WARN("checkpoint: loading fp32 values into a pure low-precision run rounds those it holds in {} "
+                  "alone (every parameter, or with LoRA the frozen base) to that dtype",
                   c10::toString(*pure_dtype));
       warned_rounding = true;
     }

@@ -109,8 +109,8 @@ class Engine : public UnitHooks {
   /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.
   virtual std::vector<double> loss_scaler_state() const = 0;
   virtual void load_loss_scaler_state(const std::vector<double>& state) = 0;
-  /// The dtype the optimizer state is kept in when it is not fp32 (pure low
-  /// precision), else nullopt: loading fp32 masters there rounds them.
+  /// The dtype pure low precision holds parameters in (all of them, or with
+  /// LoRA the frozen base), else nullopt: loading fp32 values there rounds them.
   virtual std::optional<at::ScalarType> pure_low_precision_dtype() const = 0;
 };
 

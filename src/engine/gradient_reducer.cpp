@@ -153,8 +153,10 @@ void GradientReducer::unit_grads_ready(int i) {
   }
 }
 
+void GradientReducer::expect_input_grad(const Unit& unit) { ++frozen_unit_backward_[&unit].input_grads_pending; }
+
 void GradientReducer::unit_input_grad_ready(const Unit& unit) {
-  frozen_unit_backward_[&unit].input_grad_in = true;
+  --frozen_unit_backward_[&unit].input_grads_pending;
   release_frozen_unit_if_done(unit);
 }
 
@@ -162,7 +164,7 @@ void GradientReducer::release_frozen_unit_if_done(const Unit& unit) {
   const UnitBackward& state = frozen_unit_backward_[&unit];
   // AccumulateGrad can run after the input's gradient is out: the trainable
   // gradients must be in as well before the views they came from go.
-  if (state.input_grad_in && (state.grads_in || !units_.trains(unit))) gather_.release_unit(unit, /*after_forward=*/false);
+  if (state.input_grads_pending == 0 && (state.grads_in || !units_.trains(unit))) gather_.release_unit(unit, /*after_forward=*/false);
 }
 
 void GradientReducer::flush_bucket() {
@@ -261,8 +263,10 @@ void GradientReducer::reduce_boundary_accumulators() {
 
 void GradientReducer::backward(const at::Tensor& scaled_loss, bool sync) {
   boundary_backward_ = plan_.reduce_at_boundary_only && sync;
-  frozen_unit_backward_.clear();
   scaled_loss.backward();
+  // A forward whose graph got no backward leaves its inputs pending: that
+  // only kept its units gathered to the end of this backward.
+  frozen_unit_backward_.clear();
   // Units some of whose parameters got no gradient (unused in this forward)
   // still take part in the reductions with zeros: every rank must issue the
   // same collectives.

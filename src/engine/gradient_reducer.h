@@ -39,10 +39,14 @@ class GradientReducer {
   /// starts, through to the gradients in the shards. `sync`: the last
   /// micro-batch of a gradient-accumulation window.
   void backward(const at::Tensor& scaled_loss, bool sync);
-  /// The gradient of `unit`'s input has arrived, so every autograd node that
-  /// read its weights has run: frees its parameters (FSDP's post-backward
-  /// reshard) once its trainable gradients are in too. For units that hold
-  /// frozen weights, which give no gradient to wait for.
+  /// A forward of `unit` (holding frozen weights, which give backward no
+  /// gradient to wait for) hooked its input: the next backward frees the
+  /// unit only after that input's gradient has arrived.
+  void expect_input_grad(const Unit& unit);
+  /// The gradient of one hooked input of `unit` has arrived. Once every
+  /// forward's has (a unit may run more than once per step) and its
+  /// trainable gradients are in, every autograd node that read its weights
+  /// has run: frees its parameters (FSDP's post-backward reshard).
   void unit_input_grad_ready(const Unit& unit);
   /// zero_grad's part: ZeRO-1's accumulators, when a window left them non-zero.
   void clear_window();
@@ -116,11 +120,12 @@ class GradientReducer {
   std::vector<std::unique_ptr<GradReadyHook>> hooks_;
   Bucket filling_;
   std::vector<Bucket> in_flight_;
-  /// This backward, per unit that holds frozen weights: its trainable
-  /// gradients are all in, its input's gradient has arrived.
+  /// Per unit that holds frozen weights, from its forwards to the end of the
+  /// backward: its trainable gradients are all in; hooked inputs whose
+  /// gradient has not arrived yet.
   struct UnitBackward {
     bool grads_in = false;
-    bool input_grad_in = false;
+    int input_grads_pending = 0;
   };
   std::map<const Unit*, UnitBackward> frozen_unit_backward_;
   /// zero 1: the running backward ends an accumulation window, so each unit's

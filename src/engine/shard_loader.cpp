@@ -45,7 +45,10 @@ ShardLoader::ShardLoader(torch::nn::Module& model, const EnginePlan& plan, const
       original_storage_bytes_(static_cast<std::size_t>(units.size()), 0) {}
 
 at::Tensor ShardLoader::reuse(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
-  if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
+  // Entries differ in load dtype (fp32 where there is a master, else the shard's).
+  if (!buffer.defined() || buffer.numel() < numel || buffer.scalar_type() != options.dtype().toScalarType()) {
+    buffer = at::empty({numel}, options);
+  }
   return buffer.narrow(0, 0, numel);
 }
 

@@ -135,9 +135,12 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
   // tell when its backward is done; the gradient of its input does (FSDP2's
   // post-backward signal). Without it the unit would stay gathered to the end
   // of backward, and with every layer adapted, so would the whole model.
-  if (at::GradMode::is_enabled() && input.requires_grad() && s.units.holds_frozen(unit)) {
+  // Not on a leaf input: a tensor that outlives the step would collect a
+  // hook per forward; such a unit is freed at the end of backward.
+  if (at::GradMode::is_enabled() && input.requires_grad() && !input.is_leaf() && s.units.holds_frozen(unit)) {
     GradientReducer* reducer = &s.reducer;
     const Unit* key = &unit;
+    reducer->expect_input_grad(unit);
     input.register_hook([reducer, key](const at::Tensor&) { reducer->unit_input_grad_ready(*key); });
   }
   // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
@@ -228,7 +231,8 @@ void ShardedEngine::load_loss_scaler_state(const std::vector<double>& v) {
 }
 
 std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
-  if (!state_->plan.pure_low_precision) return std::nullopt;
+  // Pure low precision holds the parameters (with LoRA: the frozen base) in param_dtype alone.
+  if (!state_->plan.pure_low_precision && state_->plan.frozen_fp32_copy) return std::nullopt;
   return state_->plan.param_dtype;
 }
 

@@ -351,3 +351,47 @@ TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
     EXPECT_LT(peak, 2 * total_numel) << "the whole model was gathered at once";
   });
 }
+
+// Every layer runs twice before one backward (two forwards, their losses
+// summed, as a preference-tuning step does): a layer is freed only after the
+// gradients of both its inputs have arrived, so the first call's backward
+// still finds its weights. FULL_SHARD frees and regathers around each use;
+// NO_SHARD keeps everything, and sums the same two ranks' gradients the same
+// way, so the adapters end equal bit for bit.
+TEST(DistLoraMemory, ALayerRunTwicePerStepIsFreedOnlyAfterBothBackwards) {
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    auto train = [&](shardtrain::ShardingStrategy strategy) {
+      shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
+      model_config.num_hidden_layers = 4;
+      torch::manual_seed(3);
+      LlamaForCausalLM model(model_config);
+      shardtrain::apply_lora(*model, test_lora());
+      model->train();
+      shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
+      config.fsdp.sharding_strategy = strategy;
+      config.optimizer.type = "SGD";
+      config.optimizer.lr = 0.5;
+      auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+      auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      torch::manual_seed(100 + ctx.rank());
+      for (int step = 0; step < 2; ++step) {
+        const at::Tensor chosen = torch::randint(0, 64, {2, 16}, torch::kLong);
+        const at::Tensor rejected = torch::randint(0, 64, {2, 16}, torch::kLong);
+        const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(chosen), chosen) +
+                                shardtrain::models::causal_lm_loss(prepared(rejected), rejected);
+        accelerator->backward(loss);
+        accelerator->step();
+        accelerator->zero_grad();
+      }
+      std::map<std::string, at::Tensor> adapters;
+      for (const auto& [name, value] : accelerator->full_state_dict()) {
+        if (name.find("lora_") != std::string::npos) adapters[name] = value;
+      }
+      return adapters;
+    };
+    const auto sharded = train(shardtrain::ShardingStrategy::kFullShard);
+    const auto replicated = train(shardtrain::ShardingStrategy::kNoShard);
+    ASSERT_EQ(sharded.size(), replicated.size());
+    for (const auto& [name, value] : replicated) EXPECT_TRUE(at::equal(sharded.at(name), value)) << name;
+  });
+}

@@ -51,7 +51,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.pure_low_precision = pure && !pure_adapters;
   o.frozen_fp32_copy = !pure;
   // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
-  o.keep_low_precision_grads = c.keep_low_precision_grads && !pure && o.param_dtype != at::kFloat;
+  o.keep_low_precision_grads = c.keep_low_precision_grads && !o.pure_low_precision && o.param_dtype != at::kFloat;
   if (c.buffer_dtype) o.buffer_dtype = engine::scalar_type(*c.buffer_dtype);
   o.rank0_loads_weights = c.cpu_ram_efficient_loading;
   o.loss_scale = config.fp16;
@@ -116,7 +116,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
            (pure_adapters ? " pure low precision, fp32 adapters" : pure ? " pure low precision" : " standard");
   if (c.keep_low_precision_grads && !o.keep_low_precision_grads) {
     o.notices.push_back(std::string("fsdp: fsdp_keep_low_precision_grads has no effect here: ") +
-                        (pure ? "pure low precision keeps every gradient in the low dtype already"
+                        (o.pure_low_precision ? "pure low precision keeps every gradient in the low dtype already"
                               : "param_dtype is fp32, so gradients are fp32 anyway"));
   }
   if (pure_adapters) {
