@@ -11,7 +11,8 @@ each in its own processes (so each peak RSS is its own), interleaved:
   world 2: Python DDP | FSDP2 | DeepSpeed ZeRO-3 | shardtrain zero-0, zero-1,
            zero-2, zero-3, fsdp standard, fsdp pure (bf16)
 With --lora, the LoRA table instead (r --lora-r, alpha 2r, q/k/v/o_proj):
-  world 1: PEFT + PyTorch plain loop | shardtrain zero-0 LoRA | zero-0 full
+  world 1: PEFT + PyTorch plain loop | PyTorch full fine-tune | shardtrain
+           zero-0 LoRA | zero-0 full
   world 2: PEFT + FSDP2 | shardtrain zero-3 LoRA, fsdp LoRA, zero-3 full,
            and fsdp pure LoRA (bf16-only base) and fsdp pure QLoRA (NF4 base)
 with issue 27's targets: a LoRA step <= 0.5x the full fine-tune's, <= 1.00x
@@ -44,7 +45,9 @@ RATIOS = [("zero0_w1", "python_plain", 1.00), ("cpp_plain", "python_plain", None
           ("fsdp_standard", "python_fsdp2", 1.00), ("fsdp_standard", "python_ddp", 1.10),
           ("fsdp_pure_bf16", "python_fsdp2", None)]
 
-LORA_PEERS = [("peft_plain", 1, "plain"), ("peft_fsdp2", 2, "fsdp2")]
+# "MODE:full": the peer's full fine-tune of the same model (no --lora), for
+# PEFT's own LoRA / full ratio beside shardtrain's.
+LORA_PEERS = [("peft_plain", 1, "plain"), ("peft_fsdp2", 2, "fsdp2"), ("torch_full_plain", 1, "plain:full")]
 # (name, world, bench_train_step configuration, dtype)
 LORA_SHARDTRAIN = [("lora_zero0_w1", 1, "ddp_lora", "fp32"), ("full_zero0_w1", 1, "ddp", "fp32"),
                    ("lora_zero3", 2, "zero3_lora", "fp32"), ("lora_fsdp", 2, "fsdp_full_shard_lora", "fp32"),
@@ -52,7 +55,7 @@ LORA_SHARDTRAIN = [("lora_zero0_w1", 1, "ddp_lora", "fp32"), ("full_zero0_w1", 1
                    ("qlora_pure_bf16", 2, "fsdp_pure_qlora", "bf16")]
 LORA_RATIOS = [("lora_zero0_w1", "full_zero0_w1", 0.5), ("lora_zero3", "full_zero3", 0.5),
                ("lora_zero0_w1", "peft_plain", 1.00), ("lora_zero3", "peft_fsdp2", 1.00),
-               ("lora_fsdp", "peft_fsdp2", 1.00)]
+               ("lora_fsdp", "peft_fsdp2", 1.00), ("peft_plain", "torch_full_plain", None)]
 # (run, reference, target) on model states per rank, not time
 # A bf16-base LoRA holds its base in bf16 alone: FSDP pure low precision (the
 # adapters keep fp32 masters there); QLoRA the same with the base in NF4.
@@ -60,9 +63,10 @@ LORA_STATE_RATIOS = [("qlora_pure_bf16", "lora_pure_bf16", 0.35)]
 
 
 def run_peer(args, mode, world):
+    mode, _, variant = mode.partition(":")
     command = [sys.executable, os.path.join(ROOT, "scripts", "bench_pytorch.py"), "--mode", mode,
                "--world", str(world), "--steps", str(args.steps), "--skip", str(args.skip)]
-    if args.lora:
+    if args.lora and variant != "full":
         command += ["--lora", str(args.lora_r)]
     out = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
