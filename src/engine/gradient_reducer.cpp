@@ -153,18 +153,21 @@ void GradientReducer::unit_grads_ready(int i) {
   }
 }
 
-void GradientReducer::expect_input_grad(const Unit& unit) { ++frozen_unit_backward_[&unit].input_grads_pending; }
+void GradientReducer::expect_input_grad(const Unit& unit) { ++frozen_unit_backward_[&unit].inputs_hooked; }
 
 void GradientReducer::unit_input_grad_ready(const Unit& unit) {
-  --frozen_unit_backward_[&unit].input_grads_pending;
+  ++frozen_unit_backward_[&unit].input_grads_in;
   release_frozen_unit_if_done(unit);
 }
 
 void GradientReducer::release_frozen_unit_if_done(const Unit& unit) {
   const UnitBackward& state = frozen_unit_backward_[&unit];
-  // AccumulateGrad can run after the input's gradient is out: the trainable
-  // gradients must be in as well before the views they came from go.
-  if (state.input_grads_pending == 0 && (state.grads_in || !units_.trains(unit))) gather_.release_unit(unit, /*after_forward=*/false);
+  // Without a hooked input (one that needs no gradient, or a leaf) nothing
+  // says when the frozen weights are last read: the end of backward frees the
+  // unit. AccumulateGrad can run after the input's gradient is out: the
+  // trainable gradients must be in as well before the views they came from go.
+  const bool inputs_done = state.inputs_hooked > 0 && state.input_grads_in == state.inputs_hooked;
+  if (inputs_done && (state.grads_in || !units_.trains(unit))) gather_.release_unit(unit, /*after_forward=*/false);
 }
 
 void GradientReducer::flush_bucket() {

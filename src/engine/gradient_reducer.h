@@ -121,11 +121,12 @@ class GradientReducer {
   Bucket filling_;
   std::vector<Bucket> in_flight_;
   /// Per unit that holds frozen weights, from its forwards to the end of the
-  /// backward: its trainable gradients are all in; hooked inputs whose
-  /// gradient has not arrived yet.
+  /// backward: its trainable gradients are all in; its inputs hooked, and how
+  /// many of their gradients have arrived.
   struct UnitBackward {
     bool grads_in = false;
-    int input_grads_pending = 0;
+    int inputs_hooked = 0;
+    int input_grads_in = 0;
   };
   std::map<const Unit*, UnitBackward> frozen_unit_backward_;
   /// zero 1: the running backward ends an accumulation window, so each unit's

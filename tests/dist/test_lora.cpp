@@ -28,6 +28,7 @@
 #include "support/multirank.h"
 #include "support/peer_python.h"
 #include "support/tiny_compare.h"
+#include "tiny/tiny_model.h"
 
 namespace {
 
@@ -53,6 +54,29 @@ shardtrain::TrainingConfig engine_config(bool fsdp) {
   config.optimizer.lr = 0.5;
   config.optimizer.weight_decay = 0.0;
   return config;
+}
+
+/// engine_config(true) under another FSDP strategy.
+shardtrain::TrainingConfig fsdp_config(shardtrain::ShardingStrategy strategy) {
+  shardtrain::TrainingConfig config = engine_config(true);
+  config.fsdp.sharding_strategy = strategy;
+  return config;
+}
+
+/// The adapters' full values, by name (collective).
+std::map<std::string, at::Tensor> adapter_values(shardtrain::Accelerator& accelerator) {
+  std::map<std::string, at::Tensor> adapters;
+  for (const auto& [name, value] : accelerator.full_state_dict()) {
+    if (name.find("lora_") != std::string::npos) adapters[name] = value;
+  }
+  return adapters;
+}
+
+/// Both runs ended with the same tensors under the same names, bit for bit.
+void expect_same_values(const std::map<std::string, at::Tensor>& ours,
+                        const std::map<std::string, at::Tensor>& reference) {
+  ASSERT_EQ(ours.size(), reference.size());
+  for (const auto& [name, value] : reference) EXPECT_TRUE(at::equal(ours.at(name), value)) << name;
 }
 
 /// fp64_logit_tolerance (llama_golden.h) counts the reductions of the base
@@ -327,9 +351,8 @@ TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
       if (name.rfind("model.layers.0.", 0) == 0) layer_numel += item.value().numel();
       if (name.find("layers.") == std::string::npos) root_numel += item.value().numel();
     }
-    shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
+    shardtrain::TrainingConfig config = engine_config(true);
     config.mixed_precision = shardtrain::MixedPrecision::kBf16;
-    config.optimizer.type = "SGD";
     config.optimizer.lr = 0.1;
     auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
@@ -367,11 +390,7 @@ TEST(DistLoraMemory, ALayerRunTwicePerStepIsFreedOnlyAfterBothBackwards) {
       LlamaForCausalLM model(model_config);
       shardtrain::apply_lora(*model, test_lora());
       model->train();
-      shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
-      config.fsdp.sharding_strategy = strategy;
-      config.optimizer.type = "SGD";
-      config.optimizer.lr = 0.5;
-      auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+      auto accelerator = shardtrain::testing::accelerator_for(fsdp_config(strategy), ctx);
       auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
       torch::manual_seed(100 + ctx.rank());
       for (int step = 0; step < 2; ++step) {
@@ -383,15 +402,64 @@ TEST(DistLoraMemory, ALayerRunTwicePerStepIsFreedOnlyAfterBothBackwards) {
         accelerator->step();
         accelerator->zero_grad();
       }
-      std::map<std::string, at::Tensor> adapters;
-      for (const auto& [name, value] : accelerator->full_state_dict()) {
-        if (name.find("lora_") != std::string::npos) adapters[name] = value;
-      }
-      return adapters;
+      return adapter_values(*accelerator);
     };
-    const auto sharded = train(shardtrain::ShardingStrategy::kFullShard);
-    const auto replicated = train(shardtrain::ShardingStrategy::kNoShard);
-    ASSERT_EQ(sharded.size(), replicated.size());
-    for (const auto& [name, value] : replicated) EXPECT_TRUE(at::equal(sharded.at(name), value)) << name;
+    expect_same_values(train(shardtrain::ShardingStrategy::kFullShard), train(shardtrain::ShardingStrategy::kNoShard));
+  });
+}
+
+namespace {
+
+/// Two tiny blocks on a float input: the first unit's input is whatever the
+/// caller passes (a leaf that requires grad, below).
+struct TwoBlocksImpl : torch::nn::Module {
+  explicit TwoBlocksImpl(const tiny::TinyConfig& c) : blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int i = 0; i < 2; ++i) blocks->push_back(tiny::TinyBlock(c));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (const auto& block : *blocks) h = block->as<tiny::TinyBlockImpl>()->forward(h);
+    return h;
+  }
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(TwoBlocks);
+
+}  // namespace
+
+// A unit whose input is a leaf that requires grad gets no input hook (it
+// would collect one per step): it stays gathered to the end of backward,
+// since its frozen weights are still read for the input's gradient after its
+// adapter gradients are in. FULL_SHARD equals NO_SHARD bit for bit.
+TEST(DistLoraMemory, AUnitFedALeafInputStaysGatheredUntilBackwardEnds) {
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    auto train = [&](shardtrain::ShardingStrategy strategy) {
+      tiny::TinyConfig model_config;
+      model_config.hidden = 32;
+      model_config.ffn = 64;
+      torch::manual_seed(5);
+      TwoBlocks model(model_config);
+      shardtrain::LoraConfig lora = test_lora();
+      lora.target_modules = {"qkv", "proj"};
+      shardtrain::apply_lora(*model, lora);
+      model->train();
+      shardtrain::TrainingConfig config = fsdp_config(strategy);
+      config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
+      auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+      auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      torch::manual_seed(100 + ctx.rank());
+      std::vector<at::Tensor> input_grads;
+      for (int step = 0; step < 2; ++step) {
+        const at::Tensor x = torch::randn({2, 8, 32}).requires_grad_(true);
+        accelerator->backward(prepared(x).pow(2).mean());
+        input_grads.push_back(x.grad().clone());
+        accelerator->step();
+        accelerator->zero_grad();
+      }
+      std::map<std::string, at::Tensor> result = adapter_values(*accelerator);
+      for (std::size_t k = 0; k < input_grads.size(); ++k) result["input_grad_" + std::to_string(k)] = input_grads[k];
+      return result;
+    };
+    expect_same_values(train(shardtrain::ShardingStrategy::kFullShard), train(shardtrain::ShardingStrategy::kNoShard));
   });
 }
