@@ -9,14 +9,29 @@
 // sanitizer report in the server thread or the parsers, a server that never
 // closes a finished connection, or a server that no longer serves a member
 // (checked after every input with a set and a get).
+//
+// This process's main thread, which runs the harness's socket calls and the
+// member's RendezvousStore, is interrupted by a signal every 200 us. libFuzzer
+// does this too, rarely (its timeout alarm, without SA_RESTART): a blocking
+// connect() it interrupted once failed a CI run. Constantly, every call that
+// can return EINTR does, so the harness and the store's client must both
+// handle it; a missed case fails here at once instead of one run in many.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/rendezvous/protocol.h"
@@ -44,6 +59,24 @@ struct Live {
   int inputs = 0;
 };
 
+/// The signal storm (see the top of this file): a thread that interrupts the
+/// main thread every kInterruptEvery, started once, running until exit.
+constexpr auto kInterruptEvery = std::chrono::microseconds(200);
+
+void start_interrupting_this_thread() {
+  struct sigaction action{};
+  action.sa_handler = [](int) {};  // no SA_RESTART: interrupted calls return EINTR
+  ::sigaction(SIGUSR2, &action, nullptr);
+  const pid_t process = ::getpid();
+  const auto thread = static_cast<pid_t>(::syscall(SYS_gettid));
+  std::thread([process, thread] {
+    while (true) {
+      ::syscall(SYS_tgkill, process, thread, SIGUSR2);
+      std::this_thread::sleep_for(kInterruptEvery);
+    }
+  }).detach();
+}
+
 Live& live() {
   static Live state;
   if (!state.server || state.inputs >= kInputsPerServer) {
@@ -58,72 +91,144 @@ Live& live() {
   return state;
 }
 
-/// The server's side of the exchange cannot be seen from here except through
-/// the socket: a harness failure (not a finding about the server) traps too.
-void require(bool condition) {
-  if (!condition) __builtin_trap();
+/// A harness failure (not a finding about the server, or one the server's
+/// side cannot show otherwise) traps, after saying which step failed: a
+/// trap alone in a CI log names nothing.
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_rendezvous_wire: %s\n", what.c_str());
+  std::fflush(stderr);
+  __builtin_trap();
 }
 
+std::string system_error(const char* call) { return std::string(call) + " failed: " + std::strerror(errno); }
+
 /// A raw TCP connection to the server. (tests/support has one, but it comes
-/// with GoogleTest, which this target does not link.)
-int connect_to(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  require(fd >= 0);
+/// with GoogleTest, which this target does not link.) Non-blocking with a
+/// deadline rather than one blocking connect(): libFuzzer's timeout alarm
+/// (SIGALRM, installed without SA_RESTART) makes a blocking connect return
+/// EINTR while the connection goes on, and a busy machine may briefly have no
+/// ephemeral port to spare; neither says anything about the server.
+int connect_to(int port, Clock::time_point deadline) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  require(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  while (true) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) fail(system_error("socket()"));
+    int error = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 ? 0 : errno;
+    if (error == EINPROGRESS || error == EINTR) {
+      pollfd p{fd, POLLOUT, 0};
+      while (::poll(&p, 1, 100) <= 0 && Clock::now() < deadline) {
+      }
+      socklen_t length = sizeof(error);
+      if (p.revents == 0) {
+        error = ETIMEDOUT;
+      } else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) != 0) {
+        error = errno;
+      }
+    }
+    if (error == 0) {
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      return fd;
+    }
+    ::close(fd);
+    if (error != EADDRNOTAVAIL && error != EAGAIN) {
+      errno = error;
+      fail(system_error("connect() to the server"));
+    }
+    if (Clock::now() >= deadline) fail("no ephemeral port became free to connect to the server");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+/// Reads whatever arrives until the server closes the connection; false when
+/// the deadline passes first. Reads in blocks, not a byte per call: a member
+/// may ask for megabytes of replies.
+bool drained_until_closed(int fd, Clock::time_point deadline) {
+  uint8_t sink[65536];
+  while (Clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, 100);
+    if (ready < 0 && errno != EINTR) fail(system_error("poll() on the server's connection"));
+    if (ready <= 0) continue;
+    const ssize_t n = ::recv(fd, sink, sizeof(sink), MSG_DONTWAIT);
+    if (n == 0) return true;                   // closed
+    if (n < 0 && errno == ECONNRESET) return true;  // closed with unread bytes in its buffer
+    if (n < 0 && errno != EAGAIN && errno != EINTR) fail(system_error("recv() from the server"));
+  }
+  return false;
+}
+
+/// Closes with a reset: thousands of inputs a second each leave a socket in
+/// TIME_WAIT otherwise (where the server closed first, the state is the
+/// server's and this cannot help, but it does no harm).
+void close_with_reset(int fd) {
+  const linger reset{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+  ::close(fd);
+}
+
+/// Connects and completes a member's handshake; -1 when the server closed it
+/// for taking longer than kHandshakeTimeout, which it does by design (a
+/// stall of this process on a loaded machine, not a finding).
+int connect_as_member(int port, Clock::time_point deadline) {
+  const auto started = Clock::now();
+  const int fd = connect_to(port, deadline);
+  try {
+    rdzv::Bytes hello(rdzv::kHelloBytes);
+    rdzv::recv_all(fd, hello.data(), hello.size(), deadline, "the server");
+    const rdzv::Bytes server_nonce(hello.begin() + rdzv::kMagic.size(), hello.end());
+    const rdzv::Bytes proof =
+        rdzv::client_proof(kToken, kJobId, server_nonce, rdzv::random_bytes(rdzv::kNonceBytes));
+    rdzv::send_all(fd, proof.data(), proof.size(), deadline, "the server");
+    uint8_t status = 1;
+    rdzv::recv_all(fd, &status, 1, deadline, "the server");
+    if (status != 0) fail("the server refused a member's handshake with status " + std::to_string(status));
+    rdzv::Bytes server_mac(rdzv::kMacBytes);
+    rdzv::recv_all(fd, server_mac.data(), server_mac.size(), deadline, "the server");
+  } catch (const shardtrain::Error& e) {
+    close_with_reset(fd);
+    if (Clock::now() - started >= rdzv::kHandshakeTimeout) return -1;
+    fail(std::string("a member's handshake failed within the server's handshake timeout: ") + e.what());
+  }
   return fd;
 }
 
 void exchange(int port, bool member, const uint8_t* data, size_t size) {
-  const int fd = connect_to(port);
   const auto deadline = Clock::now() + kDeadline;
-  rdzv::Bytes hello(rdzv::kHelloBytes);
-  rdzv::recv_all(fd, hello.data(), hello.size(), deadline, "the server");
+  int fd = -1;
   if (member) {
-    const rdzv::Bytes server_nonce(hello.begin() + rdzv::kMagic.size(), hello.end());
-    const rdzv::Bytes proof = rdzv::client_proof(kToken, kJobId, server_nonce, rdzv::random_bytes(rdzv::kNonceBytes));
-    rdzv::send_all(fd, proof.data(), proof.size(), deadline, "the server");
-    uint8_t status = 1;
-    rdzv::recv_all(fd, &status, 1, deadline, "the server");
-    require(status == 0);
-    rdzv::Bytes server_mac(rdzv::kMacBytes);
-    rdzv::recv_all(fd, server_mac.data(), server_mac.size(), deadline, "the server");
+    while (fd < 0) fd = connect_as_member(port, deadline);
+  } else {
+    fd = connect_to(port, deadline);
+    // A stranger is greeted before it says anything.
+    rdzv::Bytes hello(rdzv::kHelloBytes);
+    try {
+      rdzv::recv_all(fd, hello.data(), hello.size(), deadline, "the server");
+    } catch (const shardtrain::Error& e) {
+      fail(std::string("no greeting for a new connection: ") + e.what());
+    }
   }
   // The server may refuse and close before it has read everything: a failed
   // send is then expected, not a finding.
   try {
     if (size > 0) rdzv::send_all(fd, data, size, deadline, "the server");
   } catch (const shardtrain::TimeoutError&) {
-    __builtin_trap();  // the server stopped reading without closing
+    fail("the server stopped reading without closing the connection");
   } catch (const shardtrain::Error&) {
   }
   ::shutdown(fd, SHUT_WR);
-  // Read until the server closes: every connection ends, whatever it sent.
-  uint8_t sink[4096];
-  while (true) {
-    try {
-      rdzv::recv_all(fd, sink, 1, deadline, "the server");
-    } catch (const shardtrain::TimeoutError&) {
-      __builtin_trap();  // a finished connection the server never closed
-    } catch (const shardtrain::Error&) {
-      break;  // closed (or reset): done
-    }
-  }
-  // Closed with a reset once the server has closed its side: this end sent
-  // the first FIN, so a plain close would keep the port in TIME_WAIT for a
-  // minute, and thousands of inputs a second exhaust the ephemeral ports
-  // (the harness's connect then fails, which is no finding about the server).
-  const linger reset{1, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
-  ::close(fd);
+  // Every connection ends, whatever it sent.
+  if (!drained_until_closed(fd, deadline)) fail("the server never closed a finished connection");
+  close_with_reset(fd);
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const bool interrupted = (start_interrupting_this_thread(), true);
+  (void)interrupted;
   if (size == 0) return 0;
   const rdzv::Bytes rest(data + 1, data + size);
   // The parsers on their own first: they must bound every read.
@@ -139,6 +244,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string value = std::to_string(state.inputs);
   state.member->set("fuzz/alive", std::vector<uint8_t>(value.begin(), value.end()));
   const std::vector<uint8_t> read = state.member->get("fuzz/alive");
-  require(std::string(read.begin(), read.end()) == value);
+  if (std::string(read.begin(), read.end()) != value) fail("the store no longer serves its member");
   return 0;
 }

@@ -43,9 +43,6 @@ constexpr std::size_t kMaxPendingHandshakes = 256;
 constexpr std::size_t kMaxPendingPerSource = kMaxPendingHandshakes / 2;
 /// New connections taken per round; the rest wait in the kernel's backlog.
 constexpr int kAcceptsPerRound = 32;
-/// A connection that has not proved itself by then is refused: a handshake is
-/// one round trip, so seconds are generous even between continents.
-constexpr auto kHandshakeTimeout = std::chrono::seconds(3);
 /// Evictions and handshake timeouts are logged as one summary per source per
 /// this interval, not one line per connection.
 constexpr auto kRefusalLogInterval = std::chrono::seconds(10);

@@ -7,12 +7,18 @@
 // fails is refused, logged and closed, and the job goes on.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
 
 namespace shardtrain::comm::rendezvous {
+
+/// A connection that has not proved itself this long after it was accepted is
+/// closed: a handshake is one round trip, so seconds are generous even
+/// between continents.
+inline constexpr std::chrono::seconds kHandshakeTimeout{3};
 
 class RendezvousServer {
  public:
