@@ -17,7 +17,6 @@
 // can return EINTR does, so the harness and the store's client must both
 // handle it; a missed case fails here at once instead of one run in many.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -102,40 +101,19 @@ Live& live() {
 
 std::string system_error(const char* call) { return std::string(call) + " failed: " + std::strerror(errno); }
 
-/// A raw TCP connection to the server. (tests/support has one, but it comes
-/// with GoogleTest, which this target does not link.) Non-blocking with a
-/// deadline rather than one blocking connect(): libFuzzer's timeout alarm
-/// (SIGALRM, installed without SA_RESTART) makes a blocking connect return
-/// EINTR while the connection goes on, and a busy machine may briefly have no
-/// ephemeral port to spare; neither says anything about the server.
+/// A raw TCP connection to the server. A busy machine may briefly have no
+/// ephemeral port to spare, which says nothing about the server: retried.
 int connect_to(int port, Clock::time_point deadline) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   while (true) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) fail(system_error("socket()"));
-    int error = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 ? 0 : errno;
-    if (error == EINPROGRESS || error == EINTR) {
-      pollfd p{fd, POLLOUT, 0};
-      while (::poll(&p, 1, 100) <= 0 && Clock::now() < deadline) {
-      }
-      socklen_t length = sizeof(error);
-      if (p.revents == 0) {
-        error = ETIMEDOUT;
-      } else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) != 0) {
-        error = errno;
-      }
-    }
-    if (error == 0) {
-      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-      return fd;
-    }
-    ::close(fd);
+    int error = 0;
+    const int fd = rdzv::connect_by(reinterpret_cast<sockaddr*>(&address), sizeof(address), deadline, error);
+    if (fd >= 0) return fd;
     if (error != EADDRNOTAVAIL && error != EAGAIN) {
-      errno = error;
-      fail(system_error("connect() to the server"));
+      fail(std::string("connect() to the server failed: ") + std::strerror(error));
     }
     if (Clock::now() >= deadline) fail("no ephemeral port became free to connect to the server");
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -304,6 +304,33 @@ TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {
   ::close(listener);
 }
 
+// A host whose packets are dropped (a firewall, a wrong MASTER_ADDR) answers
+// no SYN: a blocking connect() waits out the kernel's SYN retries, about two
+// minutes, whatever the rendezvous timeout says. A listener whose accept
+// queue is full drops SYNs the same way, on loopback.
+TEST(UnitRendezvousStore, AnUnansweredConnectGivesUpAtTheRendezvousTimeout) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);  // room for one connection that is never accepted
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  const int queued = raw_connection(port);  // fills the queue: later SYNs are dropped
+  constexpr auto timeout = std::chrono::milliseconds(1500);
+  const auto started = Clock::now();
+  EXPECT_THROW(connect(port, "t", timeout), shardtrain::TimeoutError);
+  // The bound is the timeout plus slack for a loaded machine; a connect that
+  // ignored the deadline takes the kernel's SYN retry time (127 s by default).
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started);
+  EXPECT_LT(waited.count(), (timeout + std::chrono::seconds(10)).count()) << "milliseconds until it gave up";
+  ::close(queued);
+  ::close(listener);
+}
+
 TEST(UnitRendezvousStore, ListensOnlyOnTheAddressItIsGiven) {
   rdzv::RendezvousServer server("127.0.0.1", 0, "t");
   EXPECT_EQ(shardtrain::testing::listening_ipv4_address(server.port()), "0100007F");

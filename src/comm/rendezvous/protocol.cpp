@@ -2,9 +2,13 @@
 
 #include "comm/rendezvous/protocol.h"
 
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -251,7 +255,32 @@ bool wait_ready(int fd, short events, Clock::time_point deadline) {
   }
 }
 
+/// The outcome of a non-blocking connect once the socket is writable.
+int pending_error(int fd) {
+  int error = 0;
+  socklen_t length = sizeof(error);
+  return ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 ? error : errno;
+}
+
 }  // namespace
+
+int connect_by(const sockaddr* address, socklen_t length, Clock::time_point deadline, int& error) {
+  const int fd = ::socket(address->sa_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    error = errno;
+    return -1;
+  }
+  error = ::connect(fd, address, length) == 0 ? 0 : errno;
+  if (error == EINPROGRESS || error == EINTR) error = wait_ready(fd, POLLOUT, deadline) ? pending_error(fd) : ETIMEDOUT;
+  if (error != 0) {
+    ::close(fd);
+    return -1;
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
 
 void send_all(int fd, const uint8_t* data, std::size_t size, Clock::time_point deadline, const std::string& what) {
   std::size_t sent = 0;

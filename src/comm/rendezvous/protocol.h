@@ -29,6 +29,8 @@
 // a one-byte opcode (request) or status (reply), then fields, each a u32
 // length and its bytes. Integers travel as 8-byte little-endian fields.
 
+#include <sys/socket.h>
+
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -140,6 +142,14 @@ class FrameReader {
   const Bytes& payload_;
   std::size_t pos_ = 0;
 };
+
+/// A TCP connection to `address` made by `deadline`: the descriptor
+/// (blocking, close-on-exec, TCP_NODELAY), or -1 with `error` set to the
+/// errno value (ETIMEDOUT when the deadline passed). Not one blocking
+/// connect(): that ignores the deadline (an unanswered SYN is retried for
+/// about two minutes) and fails with EINTR when a signal arrives, although
+/// the connection goes on.
+int connect_by(const sockaddr* address, socklen_t length, Clock::time_point deadline, int& error);
 
 /// Sends all of `data` or throws; `what` names the peer in the error.
 void send_all(int fd, const uint8_t* data, std::size_t size, Clock::time_point deadline, const std::string& what);

@@ -4,10 +4,10 @@
 
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -19,8 +19,15 @@
 namespace shardtrain::comm::rendezvous {
 namespace {
 
-/// One TCP connect to any of `host`'s addresses; -1 (and `error`) when none answers.
-int try_connect(const Endpoint& endpoint, std::string& error) {
+/// How long one connect attempt may take: an unanswered SYN is sent again
+/// after 1 s and 3 s, so this covers two retransmissions. The caller retries
+/// until its own deadline, so one host address that drops every SYN cannot
+/// use up the whole rendezvous timeout before the next address is tried.
+constexpr auto kConnectAttempt = std::chrono::seconds(5);
+
+/// One TCP connect to any of `host`'s addresses by `deadline`; -1 (and
+/// `error`) when none answers.
+int try_connect(const Endpoint& endpoint, Clock::time_point deadline, std::string& error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -34,16 +41,9 @@ int try_connect(const Endpoint& endpoint, std::string& error) {
   }
   int connected = -1;
   for (addrinfo* a = found; a != nullptr && connected < 0; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-      const int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      connected = fd;
-    } else {
-      error = std::strerror(errno);
-      ::close(fd);
-    }
+    int failure = 0;
+    connected = connect_by(a->ai_addr, a->ai_addrlen, std::min(deadline, Clock::now() + kConnectAttempt), failure);
+    if (connected < 0) error = std::strerror(failure);
   }
   ::freeaddrinfo(found);
   return connected;
@@ -71,7 +71,7 @@ void RendezvousStore::connect_locked(Clock::time_point deadline) {
   int closed_mid_handshake = 0;  // connections the server accepted, then closed or stalled
   auto pause = std::chrono::milliseconds(20);
   while (true) {
-    const int fd = try_connect(endpoint_, last_error);
+    const int fd = try_connect(endpoint_, deadline, last_error);
     if (fd >= 0) {
       try {
         const std::string peer = describe();
