@@ -24,6 +24,7 @@
 #include "json_depth.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/hf_weights.h"
+#include "shardtrain/nn/attention.h"
 
 namespace shardtrain::models {
 
@@ -254,8 +255,9 @@ at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // SDPA fuses the scores, the mask, the softmax and the product
   // (FlashAttention-style memory-efficient kernels on GPUs): the T x S scores
   // are never stored, in forward or backward. `allowed` is SDPA's boolean
-  // mask (true: attend), broadcast over the heads.
-  return at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0, /*is_causal=*/false);
+  // mask (true: attend), broadcast over the heads. shardtrain::nn's SDPA is
+  // LibTorch's, widened to fp32 where bf16 GEMMs are (nn/attention.h).
+  return shardtrain::nn::scaled_dot_product_attention(q, k, v, allowed);
 }
 
 namespace {

@@ -1,7 +1,9 @@
-// The kernel layer's mixed-precision GEMM (shardtrain::nn::linear/matmul,
-// kernels::widened_*): the widened path's arithmetic and gradients, the error
-// bound every path (widened, LibTorch native, the process's choice) obeys,
-// and shardtrain::nn::Linear as a drop-in for torch::nn::Linear.
+// The kernel layer's mixed-precision GEMM and attention (shardtrain::nn::
+// linear/matmul/scaled_dot_product_attention, kernels::widened_*): the widened
+// path's arithmetic and gradients, the error bound every GEMM path (widened,
+// LibTorch native, the process's choice) obeys and the one the widened
+// attention obeys, and shardtrain::nn::Linear as a drop-in for
+// torch::nn::Linear.
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -10,7 +12,9 @@
 #include <torch/torch.h>
 
 #include "build_config.h"  // SHARDTRAIN_BIN_DIR
+#include "kernels/mixed_attention.h"
 #include "kernels/mixed_gemm.h"
+#include "shardtrain/nn/attention.h"
 #include "shardtrain/nn/linear.h"
 #include "support/multirank.h"
 
@@ -192,6 +196,107 @@ TEST(UnitMixedGemm, OverridesChooseThePathAndABadValueIsNamed) {
   EXPECT_NE(bad.exit_code, 0) << bad.output;
   EXPECT_NE(bad.output.find("SHARDTRAIN_CPU_GEMM='bogus' is not one of auto, native, widened"), std::string::npos)
       << bad.output;
+}
+
+// ---- attention ---------------------------------------------------------------
+
+/// q, k, v [B, heads, T, d] in bf16 and a causal mask [B, 1, T, T] that
+/// leaves every query at least one key (a row with none would be NaN).
+struct AttentionInputs {
+  at::Tensor q, k, v, attend;
+};
+
+AttentionInputs attention_inputs(int64_t batch, int64_t heads, int64_t tokens, int64_t head_dim) {
+  AttentionInputs in;
+  in.q = random_bf16({batch, heads, tokens, head_dim});
+  in.k = random_bf16({batch, heads, tokens, head_dim});
+  in.v = random_bf16({batch, heads, tokens, head_dim});
+  in.attend = at::ones({tokens, tokens}, at::kBool).tril().expand({batch, 1, tokens, tokens});
+  return in;
+}
+
+at::Tensor fp32_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
+  return at::scaled_dot_product_attention(q, k, v, attend, 0.0, false);
+}
+
+TEST(UnitMixedAttention, WidenedAttentionIsTheFp32AttentionRoundedOnce) {
+  torch::manual_seed(11);
+  AttentionInputs in = attention_inputs(2, 3, 40, 16);
+  for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->requires_grad_();
+  at::Tensor out = kernels::widened_attention(in.q, in.k, in.v, in.attend);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  // The same attention by autograd through the casts: it keeps fp32 copies
+  // for backward, which the widened path recomputes instead; the values and
+  // the gradients must not differ by a bit.
+  at::Tensor q32 = in.q.detach().to(at::kFloat).requires_grad_(), k32 = in.k.detach().to(at::kFloat).requires_grad_(),
+             v32 = in.v.detach().to(at::kFloat).requires_grad_();
+  at::Tensor out32 = fp32_sdpa(q32, k32, v32, in.attend);
+  EXPECT_TRUE(at::equal(out, out32.to(at::kBFloat16)));
+  at::Tensor g = random_bf16(out.sizes().vec());
+  out.backward(g);
+  out32.backward(g.to(at::kFloat));
+  EXPECT_TRUE(at::equal(in.q.grad(), q32.grad().to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(in.k.grad(), k32.grad().to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(in.v.grad(), v32.grad().to(at::kBFloat16)));
+  EXPECT_EQ(in.q.grad().scalar_type(), at::kBFloat16);
+}
+
+TEST(UnitMixedAttention, AnInputWithoutGradientGetsNoneAndTheOthersStillFlow) {
+  torch::manual_seed(12);
+  AttentionInputs in = attention_inputs(1, 2, 12, 8);
+  in.q.requires_grad_();
+  kernels::widened_attention(in.q, in.k, in.v, in.attend).sum().backward();
+  ASSERT_TRUE(in.q.grad().defined());
+  EXPECT_FALSE(in.k.grad().defined());
+  EXPECT_FALSE(in.v.grad().defined());
+}
+
+// The widened attention keeps the probabilities in fp32, so its only coarse
+// error is the final rounding to bf16: |out - exact| <= 2^-8 |exact| + delta,
+// with delta the fp32 pipeline's error, bounded per output row i by
+//   max_j |v_j| * (expm1(2 E_i) + 2 (S + 8) u) + gamma_S * max_j |v_j|
+// where u = 2^-24, gamma_n = n u / (1 - n u) (Higham eq. 3.5), S the number of
+// keys and E_i = gamma_d * scale * max_j sum_t |q_it k_jt| the error of one
+// score: a score error E moves a softmax probability by a factor within
+// exp(+-2E); the exponentials, the online-softmax rescalings (one per block of
+// keys, at most S) and the division add at most (S + 8) roundings of u to
+// each probability, doubled for the normalising sum; the P v product errs by
+// gamma_S sum_j p_j |v_j|. Rounding the probabilities to bf16 (what LibTorch's
+// bf16 kernel does) errs by ~2^-9 sum_j p_j |v_j|, far over delta: this bound
+// tells the two apart.
+TEST(UnitMixedAttention, WidenedAttentionErrsOnlyByTheFinalBf16Rounding) {
+  torch::manual_seed(13);
+  const int64_t tokens = 256, head_dim = 64;
+  AttentionInputs in = attention_inputs(2, 2, tokens, head_dim);
+  const at::Tensor q = in.q.to(at::kDouble), k = in.k.to(at::kDouble), v = in.v.to(at::kDouble);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const at::Tensor exact = fp32_sdpa(q, k, v, in.attend);
+  const double u = std::ldexp(1.0, -24);
+  auto gamma = [&](double n) { return n * u / (1 - n * u); };
+  const at::Tensor score_error = gamma(head_dim) * scale * at::matmul(q.abs(), k.abs().transpose(-2, -1)).amax(-1, true);
+  const at::Tensor v_max = v.abs().amax({-2, -1}, true);
+  const at::Tensor delta =
+      v_max * (at::expm1(2 * score_error) + 2 * (tokens + 8) * u) + gamma(tokens) * v_max;
+  const at::Tensor bound = std::ldexp(1.0, -8) * exact.abs() + (1 + std::ldexp(1.0, -8)) * delta;
+  const at::Tensor error = (kernels::widened_attention(in.q, in.k, in.v, in.attend).to(at::kDouble) - exact).abs();
+  EXPECT_TRUE((error <= bound).all().item<bool>())
+      << "worst error/bound " << (error / bound).max().item<double>();
+}
+
+TEST(UnitMixedAttention, ThePublicAttentionFollowsThisProcessesGemmChoice) {
+  torch::manual_seed(14);
+  AttentionInputs in = attention_inputs(1, 2, 24, 8);
+  const at::Tensor ours = shardtrain::nn::scaled_dot_product_attention(in.q, in.k, in.v, in.attend);
+  const at::Tensor expected = kernels::widens_gemm(in.q) ? kernels::widened_attention(in.q, in.k, in.v, in.attend)
+                                                          : fp32_sdpa(in.q, in.k, in.v, in.attend);
+  EXPECT_TRUE(at::equal(ours, expected));
+  // fp16 on the CPU is always widened; fp32 goes straight to LibTorch's.
+  const at::Tensor qh = in.q.to(at::kHalf), kh = in.k.to(at::kHalf), vh = in.v.to(at::kHalf);
+  EXPECT_TRUE(at::equal(shardtrain::nn::scaled_dot_product_attention(qh, kh, vh, in.attend),
+                        fp32_sdpa(qh.to(at::kFloat), kh.to(at::kFloat), vh.to(at::kFloat), in.attend).to(at::kHalf)));
+  const at::Tensor q32 = in.q.to(at::kFloat), k32 = in.k.to(at::kFloat), v32 = in.v.to(at::kFloat);
+  EXPECT_TRUE(at::equal(shardtrain::nn::scaled_dot_product_attention(q32, k32, v32, in.attend),
+                        fp32_sdpa(q32, k32, v32, in.attend)));
 }
 
 }  // namespace

@@ -5,18 +5,20 @@
 /// bundled Llama/Mistral and train_tiny models use; use it in your own modules
 /// in place of torch::nn::Linear).
 ///
-/// Why: LibTorch 1.13 sends a bf16 CPU matmul to oneDNN only on CPUs with
-/// AVX-512; elsewhere (every AVX2-only CPU, e.g. AMD Zen 1-3) it runs a scalar
-/// loop about 20x slower than fp32. These functions keep the semantics of a
-/// native bf16 GEMM (bf16/fp16 inputs, fp32 accumulation, one rounding of the
-/// result to the input dtype) and pick per process how to get them:
+/// Why: LibTorch 2.11 sends a bf16 CPU matmul to oneDNN only on CPUs with
+/// AVX-512 or AMX; elsewhere (every AVX2-only CPU, e.g. AMD Zen 1-3) it runs
+/// a generic loop, measured 63x slower than fp32. These functions keep the
+/// semantics of a native bf16 GEMM (bf16/fp16 inputs, fp32 accumulation, one
+/// rounding of the result to the input dtype) and pick per process how to get
+/// them, from the CPU's flags alone (never a timing: the two paths round
+/// differently, and every rank must take the same one):
 ///  - native: LibTorch's own kernel (CUDA always; a CPU with native bf16
-///    instructions, AVX-512 BF16 or AMX, where a short measurement confirms it
-///    is faster than the widened path);
-///  - widened: the operands are widened to fp32, the fp32 GEMM (OpenBLAS/MKL)
+///    instructions, AVX-512 BF16 or AMX);
+///  - widened: the operands are widened to fp32, the fp32 GEMM (MKL/OpenBLAS)
 ///    runs, and the result is rounded once. fp16 on a CPU is always widened.
 /// Backward follows the same rule for both gradient products. fp32/fp64
-/// tensors go straight to at::linear / at::matmul.
+/// tensors go straight to at::linear / at::matmul. The attention of
+/// shardtrain/nn/attention.h follows the same choice.
 ///
 /// The choice is printed by `shardtrain env` and in the precision plan.
 /// SHARDTRAIN_CPU_GEMM=native|widened|auto (default auto) overrides it.

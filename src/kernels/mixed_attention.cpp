@@ -1,0 +1,81 @@
+// Mixed-precision attention (mixed_attention.h). The widened path is an
+// autograd function that saves only its low-precision inputs and, in
+// backward, recomputes the fp32 attention from them and differentiates it:
+// autograd through the casts would save fp32 copies of q, k, v and the output
+// instead, twice the bytes of the bf16 activations a native kernel keeps.
+// The recomputed forward costs one fp32 attention forward per step, at fp32
+// GEMM speed.
+#include "kernels/mixed_attention.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include "kernels/mixed_gemm.h"
+#include "shardtrain/error.h"
+
+namespace shardtrain::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor fp32_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
+  return at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), attend,
+                                          /*dropout_p=*/0.0, /*is_causal=*/false);
+}
+
+struct WidenedAttention : torch::autograd::Function<WidenedAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& attend) {
+    ctx->save_for_backward({q, k, v, attend});
+    return fp32_attention(q, k, v, attend).to(q.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
+    // Second derivatives would need the recomputed graph kept and
+    // differentiated again; the engines never ask for them.
+    ST_CHECK(!at::GradMode::is_enabled(),
+             "double backward (create_graph) through shardtrain's widened bf16/fp16 attention is not supported");
+    auto saved = ctx->get_saved_variables();
+    variable_list result(4);  // q, k, v, attend
+    if (!grads[0].defined()) return result;
+    variable_list inputs, wrt;
+    for (std::size_t i = 0; i < 3; ++i) {
+      inputs.push_back(saved[i].detach().requires_grad_(saved[i].requires_grad()));
+      if (inputs.back().requires_grad()) wrt.push_back(inputs.back());
+    }
+    if (wrt.empty()) return result;
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = fp32_attention(inputs[0], inputs[1], inputs[2], saved[3]);
+    }
+    // The gradients arrive through the casts' backward: fp32 products, each
+    // rounded once to its input's dtype.
+    auto computed = torch::autograd::grad({out}, wrt, {grads[0].to(at::kFloat)}, /*retain_graph=*/false,
+                                          /*create_graph=*/false, /*allow_unused=*/true);
+    std::size_t j = 0;
+    for (std::size_t i = 0; i < 3; ++i) {
+      if (inputs[i].requires_grad()) result[i] = computed[j++];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor widened_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
+  ST_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+           "widened_attention: q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+           ", ", v.scalar_type());
+  return WidenedAttention::apply(q, k, v, attend);
+}
+
+at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
+  if (!widens_gemm(q) || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
+    return at::scaled_dot_product_attention(q, k, v, attend, /*dropout_p=*/0.0, /*is_causal=*/false);
+  }
+  return WidenedAttention::apply(q, k, v, attend);
+}
+
+}  // namespace shardtrain::kernels
