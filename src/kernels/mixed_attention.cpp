@@ -1,8 +1,9 @@
 // Mixed-precision attention (mixed_attention.h). The widened path is an
 // autograd function that saves only its low-precision inputs and, in
-// backward, recomputes the fp32 attention from them and differentiates it:
-// autograd through the casts would save fp32 copies of q, k, v and the output
-// instead, twice the bytes of the bf16 activations a native kernel keeps.
+// backward, recomputes the fp32 attention from them and differentiates it
+// (recompute.h): autograd through the casts would save fp32 copies of q, k,
+// v and the output instead, twice the bytes of the bf16 activations a native
+// kernel keeps.
 // The recomputed forward costs one fp32 attention forward per step, at fp32
 // GEMM speed.
 #include "kernels/mixed_attention.h"
@@ -11,6 +12,7 @@
 #include <torch/autograd.h>
 
 #include "kernels/mixed_gemm.h"
+#include "kernels/recompute.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::kernels {
@@ -32,32 +34,15 @@ struct WidenedAttention : torch::autograd::Function<WidenedAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
-    // Second derivatives would need the recomputed graph kept and
-    // differentiated again; the engines never ask for them.
-    ST_CHECK(!at::GradMode::is_enabled(),
-             "double backward (create_graph) through shardtrain's widened bf16/fp16 attention is not supported");
     auto saved = ctx->get_saved_variables();
-    variable_list result(4);  // q, k, v, attend
-    if (!grads[0].defined()) return result;
-    variable_list inputs, wrt;
-    for (std::size_t i = 0; i < 3; ++i) {
-      inputs.push_back(saved[i].detach().requires_grad_(saved[i].requires_grad()));
-      if (inputs.back().requires_grad()) wrt.push_back(inputs.back());
-    }
-    if (wrt.empty()) return result;
-    at::Tensor out;
-    {
-      at::AutoGradMode enable(true);
-      out = fp32_attention(inputs[0], inputs[1], inputs[2], saved[3]);
-    }
+    const at::Tensor attend = saved[3];
     // The gradients arrive through the casts' backward: fp32 products, each
     // rounded once to its input's dtype.
-    auto computed = torch::autograd::grad({out}, wrt, {grads[0].to(at::kFloat)}, /*retain_graph=*/false,
-                                          /*create_graph=*/false, /*allow_unused=*/true);
-    std::size_t j = 0;
-    for (std::size_t i = 0; i < 3; ++i) {
-      if (inputs[i].requires_grad()) result[i] = computed[j++];
-    }
+    variable_list result = recomputed_gradients(
+        {saved[0], saved[1], saved[2]},
+        [&](const std::vector<at::Tensor>& qkv) { return fp32_attention(qkv[0], qkv[1], qkv[2], attend); },
+        grads[0].defined() ? grads[0].to(at::kFloat) : at::Tensor(), "shardtrain's widened bf16/fp16 attention");
+    result.emplace_back();  // attend
     return result;
   }
 };

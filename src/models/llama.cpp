@@ -22,6 +22,7 @@
 #include <torch/version.h>
 
 #include "json_depth.h"
+#include "kernels/recompute.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/nn/attention.h"
@@ -282,34 +283,19 @@ struct CoreAttentionFunction : torch::autograd::Function<CoreAttentionFunction> 
   }
 
   static std::vector<at::Tensor> backward(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor> grads) {
-    // The autograd engine runs backward with grad mode on exactly when
-    // create_graph was requested; the recomputed graph hangs off detached
-    // inputs, so a second derivative through it would silently be wrong.
-    ST_CHECK(!at::GradMode::is_enabled(),
-             "double backward (create_graph) through selectively checkpointed attention is not supported");
     auto saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> inputs, wrt;
-    for (std::size_t i = 0; i < 3; ++i) {
-      inputs.push_back(saved[i].detach().requires_grad_(saved[i].requires_grad()));
-      if (inputs.back().requires_grad()) wrt.push_back(inputs.back());
-    }
-    std::vector<at::Tensor> result(5);  // q, k, v, allowed, counter
-    if (wrt.empty()) return result;
+    const at::Tensor allowed = saved[3];
     const c10::IValue& counter = ctx->saved_data["counter"];
-    if (counter.isCapsule()) {
-      c10::static_intrusive_pointer_cast<RecomputeCounter>(counter.toCapsule())->count->fetch_add(1);
-    }
-    at::Tensor out;
-    {
-      at::AutoGradMode enable(true);
-      out = core_attention(inputs[0], inputs[1], inputs[2], saved[3]);
-    }
-    auto computed = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false,
-                                          /*create_graph=*/false, /*allow_unused=*/true);
-    std::size_t j = 0;
-    for (std::size_t i = 0; i < 3; ++i) {
-      if (inputs[i].requires_grad()) result[i] = computed[j++];
-    }
+    std::vector<at::Tensor> result = kernels::recomputed_gradients(
+        {saved[0], saved[1], saved[2]},
+        [&](const std::vector<at::Tensor>& qkv) {
+          if (counter.isCapsule()) {
+            c10::static_intrusive_pointer_cast<RecomputeCounter>(counter.toCapsule())->count->fetch_add(1);
+          }
+          return core_attention(qkv[0], qkv[1], qkv[2], allowed);
+        },
+        grads[0], "selectively checkpointed attention");
+    result.resize(5);  // q, k, v, then allowed and counter: no gradient
     return result;
   }
 };

@@ -63,6 +63,18 @@ shardtrain::TrainingConfig fsdp_config(shardtrain::ShardingStrategy strategy) {
   return config;
 }
 
+/// The small GQA Llama (vocab 64) with `layers` layers, seeded alike on every
+/// rank, with test_lora()'s adapters, in training mode.
+LlamaForCausalLM adapted_small_llama(int64_t layers) {
+  shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
+  model_config.num_hidden_layers = layers;
+  torch::manual_seed(3);
+  LlamaForCausalLM model(model_config);
+  shardtrain::apply_lora(*model, test_lora());
+  model->train();
+  return model;
+}
+
 /// The adapters' full values, by name (collective).
 std::map<std::string, at::Tensor> adapter_values(shardtrain::Accelerator& accelerator) {
   std::map<std::string, at::Tensor> adapters;
@@ -338,12 +350,7 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
 // layer adapted, the whole model. Eight layers, so the two differ by four.
 TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
   shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
-    model_config.num_hidden_layers = 8;
-    torch::manual_seed(3);
-    LlamaForCausalLM model(model_config);
-    shardtrain::apply_lora(*model, test_lora());
-    model->train();
+    LlamaForCausalLM model = adapted_small_llama(8);
     int64_t root_numel = 0, layer_numel = 0, total_numel = 0;
     for (const auto& item : model->named_parameters()) {
       const std::string& name = item.key();
@@ -384,12 +391,7 @@ TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
 TEST(DistLoraMemory, ALayerRunTwicePerStepIsFreedOnlyAfterBothBackwards) {
   shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
     auto train = [&](shardtrain::ShardingStrategy strategy) {
-      shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
-      model_config.num_hidden_layers = 4;
-      torch::manual_seed(3);
-      LlamaForCausalLM model(model_config);
-      shardtrain::apply_lora(*model, test_lora());
-      model->train();
+      LlamaForCausalLM model = adapted_small_llama(4);
       auto accelerator = shardtrain::testing::accelerator_for(fsdp_config(strategy), ctx);
       auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
       torch::manual_seed(100 + ctx.rank());

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <deque>
 #include <string>
@@ -56,6 +58,22 @@ std::pair<int, std::string> refusal_after(int fd) {
 }
 
 using shardtrain::testing::try_loopback_connection;
+
+/// A socket listening on 127.0.0.1 on a free port with this accept backlog,
+/// that nobody serves: the test plays the server. {descriptor, port}.
+std::pair<int, int> loopback_listener(int backlog) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ST_CHECK(listener >= 0, "socket() failed: ", std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ST_CHECK(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+               ::listen(listener, backlog) == 0,
+           "listening on 127.0.0.1 failed: ", std::strerror(errno));
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  return {listener, ntohs(address.sin_port)};
+}
 
 int raw_connection(int port) {
   const int fd = try_loopback_connection(port);
@@ -272,15 +290,9 @@ TEST(UnitRendezvousStore, AJobIdThatIsNotPrintableIsRefused) {
 
 TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {
   // An impostor on the port: it says hello, accepts any proof and answers with a made-up MAC.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
+  // (Not a structured binding: C++17 lambdas cannot capture one.)
+  const std::pair<int, int> listening = loopback_listener(1);
+  const int listener = listening.first, port = listening.second;
   std::thread impostor([&] {
     const int fd = ::accept(listener, nullptr, nullptr);
     Bytes hello(rdzv::kMagic.begin(), rdzv::kMagic.end());
@@ -309,16 +321,7 @@ TEST(UnitRendezvousStore, ServerThatCannotProveTheTokenIsNotTrusted) {
 // minutes, whatever the rendezvous timeout says. A listener whose accept
 // queue is full drops SYNs the same way, on loopback.
 TEST(UnitRendezvousStore, AnUnansweredConnectGivesUpAtTheRendezvousTimeout) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(listener, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(listener, 0), 0);  // room for one connection that is never accepted
-  socklen_t length = sizeof(address);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
+  const auto [listener, port] = loopback_listener(0);  // room for one connection that is never accepted
   const int queued = raw_connection(port);  // fills the queue: later SYNs are dropped
   constexpr auto timeout = std::chrono::milliseconds(1500);
   const auto started = Clock::now();
