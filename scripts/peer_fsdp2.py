@@ -21,7 +21,13 @@ r R, lora_alpha 2R, q/k/v/o, no dropout), AdamW only: the adapters start
 from PEFT's own initialisation, saved to OUT_DIR/lora_init (a PEFT adapter
 directory) so shardtrain starts from the same values (DistPeerPeft). With
 --make-base CONFIG the base is a random model of that config.json (seeded),
-saved to OUT_DIR/base, and MODEL_DIR is ignored.
+saved to OUT_DIR/base, and MODEL_DIR is ignored. With --qlora (and --lora)
+the base is loaded as QLoRA does it, through bitsandbytes
+(BitsAndBytesConfig: 4-bit NF4, double quantization, compute dtype fp32):
+every Linear but lm_head becomes bitsandbytes' Linear4bit, which decodes its
+weight and multiplies in fp32. FSDP2 cannot shard bitsandbytes' Params4bit,
+so `fully_shard` is told to ignore them (`ignored_params`): each rank keeps
+the frozen 4-bit base whole and FSDP2 shards the rest (DistPeerQlora).
 
 Before it trains, the peer is checked against DDP (pytorch#162338: FSDP2 over
 Gloo has summed gradients where it should average): one backward on the same
@@ -30,7 +36,7 @@ same gradients (relative 1e-5: two fp32 reductions of one sum, each within a
 few ulps), else this script stops naming the mismatch.
 
 Usage: scripts/peer_fsdp2.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
-       [--micro-batch 2] [--seq-len 16] [--seed 5] [--lora R] [--make-base CONFIG]
+       [--micro-batch 2] [--seq-len 16] [--seed 5] [--lora R [--qlora]] [--make-base CONFIG]
 Offline: nothing is downloaded. Threads: 1 per rank.
 """
 import argparse
@@ -57,17 +63,27 @@ OPTIMIZERS = {
 }
 
 
-def load_model(model_dir):
-    # SDPA, as shardtrain's Llama; fp32 weights as stored.
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+def load_model(model_dir, nf4=False):
+    # SDPA, as shardtrain's Llama; fp32 weights as stored (with nf4, quantized
+    # from those fp32 weights as they load).
+    quantization = {}
+    if nf4:
+        from transformers import BitsAndBytesConfig
+        quantization["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32)
+        quantization["device_map"] = "cpu"
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                **quantization)
 
 
 def shard(model):
     # A PeftModel wraps the transformers model: base_model.model is it.
     inner = model.base_model.model if hasattr(model, "base_model") and hasattr(model, "peft_config") else model
+    four_bit = {p for p in model.parameters() if type(p).__name__ == "Params4bit"}
     for layer in inner.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, ignored_params=four_bit)
+    fully_shard(model, ignored_params=four_bit)
     return model
 
 
@@ -78,11 +94,15 @@ def lora_config(args):
 
 
 def training_model(args):
-    model = load_model(args.model_dir)
+    model = load_model(args.model_dir, nf4=args.qlora)
     if args.lora:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, os.path.join(args.out_dir, "lora_init"), is_trainable=True)
-    return model
+    # from_pretrained returns the model in eval mode, where bitsandbytes'
+    # Linear4bit, on a CPU with AVX-512 BF16, repacks its weight for a bf16
+    # inference kernel whenever its input needs no gradient (the first
+    # layer's): training mode keeps every product the fp32 one trained.
+    return model.train()
 
 
 def next_token_loss(model, input_ids):
@@ -159,8 +179,11 @@ def main():
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--make-base")
     args = parser.parse_args()
+    if args.qlora and not args.lora:
+        parser.error("--qlora trains LoRA adapters on the 4-bit base: give --lora R too")
     os.makedirs(args.out_dir, exist_ok=True)
     if args.make_base:
         from transformers import LlamaConfig, LlamaForCausalLM

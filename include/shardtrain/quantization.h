@@ -5,7 +5,7 @@
 /// quantize_frozen_base() replaces every frozen shardtrain::nn::Linear weight
 /// (the skip list aside, by default the output layer) with its NF4 bytes:
 /// QLoRA's 4-bit NormalFloat in blocks of 64 with double-quantized absmax
-/// values, bit for bit what bitsandbytes' quantize_4bit gives
+/// values, bit for bit what bitsandbytes' quantize_4bit gives on the CPU
 /// (bnb_4bit_quant_type "nf4", bnb_4bit_use_double_quant true), 0.516 bytes
 /// per weight instead of 2 in bf16. The layers decode it for each product
 /// and compute in `compute_dtype`. Under ZeRO-3 and FSDP the bytes are what

@@ -20,6 +20,7 @@
 #include "shardtrain/lora.h"
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/quantization.h"
 #include "shardtrain/safetensors.h"
 #include "support/llama_golden.h"
 #include "support/multirank.h"
@@ -184,19 +185,34 @@ INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerFsdp2,
 // (theirs). Measured (Intel Xeon, 2 cores): 0 or 1 ulp apart at every step
 // under zero3. A mutation it catches: the adapter update scaled by half its
 // alpha / r (off by 5.3e-4 at step 2 against a bound of 5.1e-6).
-class DistPeerPeft : public ::testing::TestWithParam<bool> {};
+//
+// The QLoRA cases put the base in NF4 on both sides: shardtrain's
+// quantize_frozen_base, and on the peer's side transformers' load_in_4bit
+// through bitsandbytes (Linear4bit, compute dtype fp32; scripts/peer_fsdp2.py
+// --qlora). The same bound holds unchanged: the two quantizations give the
+// same bytes and decode to the same fp32 weights bit for bit
+// (UnitNf4.QuantizationEqualsBitsandbytesBitForBit), and both layers then
+// multiply by the decoded weight in fp32, so the base is again the same
+// frozen fp32 weights on both sides and only the adapters differ.
+struct PeftCase {
+  bool fsdp;
+  bool qlora;
+};
+
+class DistPeerPeft : public ::testing::TestWithParam<PeftCase> {};
 
 TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
-  const bool fsdp = GetParam();
+  const PeftCase c = GetParam();
   const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-peer-peft-" + std::to_string(::getpid()));
   if (!shardtrain::testing::is_rank_process()) {
-    run_peer(dir, std::string("--lora 8 --make-base ") + SHARDTRAIN_SOURCE_DIR + "/bench/models/llama_58m.json");
+    run_peer(dir, std::string("--lora 8 ") + (c.qlora ? "--qlora " : "") + "--make-base " + SHARDTRAIN_SOURCE_DIR +
+                      "/bench/models/llama_58m.json");
     if (::testing::Test::HasFatalFailure()) return;
   }
   MultiRankOptions harness;
   harness.env["PEER_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(600);
-  run_on_ranks(kWorld, [fsdp](RankContext& ctx) {
+  run_on_ranks(kWorld, [c](RankContext& ctx) {
     const fs::path peer_dir = std::getenv("PEER_DIR");
     std::ifstream peer_file(peer_dir / "peer.json");
     const nlohmann::json peer = nlohmann::json::parse(peer_file);
@@ -205,11 +221,18 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
     const at::Tensor batches =
         shardtrain::safetensors::Reader((peer_dir / "batches.safetensors").string()).read("input_ids");
 
-    auto accelerator = shardtrain::testing::accelerator_for(engine_config(fsdp, "adamw"), ctx);
+    auto accelerator = shardtrain::testing::accelerator_for(engine_config(c.fsdp, "adamw"), ctx);
     const std::string base = (peer_dir / "base").string();
     LlamaForCausalLM model(shardtrain::models::LlamaConfig::from_json_file(base + "/config.json"));
     shardtrain::models::load_hf_weights(model, base);
     shardtrain::load_lora_adapter(*model, (peer_dir / "lora_init").string());
+    if (c.qlora) {
+      shardtrain::QuantizationConfig nf4;
+      nf4.compute_dtype = at::kFloat;  // the peer's bnb_4bit_compute_dtype
+      const auto summary = shardtrain::quantize_frozen_base(*model, nf4);
+      // What transformers quantizes: every decoder layer's seven Linear layers (lm_head skipped).
+      ASSERT_EQ(summary.quantized_modules.size(), 7u * model->config.num_hidden_layers) << summary.describe();
+    }
     model->train();
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
     std::vector<double> losses, tolerances;
@@ -228,7 +251,8 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
     std::ofstream table(peer_dir / "differences.txt");
     for (int step = 0; step < kSteps; ++step) {
       EXPECT_NEAR(losses[step], expected[step], tolerances[step]) << "step " << step + 1;
-      table << "step " << step + 1 << "  shardtrain " << losses[step] << "  PEFT " << expected[step] << "  diff "
+      table << "step " << step + 1 << "  shardtrain " << losses[step] << (c.qlora ? "  PEFT+bnb " : "  PEFT ")
+            << expected[step] << "  diff "
             << losses[step] - expected[step] << "  tolerance " << tolerances[step] << "\n";
     }
   }, harness);
@@ -238,5 +262,10 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerPeft, ::testing::Values(false, true),
-                         [](const auto& info) { return std::string(info.param ? "fsdp_standard" : "zero3"); });
+INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerPeft,
+                         ::testing::Values(PeftCase{false, false}, PeftCase{true, false}, PeftCase{false, true},
+                                           PeftCase{true, true}),
+                         [](const auto& info) {
+                           return std::string(info.param.fsdp ? "fsdp_standard" : "zero3") +
+                                  (info.param.qlora ? "_qlora" : "");
+                         });

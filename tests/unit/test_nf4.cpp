@@ -40,6 +40,13 @@ std::vector<std::pair<std::string, at::Tensor>> awkward_weights() {
   // 480 blocks: two absmax blocks, the second partial.
   weights.emplace_back("normal_f32", torch::randn({96, 320}) * 0.02);
   weights.emplace_back("normal_bf16", (torch::randn({128, 64}) * 0.05).to(torch::kBFloat16));
+  // A layer's size (the 58M Llama's MLP): 11,264 blocks, 44 absmax blocks,
+  // enough centred absmax values near 0 that bitsandbytes' CPU table and the
+  // nearest map entry part (0.19%: 21 or 22 in each of three such draws;
+  // the 480 above hit none).
+  weights.emplace_back("layer_f32", torch::randn({1408, 512}) * 0.02);
+  // 256 blocks of equal absmax: the centred values are all 0 (scale 0).
+  weights.emplace_back("equal_absmax", torch::full({256, 64}, 0.25f));
   // Block by block: all zero (absmax 0); every value exactly a level midpoint
   // with absmax 1 (bucketize's ties go to the lower level); tiny values;
   // the absmax negative; a large spread.

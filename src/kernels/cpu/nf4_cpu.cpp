@@ -5,8 +5,8 @@
 //    clamped to [-1, 1], then the number of level midpoints below it
 //    (torch.bucketize over (v[k] + v[k+1]) / 2);
 //  - the absmax values as its CPU quantize_blockwise in blocks of 256 after
-//    subtracting their mean: y / absmax256, then the nearest map entry, ties
-//    to the lower one.
+//    subtracting their mean: y * (1 / absmax256), then its table of 65,536
+//    bins over [-1, 1] (absmax_code below), not the nearest map entry.
 // This file is compiled with -ffp-contract=off (CMakeLists.txt): each product
 // and sum is rounded on its own, as in bitsandbytes, never fused.
 
@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -35,18 +34,43 @@ float load_f32(const uint8_t* p) {
 
 void store_f32(uint8_t* p, float v) { std::memcpy(p, &v, sizeof v); }
 
-/// Index of the level nearest to `normed` in the sorted `code` (256 entries), ties to the lower.
-uint8_t nearest_absmax_code(const float* code, float normed) {
-  // The last entry <= normed (the first when normed is below all: the map
-  // starts at -0.99297), then the right neighbour if it is strictly closer:
-  // bitsandbytes' rule.
-  const float* upper = std::upper_bound(code, code + kernels::nf4::kAbsmaxCodeSize, normed);
-  int64_t idx = std::max<int64_t>(0, (upper - code) - 1);
-  if (idx < kernels::nf4::kAbsmaxCodeSize - 1 &&
-      std::fabs(normed - code[idx + 1]) < std::fabs(normed - code[idx])) {
-    ++idx;
-  }
-  return static_cast<uint8_t>(idx);
+// bitsandbytes 0.50's CPU quantize_blockwise does not search the 256-entry
+// map: it cuts [-1, 1] into 65,536 equal bins and gives each bin the entry
+// nearest the bin's centre. Near 0, where the map's entries lie closer than
+// a bin's width (3.1e-5), that is not the entry nearest the value itself:
+// 0.19% of a 1408 x 512 weight's absmax codes differ from the nearest entry.
+// Its CUDA kernel searches instead, so bitsandbytes' two devices disagree on
+// those codes; shardtrain quantizes on the CPU and follows the CPU's table,
+// which UnitNf4 checks against bitsandbytes itself on large weights.
+constexpr int kAbsmaxBins = 65536;
+
+const std::vector<uint8_t>& absmax_code_bins() {
+  static const std::vector<uint8_t> bins = [] {
+    const float* code = nf4_absmax_code().data_ptr<float>();
+    constexpr int kEntries = kernels::nf4::kAbsmaxCodeSize;
+    float midpoints[kEntries - 1];
+    for (int i = 0; i < kEntries - 1; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
+    std::vector<uint8_t> table(kAbsmaxBins);
+    int entry = 0;
+    for (int bin = 0; bin < kAbsmaxBins; ++bin) {
+      const float centre = -1.0f + (2.0f * static_cast<float>(bin)) / static_cast<float>(kAbsmaxBins - 1);
+      while (entry < kEntries - 1 && midpoints[entry] < centre) ++entry;
+      table[bin] = static_cast<uint8_t>(entry);
+    }
+    return table;
+  }();
+  return bins;
+}
+
+/// The absmax code bitsandbytes' CPU table gives `normed`. Its bin index
+/// (clamped + 1) * 0.5 * 65535 + 0.5 has the last product and sum fused
+/// into one rounding: libbitsandbytes_cpu.so 0.50.2 compiles it to
+/// vfmadd213ss (objdump), so std::fma here, whatever this file's flags.
+uint8_t absmax_code(float normed) {
+  const float clamped = std::clamp(normed, -1.0f, 1.0f);
+  const float half = (clamped + 1.0f) * 0.5f;
+  const auto bin = static_cast<uint16_t>(std::fma(half, static_cast<float>(kAbsmaxBins - 1), 0.5f));
+  return absmax_code_bins()[bin];
 }
 
 /// ATen's intra-op threads set to 1 on this thread while it lives.
@@ -161,17 +185,15 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
   }
   const at::Tensor centred = absmax - offset;
   const float* c = centred.data_ptr<float>();
-  const float* code = nf4_absmax_code().data_ptr<float>();
   for (int64_t a = 0; a < l.absmax_blocks; ++a) {
     const int64_t begin = a * nf4::kAbsmaxBlock, end = std::min(l.blocks, begin + nf4::kAbsmaxBlock);
-    float scale = -std::numeric_limits<float>::max();
-    for (int64_t b = begin; b < end; ++b) scale = std::fmax(scale, std::fabs(c[b]));
+    float scale = 0.0f;
+    for (int64_t b = begin; b < end; ++b) scale = std::max(scale, std::fabs(c[b]));
     store_f32(out + l.absmax_scales + 4 * a, scale);
-    for (int64_t b = begin; b < end; ++b) {
-      // A block of equal absmax values has scale 0: each is the offset itself,
-      // coded as the map's 0 (bitsandbytes would divide 0 by 0 here).
-      out[l.absmax_codes + b] = nearest_absmax_code(code, scale > 0.0f ? c[b] / scale : 0.0f);
-    }
+    // A 256-block of equal absmax values has scale 0: each is the offset
+    // itself, and bitsandbytes codes them 0 (any code decodes to the offset).
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int64_t b = begin; b < end; ++b) out[l.absmax_codes + b] = scale > 0.0f ? absmax_code(c[b] * inverse) : 0;
   }
   store_f32(out + l.offset, offset.item<float>());
   return buffer;
