@@ -146,10 +146,13 @@ const TrainingConfig& Accelerator::config() const { return state_->config; }
 const PrecisionPlan& Accelerator::precision_plan() const { return state_->plan; }
 
 bool Accelerator::materialize_full_weights() const {
-  const TrainingConfig& c = state_->config;
-  const bool rank0_loads = (c.distributed_type == DistributedType::kFsdp && c.fsdp.cpu_ram_efficient_loading) ||
-                           (c.distributed_type == DistributedType::kDeepSpeed && c.zero.stage == 3 && c.zero3_init_flag);
-  return !rank0_loads || process_index() == 0;
+  // The backend decides (EnginePlan::rank0_loads_weights), from the config
+  // and the world alone: the model's load dtype, its device and its adapters,
+  // not known before it is built, do not enter that decision.
+  engine::PlanContext context;
+  context.world_size = num_processes();
+  context.local_world_size = state_->env.local_world_size;
+  return !plan_engine(state_->config, context).rank0_loads_weights || process_index() == 0;
 }
 
 engine::Engine& Accelerator::engine() {

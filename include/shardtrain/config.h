@@ -108,6 +108,8 @@ struct ZeroConfig {
   static constexpr int64_t kDefaultParamPersistenceThreshold = 100000;
   static constexpr int64_t kDefaultMaxLiveParameters = 1000000000;
   static constexpr int64_t kDefaultMaxReuseDistance = 1000000000;
+  /// overlap_comm when the config leaves it out (DeepSpeed: on for stage 3 only).
+  static constexpr bool default_overlap_comm(int stage) { return stage == 3; }
 
   int stage = 0;
   bool contiguous_gradients = true;
@@ -115,7 +117,7 @@ struct ZeroConfig {
   std::optional<int64_t> reduce_bucket_size;          ///< default 5e8; "auto" = H*H
   bool allgather_partitions = true;
   int64_t allgather_bucket_size = kDefaultAllgatherBucketSize;
-  std::optional<bool> overlap_comm;                   ///< default: true for stage 3, else false
+  std::optional<bool> overlap_comm;                   ///< default: default_overlap_comm(stage)
   int64_t sub_group_size = kDefaultSubGroupSize;      ///< elements per optimizer step slice; 0: one per parameter
   std::optional<int64_t> stage3_prefetch_bucket_size;        ///< default 5e7; "auto" = 0.9*H*H
   std::optional<int64_t> stage3_param_persistence_threshold; ///< default 1e5; "auto" = 10*H

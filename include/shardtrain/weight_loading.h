@@ -6,8 +6,8 @@
 /// What Accelerate calls `fsdp_cpu_ram_efficient_loading` (DeepSpeed:
 /// `zero3_init_flag`): only rank 0 materialises the full weights; every other
 /// rank allocates only its shard. Python does it with meta-device parameters
-/// that FSDP later materialises; LibTorch 1.13 cannot `set_data` a meta tensor
-/// to a CPU one, so models cooperate instead:
+/// that FSDP later materialises; LibTorch cannot `set_data` a meta tensor to a
+/// CPU one ("incompatible tensor type", 2.11 too), so models cooperate instead:
 ///
 ///  1. The program asks `accelerator.materialize_full_weights()`. Where it is
 ///     false, it builds the model module by module and calls

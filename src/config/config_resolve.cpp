@@ -95,7 +95,7 @@ void resolve_zero(TrainingConfig& config, const AutoContext& context) {
                                                   ? 10 * *hidden
                                                   : config_detail::kDeepSpeedParamPersistenceThreshold;
   }
-  if (!zero.overlap_comm) zero.overlap_comm = zero.stage == 3;
+  if (!zero.overlap_comm) zero.overlap_comm = ZeroConfig::default_overlap_comm(zero.stage);
 }
 
 void resolve_optimizer(TrainingConfig& config, const AutoContext& context) {

@@ -5,7 +5,10 @@
 // v and the output instead, twice the bytes of the bf16 activations a native
 // kernel keeps.
 // The recomputed forward costs one fp32 attention forward per step, at fp32
-// GEMM speed.
+// GEMM speed. Inside a recomputation (selective activation checkpointing
+// reruns the core attention in backward) the graph is differentiated at once,
+// so there the attention goes through the casts by plain autograd: the same
+// bits (UnitMixedAttention), without recomputing it a second time.
 #include "kernels/mixed_attention.h"
 
 #include <ATen/ATen.h>
@@ -47,20 +50,27 @@ struct WidenedAttention : torch::autograd::Function<WidenedAttention> {
   }
 };
 
+/// The widened path: the saving autograd function, or inside a recomputation
+/// plain autograd through the casts.
+at::Tensor widened(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
+  if (in_recomputation()) return fp32_attention(q, k, v, attend).to(q.scalar_type());
+  return WidenedAttention::apply(q, k, v, attend);
+}
+
 }  // namespace
 
 at::Tensor widened_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
   ST_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
            "widened_attention: q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
            ", ", v.scalar_type());
-  return WidenedAttention::apply(q, k, v, attend);
+  return widened(q, k, v, attend);
 }
 
 at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
   if (!widens_gemm(q) || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
     return at::scaled_dot_product_attention(q, k, v, attend, /*dropout_p=*/0.0, /*is_causal=*/false);
   }
-  return WidenedAttention::apply(q, k, v, attend);
+  return widened(q, k, v, attend);
 }
 
 }  // namespace shardtrain::kernels

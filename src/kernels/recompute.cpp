@@ -7,6 +7,20 @@
 #include "shardtrain/error.h"
 
 namespace shardtrain::kernels {
+namespace {
+
+thread_local int recomputation_depth = 0;
+
+struct RecomputationScope {
+  RecomputationScope() { ++recomputation_depth; }
+  ~RecomputationScope() { --recomputation_depth; }
+  RecomputationScope(const RecomputationScope&) = delete;
+  RecomputationScope& operator=(const RecomputationScope&) = delete;
+};
+
+}  // namespace
+
+bool in_recomputation() { return recomputation_depth > 0; }
 
 std::vector<at::Tensor> recomputed_gradients(const std::vector<at::Tensor>& inputs,
                                              const std::function<at::Tensor(const std::vector<at::Tensor>&)>& forward,
@@ -24,6 +38,7 @@ std::vector<at::Tensor> recomputed_gradients(const std::vector<at::Tensor>& inpu
   at::Tensor out;
   {
     at::AutoGradMode enable(true);
+    const RecomputationScope scope;
     out = forward(detached);
   }
   auto computed = torch::autograd::grad({out}, wrt, {grad_output}, /*retain_graph=*/false,

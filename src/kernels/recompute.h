@@ -22,4 +22,10 @@ std::vector<at::Tensor> recomputed_gradients(const std::vector<at::Tensor>& inpu
                                              const std::function<at::Tensor(const std::vector<at::Tensor>&)>& forward,
                                              const at::Tensor& grad_output, const char* what);
 
+/// True while recomputed_gradients reruns a forward on this thread. What that
+/// forward builds is differentiated at once and dropped, so an operation that
+/// saves less for a later backward by recomputing (the widened attention)
+/// can build its plain graph there instead of recomputing a second time.
+bool in_recomputation();
+
 }  // namespace shardtrain::kernels

@@ -120,6 +120,23 @@ TEST(UnitLlamaCheckpointing, SelectiveGivesTheSameLossAndGradients) {
   }
 }
 
+// fp16 on the CPU always takes the widened attention (kernels/mixed_attention.h),
+// which itself recomputes in backward; inside the selective recomputation it
+// is differentiated directly instead (kernels::in_recomputation), and the
+// bits must not change for it.
+TEST(UnitLlamaCheckpointing, SelectiveOverTheWidenedFp16AttentionGivesTheSameLossAndGradients) {
+  torch::manual_seed(8);
+  sm::LlamaForCausalLM model(small_config("llama"));
+  model->to(at::kHalf);
+  const LossAndGrads plain = loss_and_grads(model);
+  ASSERT_EQ(plain.grads.front().second.scalar_type(), at::kHalf);
+  model->set_activation_checkpointing(ActivationCheckpointing::kSelective);
+  const int64_t before = model->core_attention_recomputations();
+  const LossAndGrads selective = loss_and_grads(model);
+  ASSERT_EQ(model->core_attention_recomputations() - before, model->config.num_hidden_layers);
+  expect_identical(selective, plain, "fp16 selective vs none");
+}
+
 TEST(UnitLlamaCheckpointing, CoreAttentionIsRecomputedOncePerLayerInBackward) {
   for (const std::string& model_type : kModelTypes) {
     SCOPED_TRACE(model_type);

@@ -14,6 +14,7 @@
 #include "build_config.h"  // SHARDTRAIN_BIN_DIR
 #include "kernels/mixed_attention.h"
 #include "kernels/mixed_gemm.h"
+#include "kernels/recompute.h"
 #include "shardtrain/nn/attention.h"
 #include "shardtrain/nn/linear.h"
 #include "support/multirank.h"
@@ -239,6 +240,36 @@ TEST(UnitMixedAttention, WidenedAttentionIsTheFp32AttentionRoundedOnce) {
   EXPECT_TRUE(at::equal(in.k.grad(), k32.grad().to(at::kBFloat16)));
   EXPECT_TRUE(at::equal(in.v.grad(), v32.grad().to(at::kBFloat16)));
   EXPECT_EQ(in.q.grad().scalar_type(), at::kBFloat16);
+}
+
+// Inside a recomputation (selective checkpointing reruns the attention in
+// backward) the widened attention builds its plain graph through the casts
+// rather than its recomputing function, so it is computed once there, not
+// twice; the gradients are the same bits either way.
+TEST(UnitMixedAttention, InsideARecomputationItIsDifferentiatedWithoutRecomputingAgain) {
+  torch::manual_seed(15);
+  AttentionInputs in = attention_inputs(2, 2, 20, 8);
+  for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->requires_grad_();
+  const at::Tensor direct = kernels::widened_attention(in.q, in.k, in.v, in.attend);
+  EXPECT_NE(direct.grad_fn()->name().find("WidenedAttention"), std::string::npos) << direct.grad_fn()->name();
+  const at::Tensor g = random_bf16(direct.sizes().vec());
+  direct.backward(g);
+  std::string node_inside;
+  const at::NoGradGuard as_in_backward;  // the autograd engine runs backward so
+  const std::vector<at::Tensor> recomputed = kernels::recomputed_gradients(
+      {in.q, in.k, in.v},
+      [&](const std::vector<at::Tensor>& qkv) {
+        EXPECT_TRUE(kernels::in_recomputation());
+        at::Tensor out = kernels::widened_attention(qkv[0], qkv[1], qkv[2], in.attend);
+        node_inside = out.grad_fn()->name();
+        return out;
+      },
+      g, "the test's attention");
+  EXPECT_EQ(node_inside.find("WidenedAttention"), std::string::npos) << node_inside;
+  EXPECT_FALSE(kernels::in_recomputation());
+  EXPECT_TRUE(at::equal(recomputed[0], in.q.grad()));
+  EXPECT_TRUE(at::equal(recomputed[1], in.k.grad()));
+  EXPECT_TRUE(at::equal(recomputed[2], in.v.grad()));
 }
 
 TEST(UnitMixedAttention, AnInputWithoutGradientGetsNoneAndTheOthersStillFlow) {

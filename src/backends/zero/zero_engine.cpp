@@ -23,7 +23,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.param_dtype = engine::scalar_type(low);
   o.reduce_dtype = engine::scalar_type(config.communication_data_type.value_or(low));
   o.average = true;  // DeepSpeed averages: sum in fp32, one division, one rounding
-  o.overlap_comm = z.overlap_comm.value_or(stage == 3);
+  o.overlap_comm = z.overlap_comm.value_or(ZeroConfig::default_overlap_comm(stage));
   o.reduce_bucket_size = z.reduce_bucket_size.value_or(ZeroConfig::kDefaultReduceBucketSize);
   o.sub_group_size = z.sub_group_size;
   o.prefetch_bucket_size = z.stage3_prefetch_bucket_size.value_or(ZeroConfig::kDefaultPrefetchBucketSize);

@@ -3,10 +3,10 @@
 // handshake by which a process proves it holds the job's token, the request
 // framing, and the socket helpers the server and the client share.
 //
-// Why our own store rather than c10d's TCPStore: TCPStore (1.13 and 2.x)
-// accepts any process that can reach its port, and 1.13's cannot be told
-// which address to listen on. Every key the ranks exchange (Gloo addresses,
-// the NCCL unique id) would be open to anyone on the network.
+// Why our own store rather than c10d's TCPStore: TCPStore has no
+// authentication; it serves any process that can reach its port, so every
+// key the ranks exchange (Gloo addresses, the NCCL unique id) would be open
+// to anyone on the network.
 //
 // Handshake (a challenge-response, so the token never crosses the wire):
 //   server -> client  kMagic, server nonce Ns (32 random bytes)

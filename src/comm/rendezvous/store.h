@@ -36,9 +36,9 @@ class RendezvousStore final : public c10d::Store {
                   std::shared_ptr<RendezvousServer> server = nullptr);
   ~RendezvousStore() override;
 
-  /// A second connection to the same server. LibTorch 2.x declares clone()
-  /// pure virtual and calls it; 1.13 has no such member, hence no `override`.
-  c10::intrusive_ptr<c10d::Store> clone();
+  /// A second connection to the same server (c10d calls it, e.g. for a
+  /// process group's own store).
+  c10::intrusive_ptr<c10d::Store> clone() override;
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,

@@ -62,8 +62,10 @@ nn::CpuLowPrecisionGemm decide() {
   }
   if (!choice.native_bf16_cpu) {
     // No bf16 instructions: any native kernel emulates them, and LibTorch
-    // 1.13's falls back to scalar code. Deciding without a measurement keeps
-    // every run on such a CPU on the same (deterministic) path.
+    // 2.11's falls back to its generic scalar GEMM (cpublas_gemm_impl; 63x
+    // slower than fp32 at 512^3, docs/precision.md). Deciding without a
+    // measurement keeps every run on such a CPU on the same (deterministic)
+    // path.
     choice.widened = true;
     choice.reason = "the CPU has no native bf16 (no avx512_bf16 or amx_bf16)";
     return choice;

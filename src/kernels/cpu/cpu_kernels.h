@@ -11,7 +11,7 @@
 //
 // Numerics: the fp32 Adam/AdamW and SGD steps evaluate each element with the
 // same operations, in the same order, with the same float-rounded scalar
-// coefficients and the same fused multiply-adds as LibTorch 1.13's
+// coefficients and the same fused multiply-adds as LibTorch's
 // torch::optim::{AdamW, Adam, SGD} running on the kernels ATen dispatches on
 // this machine (see fuses_multiply_add), so an engine's FP32 run reproduces a
 // plain LibTorch loop bit for bit on GCC-built LibTorch (Debian's, PyPI's).
