@@ -30,6 +30,16 @@ struct Node {
   /// positions (nlohmann::json reports them only for syntax errors).
   int line = 0;
 
+  // Declared here, defaulted after the class where Node is complete: clang in
+  // C++20 otherwise instantiates the members' vector of the still incomplete
+  // Node while it checks std::pair's constructors.
+  Node();
+  Node(const Node&);
+  Node(Node&&) noexcept;
+  Node& operator=(const Node&);
+  Node& operator=(Node&&) noexcept;
+  ~Node();
+
   static Node null();
   static Node of(bool value);
   static Node of(int value) { return of(static_cast<int64_t>(value)); }
@@ -46,6 +56,13 @@ struct Node {
   const Node* find(std::string_view key) const;
   bool is_scalar() const { return kind != Kind::kMap && kind != Kind::kList; }
 };
+
+inline Node::Node() = default;
+inline Node::Node(const Node&) = default;
+inline Node::Node(Node&&) noexcept = default;
+inline Node& Node::operator=(const Node&) = default;
+inline Node& Node::operator=(Node&&) noexcept = default;
+inline Node::~Node() = default;
 
 /// What one config document may hold. Real configs are a few kilobytes:
 /// tens of keys, at most four levels deep. The limits sit orders of magnitude
