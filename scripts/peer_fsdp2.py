@@ -27,7 +27,8 @@ the base is loaded as QLoRA does it, through bitsandbytes
 every Linear but lm_head becomes bitsandbytes' Linear4bit, which decodes its
 weight and multiplies in fp32. FSDP2 cannot shard bitsandbytes' Params4bit,
 so `fully_shard` is told to ignore them (`ignored_params`): each rank keeps
-the frozen 4-bit base whole and FSDP2 shards the rest (DistPeerQlora).
+the frozen 4-bit base whole and FSDP2 shards the rest (DistPeerPeft's _qlora
+cases).
 
 Before it trains, the peer is checked against DDP (pytorch#162338: FSDP2 over
 Gloo has summed gradients where it should average): one backward on the same

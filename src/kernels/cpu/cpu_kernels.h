@@ -14,7 +14,7 @@
 // coefficients and the same fused multiply-adds as LibTorch's
 // torch::optim::{AdamW, Adam, SGD} running on the kernels ATen dispatches on
 // this machine (see fuses_multiply_add), so an engine's FP32 run reproduces a
-// plain LibTorch loop bit for bit on GCC-built LibTorch (Debian's, PyPI's).
+// plain LibTorch loop bit for bit on GCC-built LibTorch (PyPI's).
 // Elsewhere the difference stays at rounding level (~1e-7 relative per step).
 
 #include <cstdint>

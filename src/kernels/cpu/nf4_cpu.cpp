@@ -8,7 +8,9 @@
 //    subtracting their mean: y * (1 / absmax256), then its table of 65,536
 //    bins over [-1, 1] (absmax_code below), not the nearest map entry.
 // This file is compiled with -ffp-contract=off (CMakeLists.txt): each product
-// and sum is rounded on its own, as in bitsandbytes, never fused.
+// and sum is rounded on its own, as in bitsandbytes, never fused, except the
+// one bitsandbytes' own build fuses (absmax_code's bin index, an explicit
+// std::fma).
 
 #include "kernels/cpu/nf4_cpu.h"
 
@@ -191,9 +193,11 @@ at::Tensor nf4_quantize(const at::Tensor& weight) {
     for (int64_t b = begin; b < end; ++b) scale = std::max(scale, std::fabs(c[b]));
     store_f32(out + l.absmax_scales + 4 * a, scale);
     // A 256-block of equal absmax values has scale 0: each is the offset
-    // itself, and bitsandbytes codes them 0 (any code decodes to the offset).
-    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (int64_t b = begin; b < end; ++b) out[l.absmax_codes + b] = scale > 0.0f ? absmax_code(c[b] * inverse) : 0;
+    // itself, and bitsandbytes codes them 0 (any code decodes to the offset),
+    // as the zeroed buffer already holds.
+    if (scale == 0.0f) continue;
+    const float inverse = 1.0f / scale;
+    for (int64_t b = begin; b < end; ++b) out[l.absmax_codes + b] = absmax_code(c[b] * inverse);
   }
   store_f32(out + l.offset, offset.item<float>());
   return buffer;
