@@ -1,13 +1,15 @@
+// What `shardtrain env` reports: versions, backends, CPU features and GEMM speeds,
+// for bug reports (env_report.h).
 #include "shardtrain/env_report.h"
 
 #include <chrono>
 #include <fstream>
-#include <set>
 #include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <nlohmann/json.hpp>
 
 #include <torch/version.h>
@@ -38,22 +40,17 @@ std::string read_first_match(const std::string& path, const std::string& key) {
   return {};
 }
 
-/// The BLAS this process actually loaded, from /proc/self/maps: Debian's
-/// libblas.so.3 is an alternatives link, so the build config cannot tell.
-std::vector<std::string> loaded_blas_libraries() {
-  std::ifstream maps("/proc/self/maps");
-  std::set<std::string> found;
-  std::string line;
-  while (std::getline(maps, line)) {
-    auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    std::string path = line.substr(slash);
-    if (path.find("blas") != std::string::npos || path.find("mkl") != std::string::npos ||
-        path.find("lapack") != std::string::npos) {
-      found.insert(path);
-    }
-  }
-  return {found.begin(), found.end()};
+/// The BLAS LibTorch was built with, from its build settings ("BLAS_INFO=mkl,
+/// ..."); empty when they do not say. The PyPI wheel links MKL into
+/// libtorch_cpu.so, so no BLAS library appears in /proc/self/maps however
+/// fast its GEMMs are: the loaded libraries cannot tell.
+std::string libtorch_blas() {
+  const std::string settings = at::show_config();
+  const std::string key = "BLAS_INFO=";
+  const auto start = settings.find(key);
+  if (start == std::string::npos) return {};
+  const auto value = start + key.size();
+  return settings.substr(value, settings.find_first_of(", \n", value) - value);
 }
 
 /// `through_shardtrain`: the path training uses (shardtrain::nn::matmul),
@@ -119,21 +116,16 @@ EnvReport collect_env_report(bool measure_gemm) {
     ours.precision(1);
     ours << std::fixed << gemm_gflops(at::kBFloat16, true) << " GFLOP/s";
     add("bf16 GEMM 1024^3, shardtrain::nn", ours.str());
-  } else {
-    at::mm(at::ones({8, 8}), at::ones({8, 8}));  // make sure the BLAS is loaded before reading maps
   }
-  auto blas = loaded_blas_libraries();
-  std::string blas_text;
-  bool openblas = false;
-  for (const auto& path : blas) {
-    blas_text += (blas_text.empty() ? "" : ", ") + path;
-    if (path.find("openblas") != std::string::npos || path.find("mkl") != std::string::npos) openblas = true;
-  }
-  add("BLAS loaded", blas_text.empty() ? "none found in /proc/self/maps" : blas_text);
-  if (!openblas) {
-    report.warnings.push_back(
-        "LibTorch is using the reference BLAS: fp32 matmul runs ~30x slower. "
-        "Install an optimised one: apt-get install libopenblas0-pthread (scripts/setup does this).");
+  const std::string blas = libtorch_blas();
+  add("CPU BLAS (LibTorch's build)", blas.empty() ? "not stated by LibTorch" : blas);
+  // "generic" is the reference BLAS, whose fp32 GEMM is many times slower
+  // than MKL's or OpenBLAS's; the PyPI wheel says "mkl".
+  if (blas.empty() || blas == "generic") {
+    report.warnings.push_back("LibTorch was built without an optimised BLAS (BLAS_INFO=" +
+                              (blas.empty() ? std::string("unstated") : blas) +
+                              "): fp32 GEMMs run on reference code; build against the PyPI torch wheel that "
+                              "scripts/setup installs (BLAS_INFO=mkl)");
   }
   return report;
 }

@@ -1,8 +1,9 @@
-// The overrides `shardtrain launch` passes to its workers: its command line
-// (--config_file, --deepspeed_config_file, --mixed_precision,
-// --distributed_type) reaches them as SHARDTRAIN_* environment variables,
-// which win over what the config files say. config_load.cpp calls these at
-// their points in the merge.
+// The overrides of `shardtrain launch`, which win over what the config files
+// say: the launcher reads the files with its flags (--mixed_precision,
+// --use_deepspeed / --use_fsdp, --deepspeed_config_file) as the overrides,
+// and its workers with the SHARDTRAIN_* environment variables it exports
+// (config_from_environment). config_load.cpp calls these at their points in
+// the merge.
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -13,21 +14,17 @@ namespace shardtrain {
 namespace config_detail {
 
 OverrideValues read_overrides(const Overrides& overrides) {
-  std::optional<MixedPrecision> override_precision;
-  std::optional<DistributedType> override_type;
-  const std::string precision_origin =
-      overrides.mixed_precision ? "SHARDTRAIN_MIXED_PRECISION=" + *overrides.mixed_precision : "";
-  const std::string type_origin =
-      overrides.distributed_type ? "SHARDTRAIN_DISTRIBUTED_TYPE=" + *overrides.distributed_type : "";
-  if (overrides.mixed_precision) {
-    override_precision = read_mixed_precision(Field{"environment", "SHARDTRAIN_MIXED_PRECISION", "",
-                                                    Node::of(*overrides.mixed_precision)});
+  OverrideValues values;
+  // Read as the Accelerate keys they stand for, so a bad value fails with the same words.
+  if (const auto& precision = overrides.mixed_precision) {
+    values.precision = read_mixed_precision(Field{precision->source, precision->key, "", Node::of(precision->value)});
+    values.precision_origin = precision->origin;
   }
-  if (overrides.distributed_type) {
-    override_type = read_distributed_type(Field{"environment", "SHARDTRAIN_DISTRIBUTED_TYPE", "",
-                                                Node::of(*overrides.distributed_type)});
+  if (const auto& type = overrides.distributed_type) {
+    values.type = read_distributed_type(Field{type->source, type->key, "", Node::of(type->value)});
+    values.type_origin = type->origin;
   }
-  return OverrideValues{override_precision, override_type, precision_origin, type_origin};
+  return values;
 }
 
 void apply_precision_override(ParseState& state, const OverrideValues& values) {
@@ -37,7 +34,7 @@ void apply_precision_override(ParseState& state, const OverrideValues& values) {
     }
     state.accelerate_precision = values.precision;
     state.accelerate_precision_origin = values.precision_origin;
-    state.accelerate_precision_from_environment = true;
+    state.accelerate_precision_from_override = true;
   }
 }
 
@@ -45,10 +42,8 @@ void apply_precision_override(ParseState& state, const OverrideValues& values) {
 
 namespace {
 
-using config_detail::load_with_overrides;
-using config_detail::Node;
+using config_detail::Override;
 using config_detail::Overrides;
-using config_detail::read_config;
 
 std::optional<std::string> environment_value(const char* name) {
   const char* value = std::getenv(name);
@@ -57,23 +52,22 @@ std::optional<std::string> environment_value(const char* name) {
   return std::string(value);
 }
 
+std::optional<Override> environment_override(const char* name) {
+  const auto value = environment_value(name);
+  if (!value) return std::nullopt;
+  return Override::from_environment(name, *value);
+}
+
 }  // namespace
 
 std::optional<TrainingConfig> config_from_environment() {
-  const auto config_file = environment_value("SHARDTRAIN_CONFIG_FILE");
-  const auto deepspeed_file = environment_value("SHARDTRAIN_DEEPSPEED_CONFIG_FILE");
   Overrides overrides;
-  overrides.mixed_precision = environment_value("SHARDTRAIN_MIXED_PRECISION");
-  overrides.distributed_type = environment_value("SHARDTRAIN_DISTRIBUTED_TYPE");
-  if (!config_file && !deepspeed_file && !overrides.mixed_precision && !overrides.distributed_type) {
-    return std::nullopt;
-  }
-  if (config_file) {
-    overrides.deepspeed_config_file = deepspeed_file;
-    return load_with_overrides(*config_file, overrides);
-  }
-  if (deepspeed_file) return load_with_overrides(*deepspeed_file, overrides);
-  return read_config(Node::map(), "yaml", "environment", ".", overrides);
+  overrides.deepspeed_config_file = environment_override("SHARDTRAIN_DEEPSPEED_CONFIG_FILE");
+  overrides.mixed_precision = environment_override("SHARDTRAIN_MIXED_PRECISION");
+  overrides.distributed_type = environment_override("SHARDTRAIN_DISTRIBUTED_TYPE");
+  // The launcher read these same files with its flags as the overrides, and
+  // exported what it read (launch_settings.h): every worker reaches its result.
+  return config_detail::read_run_config(environment_value("SHARDTRAIN_CONFIG_FILE"), overrides);
 }
 
 }  // namespace shardtrain

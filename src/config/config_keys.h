@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "config/config_internal.h"
+#include "config/launch_settings.h"
 #include "shardtrain/config.h"
 #include "shardtrain/error.h"
 
@@ -105,13 +106,6 @@ struct PluginValues {
   std::optional<PluginSetting<bool>> zero3_init_flag;
 };
 
-/// Environment overrides set by `shardtrain launch` (config_from_environment).
-struct Overrides {
-  std::optional<std::string> deepspeed_config_file;
-  std::optional<std::string> mixed_precision;
-  std::optional<std::string> distributed_type;
-};
-
 struct ParseState {
   TrainingConfig config;
   /// Unknown-key warnings; `strict: true` turns them into one error.
@@ -124,9 +118,10 @@ struct ParseState {
   std::string distributed_type_origin;
   std::optional<MixedPrecision> accelerate_precision;
   std::string accelerate_precision_origin;
-  /// The launcher always exports a precision ("no" when none was asked), so
-  /// its "no" losing to the DeepSpeed JSON is not worth a warning.
-  bool accelerate_precision_from_environment = false;
+  /// The precision came from the launcher (its flag, or what it exports to
+  /// its workers, "no" when none was asked): its "no" losing to the DeepSpeed
+  /// JSON's fp16/bf16 is not worth a warning.
+  bool accelerate_precision_from_override = false;
   std::optional<bool> fp16_enabled;
   std::string fp16_origin;
   std::optional<bool> bf16_enabled;
@@ -140,6 +135,11 @@ struct ParseState {
   std::optional<ShardingStrategy> sharding_from_strategy_key;
   std::optional<ShardingStrategy> sharding_from_reshard_key;
   PluginValues plugin;
+  /// Where the launch keys (num_processes, main_process_ip, ...) were set,
+  /// by key: what read_launch_settings hands the launcher's messages.
+  std::map<std::string, std::string> launch_key_origins;
+  /// The DeepSpeed JSON that was read after the main document; empty if none.
+  std::string deepspeed_file;
 
   void warn(std::string message) { config.warnings.push_back(std::move(message)); }
 
@@ -283,10 +283,9 @@ void apply_precision_override(ParseState& state, const OverrideValues& values);
 
 // ---------------------------------------------------------------- config_load.cpp
 
-/// Reads the main document (and the DeepSpeed JSON it names), then merges,
-/// infers and checks. `source` names the document in messages.
-TrainingConfig read_config(const Node& root, const std::string& format, const std::string& source,
-                           const std::string& base_dir, const Overrides& overrides);
-TrainingConfig load_with_overrides(const std::string& path, const Overrides& overrides);
+/// What a run reads, as read_launch_settings describes; nullopt when there
+/// is neither a file nor an override to read.
+std::optional<TrainingConfig> read_run_config(const std::optional<std::string>& config_file,
+                                              const Overrides& overrides);
 
 }  // namespace shardtrain::config_detail

@@ -4,8 +4,8 @@
 // resolved dumps are all the same shape to it), the DeepSpeed JSON an
 // Accelerate file names, and the merge: which engine and which precision
 // the formats and the launcher's overrides add up to, and the checks across
-// keys. The keys themselves are read in accelerate_yaml.cpp and
-// deepspeed_json.cpp.
+// keys; then what the launcher takes from that reading (launch_settings.h).
+// The keys themselves are read in accelerate_yaml.cpp and deepspeed_json.cpp.
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -30,13 +30,12 @@ using config_detail::describe;
 using config_detail::join;
 using config_detail::kAccelerateMarkerKeys;
 using config_detail::kDeepSpeedMarkerKeys;
-using config_detail::load_with_overrides;
 using config_detail::lowercase;
 using config_detail::Node;
+using config_detail::Override;
 using config_detail::Overrides;
 using config_detail::ParseState;
 using config_detail::PluginSetting;
-using config_detail::read_config;
 using config_detail::Section;
 using Kind = Node::Kind;
 
@@ -137,7 +136,7 @@ void reconcile_precision(ParseState& state) {
     }
   } else if (state.fp16_enabled.value_or(false) || state.bf16_enabled.value_or(false)) {
     precision = state.fp16_enabled.value_or(false) ? MixedPrecision::kFp16 : MixedPrecision::kBf16;
-    if (state.accelerate_precision && !state.accelerate_precision_from_environment) {
+    if (state.accelerate_precision && !state.accelerate_precision_from_override) {
       state.warn(state.accelerate_precision_origin + " is overridden by " +
                  (precision == MixedPrecision::kFp16 ? state.fp16_origin : state.bf16_origin) +
                  ": the DeepSpeed config's precision is used (as Accelerate does)");
@@ -175,8 +174,8 @@ void decide_distributed_type(ParseState& state, bool accelerate_shaped, bool dee
       }
       config.distributed_type = *override_type;
     } else if (inferred && !selects_engine(*override_type)) {
-      // The launcher reads only distributed_type from the YAML, so a file that
-      // configures an engine without naming it reaches the worker as plain DP.
+      // A data-parallel override (SHARDTRAIN_DISTRIBUTED_TYPE=MULTI_CPU set by
+      // hand) does not undo the engine a file configures without naming it.
       state.warn(override_origin + " is ignored: " + source + " configures " + to_string(*inferred) + " (" +
                  inferred_from + ") without naming distributed_type");
       config.distributed_type = *inferred;
@@ -274,24 +273,15 @@ void check_combinations(ParseState& state) {
   }
 }
 
-/// parse_document + read_config; what the document itself warned about
-/// (duplicate keys) comes first in the warnings.
-TrainingConfig read_text(const std::string& text, const std::string& format, const std::string& source,
-                         const std::string& base_dir, const Overrides& overrides) {
-  std::vector<std::string> document_warnings;
-  const Node root = parse_document(text, format, source, document_warnings);
-  TrainingConfig config = read_config(root, format, source, base_dir, overrides);
-  config.warnings.insert(config.warnings.begin(), document_warnings.begin(), document_warnings.end());
-  summarise_repeated_warnings(config.warnings);
-  return config;
-}
-
 }  // namespace
 
 namespace config_detail {
+namespace {
 
-TrainingConfig read_config(const Node& root, const std::string& format, const std::string& source,
-                           const std::string& base_dir, const Overrides& overrides) {
+/// Reads the main document (and the DeepSpeed JSON it names), then merges,
+/// infers and checks; the state keeps what the launcher needs besides the config.
+ParseState read_state(const Node& root, const std::string& format, const std::string& source,
+                      const std::string& base_dir, const Overrides& overrides) {
   ParseState state;
   if (root.kind == Kind::kNull) {
     state.warn(source + " contains no settings (it is empty or only comments); the defaults are used");
@@ -331,19 +321,17 @@ TrainingConfig read_config(const Node& root, const std::string& format, const st
                           override_values.type_origin);
 
   if (state.config.distributed_type == DistributedType::kDeepSpeed) {
-    std::optional<std::string> deepspeed_file;
     if (overrides.deepspeed_config_file) {
-      deepspeed_file = locate_deepspeed_file(
-          PluginSetting<std::string>{*overrides.deepspeed_config_file,
-                                     "SHARDTRAIN_DEEPSPEED_CONFIG_FILE=" + *overrides.deepspeed_config_file},
+      state.deepspeed_file = locate_deepspeed_file(
+          PluginSetting<std::string>{overrides.deepspeed_config_file->value, overrides.deepspeed_config_file->origin},
           base_dir);
     } else if (state.plugin.deepspeed_config_file) {
-      deepspeed_file = locate_deepspeed_file(*state.plugin.deepspeed_config_file, base_dir);
+      state.deepspeed_file = locate_deepspeed_file(*state.plugin.deepspeed_config_file, base_dir);
     }
-    if (deepspeed_file) read_deepspeed_file(state, *deepspeed_file);
+    if (!state.deepspeed_file.empty()) read_deepspeed_file(state, state.deepspeed_file);
     apply_plugin_values(state);
   } else if (state.plugin.present) {
-    state.warn(std::string(overrides.deepspeed_config_file ? "SHARDTRAIN_DEEPSPEED_CONFIG_FILE" : "deepspeed_config") +
+    state.warn((overrides.deepspeed_config_file ? overrides.deepspeed_config_file->key : std::string("deepspeed_config")) +
                " is ignored because distributed_type is " + to_string(state.config.distributed_type));
   }
 
@@ -354,27 +342,91 @@ TrainingConfig read_config(const Node& root, const std::string& format, const st
   if (state.config.strict && !state.unknown_keys.empty()) {
     ST_THROW(ConfigError, "strict: true makes unknown keys errors: ", join(state.unknown_keys, "; "));
   }
-  return std::move(state.config);
+  return state;
 }
 
-TrainingConfig load_with_overrides(const std::string& path, const Overrides& overrides) {
-  const std::string text = read_text_file(path, "config file");
-  const std::string format = format_of(path, text);
+/// parse_document + read_state; what the document itself warned about
+/// (duplicate keys) comes first in the warnings.
+ParseState read_text_state(const std::string& text, const std::string& format, const std::string& source,
+                           const std::string& base_dir, const Overrides& overrides) {
+  std::vector<std::string> document_warnings;
+  const Node root = parse_document(text, format, source, document_warnings);
+  ParseState state = read_state(root, format, source, base_dir, overrides);
+  auto& warnings = state.config.warnings;
+  warnings.insert(warnings.begin(), document_warnings.begin(), document_warnings.end());
+  summarise_repeated_warnings(warnings);
+  return state;
+}
+
+/// `what` names the file in messages when it cannot be read ("config file").
+ParseState read_file_state(const std::string& path, const std::string& what, const Overrides& overrides) {
+  const std::string text = read_text_file(path, what);
   const std::string base_dir = fs::absolute(path).parent_path().string();
+  ParseState state = read_text_state(text, format_of(path, text), path, base_dir, overrides);
   // The main file comes first in `sources`, before the DeepSpeed JSON it names.
-  TrainingConfig config = read_text(text, format, path, base_dir, overrides);
-  config.sources.insert(config.sources.begin(), path);
-  return config;
+  state.config.sources.insert(state.config.sources.begin(), path);
+  return state;
+}
+
+/// The one rule for which documents a run reads (read_launch_settings).
+std::optional<ParseState> read_run_state(const std::optional<std::string>& config_file, const Overrides& overrides) {
+  if (config_file) return read_file_state(*config_file, "config file", overrides);
+  if (overrides.deepspeed_config_file) {
+    // The DeepSpeed JSON is then the document itself, not one it names.
+    Overrides rest = overrides;
+    rest.deepspeed_config_file.reset();
+    const Override& json = *overrides.deepspeed_config_file;
+    ParseState state = read_file_state(json.value, json.key, rest);
+    state.deepspeed_file = fs::absolute(json.value).lexically_normal().string();
+    return state;
+  }
+  if (overrides.mixed_precision || overrides.distributed_type) {
+    return read_state(Node::map(), "yaml", "the launcher's settings", ".", overrides);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<TrainingConfig> read_run_config(const std::optional<std::string>& config_file,
+                                              const Overrides& overrides) {
+  std::optional<ParseState> state = read_run_state(config_file, overrides);
+  if (!state) return std::nullopt;
+  return std::move(state->config);
+}
+
+LaunchSettings read_launch_settings(const std::optional<std::string>& config_file, const Overrides& overrides) {
+  LaunchSettings settings;
+  const std::optional<ParseState> state = read_run_state(config_file, overrides);
+  if (!state) return settings;
+  const TrainingConfig& config = state->config;
+  auto from_file = [&](const std::string& key, auto value) {
+    using Value = decltype(value);
+    const auto origin = state->launch_key_origins.find(key);
+    return origin == state->launch_key_origins.end() ? std::nullopt
+                                                      : std::optional<FileValue<Value>>({value, origin->second});
+  };
+  settings.num_processes = from_file("num_processes", config.num_processes);
+  settings.num_machines = from_file("num_machines", config.num_machines);
+  settings.machine_rank = from_file("machine_rank", config.machine_rank);
+  settings.main_process_ip = from_file("main_process_ip", config.main_process_ip);
+  settings.main_process_port = from_file("main_process_port", config.main_process_port);
+  settings.mixed_precision = state->accelerate_precision.value_or(MixedPrecision::kNo);
+  settings.distributed_type = config.distributed_type;
+  settings.deepspeed_config_file = state->deepspeed_file;
+  return settings;
 }
 
 }  // namespace config_detail
 
-TrainingConfig load_config(const std::string& path) { return load_with_overrides(path, Overrides{}); }
+TrainingConfig load_config(const std::string& path) {
+  return std::move(config_detail::read_file_state(path, "config file", Overrides{}).config);
+}
 
 TrainingConfig parse_config(const std::string& text, const std::string& format, const std::string& base_dir) {
   const std::string normalized = lowercase(format);
   const std::string source = "(" + normalized + " text)";
-  return read_text(text, normalized, source, base_dir, Overrides{});
+  return std::move(config_detail::read_text_state(text, normalized, source, base_dir, Overrides{}).config);
 }
 
 }  // namespace shardtrain

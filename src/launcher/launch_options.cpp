@@ -1,15 +1,12 @@
 #include "launcher/launch_options.h"
 
-#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
-#include <yaml-cpp/yaml.h>
 
-#include "config/config_tree.h"  // lowercase, uppercase
+#include "config/launch_settings.h"
 #include "comm/rendezvous/protocol.h"
 #include "comm/rendezvous/token_file.h"
 #include "shardtrain/error.h"
@@ -19,8 +16,8 @@ namespace shardtrain::launcher {
 namespace {
 
 namespace fs = std::filesystem;
-using config_detail::lowercase;
-using config_detail::uppercase;
+using config_detail::FileValue;
+using config_detail::Override;
 
 constexpr const char* kUsage = "usage: shardtrain launch [options] PROGRAM [ARGS...]";
 
@@ -29,165 +26,76 @@ constexpr const char* kUsage = "usage: shardtrain launch [options] PROGRAM [ARGS
 template <typename T>
 struct Setting {
   T value{};
-  /// "--num_processes" when typed as a flag, "num_processes" when read from
-  /// the config file, "--num_processes" (default) otherwise.
-  std::string key;
+  /// "--num_processes": the flag that sets it.
+  std::string flag;
   enum class Origin { kDefault, kFlag, kConfigFile } origin = Origin::kDefault;
-  /// Set when origin is kConfigFile: " (in FILE, line N)".
-  std::string location;
+  /// Set when origin is kConfigFile, as the config reader words it:
+  /// "num_processes: 5 (cfg.yaml:3)".
+  std::string file_origin;
 
-  /// "--num_processes 5" or "num_processes: 5 (in cfg.yaml, line 3)".
+  /// "--num_processes 5", "--num_processes 1 (the default)" or the file's origin.
   std::string describe() const {
+    if (origin == Origin::kConfigFile) return file_origin;
     std::ostringstream out;
-    if (origin == Origin::kConfigFile) {
-      out << key << ": " << value << location;
-    } else {
-      out << key << " " << value;
-      if (origin == Origin::kDefault) out << " (the default)";
-    }
+    out << flag << " " << value;
+    if (origin == Origin::kDefault) out << " (the default)";
     return out.str();
   }
 };
 
-template <typename T>
-Setting<T> default_setting(const std::string& name, T value) {
-  Setting<T> setting;
-  setting.value = std::move(value);
-  setting.key = "--" + name;
-  return setting;
-}
-
-/// The values an Accelerate config file contributes; each is optional.
-struct ConfigFileValues {
-  std::string path;  // absolute
-  std::optional<Setting<int>> num_processes;
-  std::optional<Setting<int>> num_machines;
-  std::optional<Setting<int>> machine_rank;
-  std::optional<Setting<std::string>> main_process_ip;
-  std::optional<Setting<int>> main_process_port;
-  std::optional<Setting<std::string>> mixed_precision;
-  std::optional<Setting<std::string>> distributed_type;
-  /// The file has a deepspeed_config / fsdp_config section (Accelerate files
-  /// from articles sometimes leave distributed_type out).
-  bool has_deepspeed_section = false;
-  bool has_fsdp_section = false;
-  std::optional<Setting<std::string>> deepspeed_config_file;
-};
-
-std::string line_of(const std::string& path, const YAML::Mark& mark) {
-  std::ostringstream out;
-  out << " (in " << path;
-  if (!mark.is_null()) out << ", line " << mark.line + 1;
-  out << ")";
-  return out.str();
-}
-
-template <typename T>
-std::optional<Setting<T>> read_yaml_value(const YAML::Node& parent, const std::string& key,
-                                          const std::string& dotted_key, const std::string& path) {
-  const YAML::Node node = parent[key];
-  // Accelerate writes `main_process_ip: null` for keys that were not asked;
-  // null means "not set" there, not an error.
-  if (!node.IsDefined() || node.IsNull()) return std::nullopt;
-  Setting<T> setting;
-  setting.key = dotted_key;
-  setting.origin = Setting<T>::Origin::kConfigFile;
-  setting.location = line_of(path, node.Mark());
-  if (!node.IsScalar()) {
-    ST_THROW(ConfigError, "config file ", path, ": `", dotted_key, "` must be a single value",
-             setting.location);
-  }
-  try {
-    setting.value = node.as<T>();
-  } catch (const YAML::Exception&) {
-    ST_THROW(ConfigError, "config file ", path, ": `", dotted_key, ": ", node.Scalar(),
-             "` is not ", std::is_same_v<T, int> ? "an integer" : "a string", setting.location);
-  }
-  return setting;
-}
-
-ConfigFileValues read_config_file(const std::string& given_path) {
-  ConfigFileValues values;
-  values.path = fs::absolute(given_path).lexically_normal().string();
-  std::error_code ignored;
-  if (!fs::exists(values.path, ignored)) {
-    ST_THROW(ConfigError, "--config_file ", given_path, ": file not found (looked at ", values.path,
-             "); pass the path of an Accelerate YAML config such as the one `accelerate config` "
-             "writes");
-  }
-  if (fs::is_directory(values.path, ignored)) {
-    ST_THROW(ConfigError, "--config_file ", given_path, " is a directory; pass the YAML file itself");
-  }
-  std::ifstream in(values.path);
-  if (!in) ST_THROW(ConfigError, "--config_file ", values.path, ": cannot be read (permissions?)");
-  std::stringstream text;
-  text << in.rdbuf();
-
-  YAML::Node root;
-  try {
-    root = YAML::Load(text.str());
-  } catch (const YAML::ParserException& e) {
-    ST_THROW(ConfigError, "--config_file ", values.path, ": malformed YAML at line ", e.mark.line + 1,
-             ", column ", e.mark.column + 1, ": ", e.msg);
-  }
-  if (root.IsNull()) return values;  // an empty file sets nothing
-  if (!root.IsMap()) {
-    ST_THROW(ConfigError, "--config_file ", values.path,
-             ": expected a YAML mapping of Accelerate keys (num_processes: 2, ...) at the top level",
-             line_of(values.path, root.Mark()));
-  }
-  const std::string& path = values.path;
-  values.num_processes = read_yaml_value<int>(root, "num_processes", "num_processes", path);
-  values.num_machines = read_yaml_value<int>(root, "num_machines", "num_machines", path);
-  values.machine_rank = read_yaml_value<int>(root, "machine_rank", "machine_rank", path);
-  values.main_process_ip = read_yaml_value<std::string>(root, "main_process_ip", "main_process_ip", path);
-  values.main_process_port = read_yaml_value<int>(root, "main_process_port", "main_process_port", path);
-  values.mixed_precision = read_yaml_value<std::string>(root, "mixed_precision", "mixed_precision", path);
-  values.distributed_type =
-      read_yaml_value<std::string>(root, "distributed_type", "distributed_type", path);
-  const YAML::Node deepspeed = root["deepspeed_config"];
-  values.has_deepspeed_section = deepspeed.IsDefined() && deepspeed.IsMap();
-  values.has_fsdp_section = root["fsdp_config"].IsDefined() && root["fsdp_config"].IsMap();
-  if (deepspeed.IsDefined() && deepspeed.IsMap()) {
-    values.deepspeed_config_file = read_yaml_value<std::string>(
-        deepspeed, "deepspeed_config_file", "deepspeed_config.deepspeed_config_file", path);
-  }
-  return values;
-}
-
 /// Flag beats config file beats built-in default.
 template <typename T>
-Setting<T> merge(const std::string& name, const std::optional<T>& flag,
-                 const std::optional<Setting<T>>& from_file, T fallback) {
+Setting<T> merge(const std::string& name, const std::optional<T>& flag, const std::optional<FileValue<T>>& from_file,
+                 T fallback) {
+  Setting<T> setting;
+  setting.flag = "--" + name;
   if (flag) {
-    Setting<T> setting;
     setting.value = *flag;
-    setting.key = "--" + name;
     setting.origin = Setting<T>::Origin::kFlag;
-    return setting;
+  } else if (from_file) {
+    setting.value = from_file->value;
+    setting.origin = Setting<T>::Origin::kConfigFile;
+    setting.file_origin = from_file->origin;
+  } else {
+    setting.value = std::move(fallback);
   }
-  if (from_file) return *from_file;
-  return default_setting(name, std::move(fallback));
+  return setting;
 }
 
-/// A DeepSpeed JSON path must name an existing file; relative paths are
-/// tried from the working directory (as accelerate does) and, for a path
-/// read from a config file, also from that file's directory so that a config
-/// folder can be moved as a whole.
-std::string resolve_deepspeed_config_path(const Setting<std::string>& setting,
-                                          const std::string& config_file_dir) {
+/// The flags that override the config files, spelt as the workers receive
+/// them (SHARDTRAIN_MIXED_PRECISION, ...): the launcher reads the files as its
+/// workers will.
+config_detail::Overrides overrides_of(const LaunchFlags& flags) {
+  config_detail::Overrides overrides;
+  if (flags.mixed_precision) {
+    overrides.mixed_precision = Override::from_flag("--mixed_precision", *flags.mixed_precision);
+  }
+  if (flags.deepspeed_config_file) {
+    overrides.deepspeed_config_file = Override::from_flag("--deepspeed_config_file", *flags.deepspeed_config_file);
+  }
+  if (flags.use_deepspeed) {
+    overrides.distributed_type = Override::from_flag("--use_deepspeed", "DEEPSPEED", "--use_deepspeed");
+  } else if (flags.deepspeed_config_file) {
+    overrides.distributed_type =
+        Override::from_flag("--deepspeed_config_file", "DEEPSPEED", overrides.deepspeed_config_file->origin);
+  } else if (flags.use_fsdp) {
+    overrides.distributed_type = Override::from_flag("--use_fsdp", "FSDP", "--use_fsdp");
+  }
+  return overrides;
+}
+
+/// The --config_file's absolute path, once it is known to be a file.
+std::string locate_config_file(const std::string& given_path) {
+  const std::string path = fs::absolute(given_path).lexically_normal().string();
   std::error_code ignored;
-  std::vector<fs::path> candidates{fs::absolute(setting.value).lexically_normal()};
-  if (setting.origin == Setting<std::string>::Origin::kConfigFile && fs::path(setting.value).is_relative()) {
-    candidates.push_back((fs::path(config_file_dir) / setting.value).lexically_normal());
+  if (!fs::exists(path, ignored)) {
+    ST_THROW(ConfigError, "--config_file ", given_path, ": file not found (looked at ", path,
+             "); pass the path of an Accelerate YAML config such as the one `accelerate config` writes");
   }
-  for (const auto& candidate : candidates) {
-    if (fs::is_regular_file(candidate, ignored)) return candidate.string();
+  if (fs::is_directory(path, ignored)) {
+    ST_THROW(ConfigError, "--config_file ", given_path, " is a directory; pass the YAML file itself");
   }
-  std::string tried;
-  for (const auto& candidate : candidates) tried += (tried.empty() ? "" : ", ") + candidate.string();
-  ST_THROW(ConfigError, setting.describe(), ": DeepSpeed config file not found (tried ", tried,
-           "); pass the path of an existing DeepSpeed JSON file");
+  return path;
 }
 
 }  // namespace
@@ -310,12 +218,25 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
              ", e.g. shardtrain launch --num_processes 2 ./train --epochs 3)");
   }
 
-  ConfigFileValues file;
-  std::string config_file_dir;
-  if (flags.config_file) {
-    file = read_config_file(*flags.config_file);
-    config_file_dir = fs::path(file.path).parent_path().string();
+  if (flags.use_deepspeed && flags.use_fsdp) {
+    ST_THROW(ConfigError,
+             "--use_deepspeed and --use_fsdp are mutually exclusive: a run uses one sharding engine; "
+             "drop one of them");
   }
+  if (flags.use_fsdp && flags.deepspeed_config_file) {
+    ST_THROW(ConfigError, "--deepspeed_config_file ", *flags.deepspeed_config_file,
+             " was given together with --use_fsdp; a DeepSpeed config selects the ZeRO engine, so "
+             "drop one of them");
+  }
+  if (flags.grace_period_s && !(*flags.grace_period_s >= 0)) {
+    ST_THROW(ConfigError, "--grace_period ", *flags.grace_period_s,
+             " must be zero or more seconds (default 5)");
+  }
+
+  std::optional<std::string> config_file;
+  if (flags.config_file) config_file = locate_config_file(*flags.config_file);
+  // Every key, check and engine decision as the workers' reading makes them.
+  const config_detail::LaunchSettings file = config_detail::read_launch_settings(config_file, overrides_of(flags));
 
   const auto num_processes = merge("num_processes", flags.num_processes, file.num_processes, 1);
   const auto num_machines = merge("num_machines", flags.num_machines, file.num_machines, 1);
@@ -323,8 +244,6 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
   const auto main_process_ip =
       merge("main_process_ip", flags.main_process_ip, file.main_process_ip, std::string("127.0.0.1"));
   const auto main_process_port = merge("main_process_port", flags.main_process_port, file.main_process_port, 29500);
-  const auto mixed_precision =
-      merge("mixed_precision", flags.mixed_precision, file.mixed_precision, std::string("no"));
 
   if (num_processes.value < 1) {
     ST_THROW(ConfigError, num_processes.describe(), " must be at least 1 (processes in the whole job)");
@@ -347,56 +266,16 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
              "(pass 127.0.0.1 if every machine is this host)");
   }
   if (main_process_ip.value.empty()) {
-    ST_THROW(ConfigError, main_process_ip.key, " is empty; give the address of machine 0");
+    ST_THROW(ConfigError, main_process_ip.describe(), " is empty; give the address of machine 0");
   }
   if (main_process_port.value < 1 || main_process_port.value > 65535) {
     ST_THROW(ConfigError, main_process_port.describe(), " is not a TCP port; use 1 .. 65535 (default 29500)");
   }
-  const std::string precision = lowercase(mixed_precision.value);
-  if (precision != "no" && precision != "fp16" && precision != "bf16") {
-    ST_THROW(ConfigError, mixed_precision.describe(),
-             " is not supported; allowed values: no, fp16, bf16");
-  }
 
-  if (flags.use_deepspeed && flags.use_fsdp) {
-    ST_THROW(ConfigError,
-             "--use_deepspeed and --use_fsdp are mutually exclusive: a run uses one sharding engine; "
-             "drop one of them");
-  }
-  if (flags.use_fsdp && flags.deepspeed_config_file) {
-    ST_THROW(ConfigError, "--deepspeed_config_file ", *flags.deepspeed_config_file,
-             " was given together with --use_fsdp; a DeepSpeed config selects the ZeRO engine, so "
-             "drop one of them");
-  }
-  if (flags.grace_period_s && !(*flags.grace_period_s >= 0)) {
-    ST_THROW(ConfigError, "--grace_period ", *flags.grace_period_s,
-             " must be zero or more seconds (default 5)");
-  }
-
-  std::string distributed_type;
-  if (flags.use_deepspeed || flags.deepspeed_config_file) {
-    distributed_type = "DEEPSPEED";
-  } else if (flags.use_fsdp) {
-    distributed_type = "FSDP";
-  } else if (file.distributed_type) {
-    const std::string from_file = uppercase(file.distributed_type->value);
-    if (from_file == "DEEPSPEED" || from_file == "FSDP" || from_file == "MULTI_CPU" || from_file == "NO") {
-      distributed_type = from_file;
-    } else if (from_file == "MULTI_GPU") {
-      // The device comes from what the worker sees (backend "auto"), so
-      // GPU and CPU data parallelism are one mode for the worker.
-      distributed_type = "MULTI_CPU";
-    } else {
-      ST_THROW(ConfigError, file.distributed_type->describe(),
-               " is not supported by shardtrain; use one of NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP");
-    }
-  } else if (file.has_deepspeed_section) {
-    distributed_type = "DEEPSPEED";  // as the config reader infers it
-  } else if (file.has_fsdp_section) {
-    distributed_type = "FSDP";
-  } else {
-    distributed_type = "NO";
-  }
+  std::string distributed_type = to_string(file.distributed_type);
+  // The device comes from what the worker sees (backend "auto"), so GPU and
+  // CPU data parallelism are one mode for the worker.
+  if (file.distributed_type == DistributedType::kMultiGpu) distributed_type = "MULTI_CPU";
   if (distributed_type == "NO" && num_processes.value > 1) distributed_type = "MULTI_CPU";
 
   LaunchOptions options;
@@ -405,18 +284,12 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags) {
   options.machine_rank = machine_rank.value;
   options.main_process_ip = main_process_ip.value;
   options.main_process_port = main_process_port.value;
-  options.config_file = file.path;
-  options.mixed_precision = precision;
+  options.config_file = config_file.value_or("");
+  options.mixed_precision = to_string(file.mixed_precision);
   options.distributed_type = distributed_type;
   options.use_deepspeed = distributed_type == "DEEPSPEED";
   options.use_fsdp = distributed_type == "FSDP";
-  if (options.use_deepspeed) {
-    std::optional<Setting<std::string>> deepspeed_file = file.deepspeed_config_file;
-    if (flags.deepspeed_config_file) {
-      deepspeed_file = merge("deepspeed_config_file", flags.deepspeed_config_file, {}, std::string());
-    }
-    if (deepspeed_file) options.deepspeed_config_file = resolve_deepspeed_config_path(*deepspeed_file, config_file_dir);
-  }
+  if (options.use_deepspeed) options.deepspeed_config_file = file.deepspeed_config_file;
   options.grace_period_s = flags.grace_period_s.value_or(5.0);
   resolve_rendezvous_identity(flags, options);
   options.program = flags.command.front();

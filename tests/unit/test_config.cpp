@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/scoped_environment.h"
 #include "support/scratch_dir.h"
 #include "build_config.h"
 #include "shardtrain/config.h"
@@ -43,33 +44,7 @@ const fs::path kBadDir = kSourceDir / "tests/data/configs/bad";
 
 using shardtrain::testing::ScratchDir;
 
-/// Sets environment variables for one test and restores the old values.
-class ScopedEnvironment {
- public:
-  ScopedEnvironment(std::initializer_list<std::pair<const char*, std::optional<std::string>>> values) {
-    for (const auto& [name, value] : values) {
-      const char* old = std::getenv(name);
-      saved_.emplace_back(name, old == nullptr ? std::nullopt : std::optional<std::string>(old));
-      if (value) {
-        setenv(name, value->c_str(), 1);
-      } else {
-        unsetenv(name);
-      }
-    }
-  }
-  ~ScopedEnvironment() {
-    for (const auto& [name, value] : saved_) {
-      if (value) {
-        setenv(name.c_str(), value->c_str(), 1);
-      } else {
-        unsetenv(name.c_str());
-      }
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
+using shardtrain::testing::ScopedEnvironment;
 
 const std::vector<const char*> kLauncherVariables = {"SHARDTRAIN_CONFIG_FILE", "SHARDTRAIN_DEEPSPEED_CONFIG_FILE",
                                                      "SHARDTRAIN_MIXED_PRECISION", "SHARDTRAIN_DISTRIBUTED_TYPE"};

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,11 @@
 #include <gtest/gtest.h>
 
 #include "support/log_capture.h"
+#include "support/scoped_environment.h"
 #include "support/scratch_dir.h"
 #include "launcher/launch_options.h"
+#include "launcher/launcher.h"
+#include "shardtrain/config.h"
 #include "shardtrain/error.h"
 
 namespace {
@@ -26,6 +30,7 @@ using shardtrain::launcher::LaunchOptions;
 using shardtrain::launcher::parse_launch_options;
 namespace fs = std::filesystem;
 
+using shardtrain::testing::ScopedEnvironment;
 using shardtrain::testing::ScratchDir;
 
 /// The message of the ConfigError that parsing `args` throws ("" if none).
@@ -113,9 +118,7 @@ TEST(UnitLaunchOptions, DeepspeedConfigAliasAndAbsolutePath) {
 }
 
 TEST(UnitLaunchOptions, RendezvousTokenComesFromTheFlagTheEnvironmentOrIsMade) {
-  const char* saved = std::getenv("SHARDTRAIN_RDZV_TOKEN");
-  const std::string restore = saved ? saved : "";
-  ::unsetenv("SHARDTRAIN_RDZV_TOKEN");
+  ScopedEnvironment no_token({{"SHARDTRAIN_RDZV_TOKEN", std::nullopt}, {"SHARDTRAIN_RDZV_TOKEN_FILE", std::nullopt}});
   const LaunchOptions made = parse_launch_options({"--num_processes", "2", "./train"});
   EXPECT_TRUE(made.rdzv_token_generated);
   EXPECT_EQ(made.rdzv_token.size(), 64u);
@@ -130,11 +133,6 @@ TEST(UnitLaunchOptions, RendezvousTokenComesFromTheFlagTheEnvironmentOrIsMade) {
   EXPECT_EQ(from_env.rdzv_token, "from-the-environment");
   EXPECT_FALSE(from_env.rdzv_token_generated);
   EXPECT_EQ(parse_launch_options({"--rdzv_token", "flag-wins", "./train"}).rdzv_token, "flag-wins");
-  if (saved) {
-    ::setenv("SHARDTRAIN_RDZV_TOKEN", restore.c_str(), 1);
-  } else {
-    ::unsetenv("SHARDTRAIN_RDZV_TOKEN");
-  }
 }
 
 TEST(UnitLaunchOptions, YamlValuesAreDefaults) {
@@ -215,6 +213,89 @@ TEST(UnitLaunchOptions, YamlDistributedTypes) {
   EXPECT_NE(message.find("DEEPSPEED, FSDP"), std::string::npos) << message;
 }
 
+/// What a worker of this launch reads: config_from_environment() under the
+/// variables the launcher gives its workers.
+shardtrain::TrainingConfig read_by_a_worker(const LaunchOptions& options) {
+  ScopedEnvironment::Values variables;
+  for (const auto& [name, value] : shardtrain::launcher::worker_environment(options, 0)) {
+    variables.emplace_back(name, value);
+  }
+  ScopedEnvironment environment(variables);
+  const std::optional<shardtrain::TrainingConfig> config = shardtrain::config_from_environment();
+  if (!config) throw std::runtime_error("the worker found no config in its environment");
+  return *config;
+}
+
+TEST(UnitLaunchOptions, TheLauncherReadsTheConfigAsItsWorkersDo) {
+  ScratchDir dir;
+  const std::string json = dir.write("ds.json", "{\"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": 2}}");
+  {
+    SCOPED_TRACE("an engine configured by its block alone; mixed_precision as PyYAML writes `no`");
+    const std::string yaml = dir.write("fsdp.yaml", "mixed_precision: false\nnum_processes: 2\n"
+                                                    "fsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n");
+    const LaunchOptions options = parse_launch_options({"--config_file", yaml, "./t"});
+    EXPECT_EQ(options.distributed_type, "FSDP");
+    EXPECT_EQ(options.mixed_precision, "no");
+    const shardtrain::TrainingConfig worker = read_by_a_worker(options);
+    EXPECT_EQ(worker.distributed_type, shardtrain::DistributedType::kFsdp);
+    EXPECT_EQ(worker.mixed_precision, shardtrain::MixedPrecision::kNo);
+    EXPECT_EQ(worker.fsdp.sharding_strategy, shardtrain::ShardingStrategy::kShardGradOp);
+  }
+  const std::string deepspeed_yaml = dir.write("ds.yaml", "distributed_type: DEEPSPEED\nmixed_precision: 'no'\n"
+                                                          "deepspeed_config:\n  deepspeed_config_file: ds.json\n");
+  {
+    SCOPED_TRACE("Accelerate's \"no\" and a DeepSpeed JSON that enables bf16: the JSON's precision, silently");
+    const LaunchOptions options = parse_launch_options({"--config_file", deepspeed_yaml, "./t"});
+    EXPECT_EQ(options.distributed_type, "DEEPSPEED");
+    EXPECT_EQ(options.mixed_precision, "no");
+    EXPECT_EQ(options.deepspeed_config_file, json);
+    const shardtrain::TrainingConfig worker = read_by_a_worker(options);
+    EXPECT_EQ(worker.distributed_type, shardtrain::DistributedType::kDeepSpeed);
+    EXPECT_EQ(worker.mixed_precision, shardtrain::MixedPrecision::kBf16);
+    EXPECT_EQ(worker.zero.stage, 2);
+    EXPECT_TRUE(worker.warnings.empty()) << worker.warnings.front();
+  }
+  {
+    SCOPED_TRACE("flags over the same file");
+    const LaunchOptions options =
+        parse_launch_options({"--config_file", deepspeed_yaml, "--use_fsdp", "--mixed_precision", "fp16", "./t"});
+    EXPECT_EQ(options.distributed_type, "FSDP");
+    EXPECT_EQ(options.mixed_precision, "fp16");
+    EXPECT_TRUE(options.deepspeed_config_file.empty());
+    const shardtrain::TrainingConfig worker = read_by_a_worker(options);
+    EXPECT_EQ(worker.distributed_type, shardtrain::DistributedType::kFsdp);
+    EXPECT_EQ(worker.mixed_precision, shardtrain::MixedPrecision::kFp16);
+  }
+  {
+    SCOPED_TRACE("a DeepSpeed JSON given alone");
+    const LaunchOptions options = parse_launch_options({"--deepspeed_config_file", json, "./t"});
+    EXPECT_EQ(options.distributed_type, "DEEPSPEED");
+    const shardtrain::TrainingConfig worker = read_by_a_worker(options);
+    EXPECT_EQ(worker.distributed_type, shardtrain::DistributedType::kDeepSpeed);
+    EXPECT_EQ(worker.zero.stage, 2);
+    EXPECT_EQ(worker.mixed_precision, shardtrain::MixedPrecision::kBf16);
+  }
+}
+
+TEST(UnitLaunchOptions, AConfigItsWorkersWouldRefuseIsRefusedBeforeAnyStarts) {
+  ScratchDir dir;
+  const std::string typo = dir.write("typo.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHRAD\n");
+  std::string message = config_error_of({"--config_file", typo, "./t"});
+  EXPECT_NE(message.find(typo + ":3: fsdp_config.fsdp_sharding_strategy: FULL_SHRAD is not one of"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("did you mean FULL_SHARD?"), std::string::npos) << message;
+  // mixed_precision against the DeepSpeed JSON's precision: the workers' conflict, named at launch.
+  const std::string json = dir.write("fp16.json", "{\"fp16\": {\"enabled\": true}}");
+  const std::string yaml = dir.write("bf16.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\n"
+                                                  "deepspeed_config:\n  deepspeed_config_file: " + json + "\n");
+  message = config_error_of({"--config_file", yaml, "./t"});
+  EXPECT_NE(message.find("mixed_precision: bf16 (" + yaml + ":2) conflicts with fp16.enabled: true"),
+            std::string::npos)
+      << message;
+  message = config_error_of({"--config_file", yaml, "--mixed_precision", "fp16", "./t"});
+  EXPECT_EQ(message, "") << "the flag settles the conflict for the launcher and its workers alike";
+}
+
 TEST(UnitLaunchOptions, ErrorNotAMultipleOfMachines) {
   const std::string message =
       config_error_of({"--num_processes", "5", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "./t"});
@@ -252,9 +333,11 @@ TEST(UnitLaunchOptions, ErrorUnknownOptionBeforeProgram) {
 }
 
 TEST(UnitLaunchOptions, ErrorMixedPrecisionNamesAllowedValues) {
-  const std::string message = config_error_of({"--mixed_precision", "fp8", "./t"});
-  EXPECT_NE(message.find("--mixed_precision fp8"), std::string::npos) << message;
-  EXPECT_NE(message.find("allowed values: no, fp16, bf16"), std::string::npos) << message;
+  // In the config reader's words, as a worker would say them of SHARDTRAIN_MIXED_PRECISION.
+  std::string message = config_error_of({"--mixed_precision", "fp32", "./t"});
+  EXPECT_NE(message.find("--mixed_precision: fp32 is not one of no, fp16, bf16"), std::string::npos) << message;
+  message = config_error_of({"--mixed_precision", "fp8", "./t"});
+  EXPECT_NE(message.find("--mixed_precision: fp8 is recognised but not implemented"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorDeepspeedAndFsdpTogether) {
@@ -286,15 +369,15 @@ TEST(UnitLaunchOptions, ErrorBadYamlValueNamesKeyAndLine) {
   ScratchDir dir;
   const std::string config = dir.write("typo.yaml", "mixed_precision: bf16\nnum_processes: two\n");
   const std::string message = config_error_of({"--config_file", config, "./t"});
-  EXPECT_NE(message.find("num_processes: two"), std::string::npos) << message;
-  EXPECT_NE(message.find("line 2"), std::string::npos) << message;
+  EXPECT_NE(message.find(config + ":2: num_processes must be a positive integer, got \"two\""), std::string::npos)
+      << message;
 }
 
 TEST(UnitLaunchOptions, ErrorFromYamlNamesTheFile) {
   ScratchDir dir;
   const std::string config = dir.write("odd.yaml", "num_processes: 3\nnum_machines: 2\nmain_process_ip: 1.2.3.4\n");
   const std::string message = config_error_of({"--config_file", config, "./t"});
-  EXPECT_NE(message.find("num_processes: 3 (in " + config + ", line 1) is not a multiple of num_machines: 2"),
+  EXPECT_NE(message.find("num_processes: 3 (" + config + ":1) is not a multiple of num_machines: 2 (" + config + ":2)"),
             std::string::npos)
       << message;
 }
@@ -311,33 +394,9 @@ TEST(UnitLaunchOptions, MalformedFlagValueIsAParseError) {
   EXPECT_THROW(parse_launch_options({"--num_processes", "abc", "./t"}), CLI::ParseError);
 }
 
-/// Sets an environment variable for one scope, restoring what was there.
-class ScopedVariable {
- public:
-  ScopedVariable(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) saved_ = old;
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedVariable() {
-    if (saved_) {
-      ::setenv(name_, saved_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
-
 TEST(UnitLaunchOptions, RendezvousTokenFromAPrivateFileAndAWarningForArgv) {
-  ScopedVariable no_token("SHARDTRAIN_RDZV_TOKEN", nullptr);
-  ScopedVariable no_file("SHARDTRAIN_RDZV_TOKEN_FILE", nullptr);
+  ScopedEnvironment no_token({{"SHARDTRAIN_RDZV_TOKEN", std::nullopt}});
+  ScopedEnvironment no_file({{"SHARDTRAIN_RDZV_TOKEN_FILE", std::nullopt}});
   ScratchDir dir;
   const std::string path = dir.path() + "/token";
   {
@@ -353,7 +412,7 @@ TEST(UnitLaunchOptions, RendezvousTokenFromAPrivateFileAndAWarningForArgv) {
     EXPECT_EQ(log.text().find("visible"), std::string::npos) << log.text();
   }
   {
-    ScopedVariable file("SHARDTRAIN_RDZV_TOKEN_FILE", path.c_str());
+    ScopedEnvironment file({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}});
     EXPECT_EQ(parse_launch_options({"./train"}).rdzv_token, "from-the-file");
   }
   {
@@ -376,8 +435,8 @@ TEST(UnitLaunchOptions, RendezvousTokenFromAPrivateFileAndAWarningForArgv) {
 }
 
 TEST(UnitLaunchOptions, EachJobGetsItsOwnRendezvousId) {
-  ScopedVariable no_id("SHARDTRAIN_RDZV_ID", nullptr);
-  ScopedVariable token("SHARDTRAIN_RDZV_TOKEN", "shared");
+  ScopedEnvironment no_id({{"SHARDTRAIN_RDZV_ID", std::nullopt}});
+  ScopedEnvironment token({{"SHARDTRAIN_RDZV_TOKEN", "shared"}});
   const std::string first = parse_launch_options({"./train"}).rdzv_id;
   const std::string second = parse_launch_options({"./train"}).rdzv_id;
   EXPECT_EQ(first.rfind("job-", 0), 0u) << first;
@@ -389,7 +448,7 @@ TEST(UnitLaunchOptions, EachJobGetsItsOwnRendezvousId) {
             "none");
   EXPECT_EQ(parse_launch_options({"--rdzv_id", "finetune-42", "./train"}).rdzv_id, "finetune-42");
   {
-    ScopedVariable id("SHARDTRAIN_RDZV_ID", "from-env");
+    ScopedEnvironment id({{"SHARDTRAIN_RDZV_ID", "from-env"}});
     EXPECT_EQ(parse_launch_options({"./train"}).rdzv_id, "from-env");
   }
   EXPECT_NE(config_error_of({"--rdzv_id", std::string(129, 'x'), "./train"}).find("at most 128"), std::string::npos);
