@@ -143,6 +143,8 @@ def main():
           "|---|---:|---|---:|---:|---:|")
     for name, world, *rest in [(p[0], p[1], p[2]) for p in peers] + shardtrain_runs:
         dtype = rest[1] if len(rest) > 1 else "fp32"
+        # bench_train_step's fsdp_pure configurations train in bf16 whatever --dtype says.
+        dtype = "bf16" if rest and rest[0].startswith("fsdp_pure") else dtype
         state = f"{states[name]:.2f}" if name in states else "-"
         print(f"| {name} | {world} | {dtype} | {median[name]:.3f} | {rss[name]:.0f} | {state} |")
     print("\n| shardtrain / reference (step time) | ratio | target | met |\n|---|---:|---:|---|")
