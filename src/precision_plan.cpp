@@ -69,9 +69,11 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
                         : engine_plan.hybrid_shard_size > 0 ? engine_plan.hybrid_shard_size
                                                             : context.world_size;
   double gathered_at_rest = engine_plan.reshard == engine::Reshard::kNever ? 1.0 : 0.0;
-  // ZeRO-1: one rank adds each micro-batch's fp32-reduced gradient straight into the gradient.
-  const bool boundary_accumulator =
-      engine_plan.reduce_at_boundary_only && !(context.world_size == 1 && reduce == DType::kFp32);
+  // ZeRO-1's full-size fp32 accumulator, held only where micro-batches
+  // accumulate between boundaries; one rank adds each micro-batch's
+  // fp32-reduced gradient straight into the gradient instead.
+  const bool boundary_accumulator = engine_plan.reduce_at_boundary_only && engine_plan.accumulates_between_boundaries &&
+                                    !(context.world_size == 1 && reduce == DType::kFp32);
   plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);

@@ -49,6 +49,11 @@ struct EnginePlan {
   Reshard reshard = Reshard::kAfterForward;
   /// zero 1: gradients accumulate unreduced (full size, fp32) until the accumulation boundary.
   bool reduce_at_boundary_only = false;
+  /// gradient_accumulation_steps > 1: backwards without sync come between the
+  /// boundaries. Only then does zero 1 need its full-size accumulator at rest
+  /// (allocated on the first such backward): in a one-micro-batch window it
+  /// reduces straight from autograd, as zero 2 does.
+  bool accumulates_between_boundaries = false;
   /// fsdp pure low precision: shard, gradients and optimizer state in param_dtype; no fp32 master.
   bool pure_low_precision = false;
   /// Frozen entries keep an fp32 copy of their shard beside the param_dtype

@@ -30,10 +30,6 @@ bool GradientReducer::adds_grads_directly() const {
 void GradientReducer::attach(int i) {
   const UnitEntry& u = units_[i];
   if (!u.trainable) return;
-  if (plan_.reduce_at_boundary_only && !adds_grads_directly()) {
-    pending_[static_cast<std::size_t>(i)].boundary_accumulator =
-        at::zeros({u.layout->full_numel()}, storage_.fp32_options());
-  }
   for (int k = 0; k < static_cast<int>(u.params.size()); ++k) {
     ST_CHECK(u.params[k].requires_grad() && u.params[k].is_leaf(), plan_.name, ": trainable parameter '",
              u.names[k], "' must be a leaf that requires grad");
@@ -104,7 +100,12 @@ void GradientReducer::unit_grads_ready(int i) {
     }
   } else if (plan_.reduce_at_boundary_only && (accumulated_in_window_ || !boundary_backward_)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
-    // in the window's last backward the sum goes out at once.
+    // in the window's last backward the sum goes out at once. The
+    // accumulator is made on the first backward without sync: a run whose
+    // every window is one micro-batch never holds it.
+    if (!p.boundary_accumulator.defined()) {
+      p.boundary_accumulator = at::zeros({u.layout->full_numel()}, storage_.fp32_options());
+    }
     for (int k = 0; k < static_cast<int>(p.grads.size()); ++k) {
       const at::Tensor& g = p.grads[k];
       if (!g.defined()) continue;
@@ -243,6 +244,15 @@ void GradientReducer::finish_reductions() {
 
 void GradientReducer::reduce_accumulator(int i) {
   Pending& p = pending_[static_cast<std::size_t>(i)];
+  if (!p.boundary_accumulator.defined()) {
+    // No backward of this run accumulated into this unit: it still takes
+    // part in the reduction, with zeros, as every rank must issue the same
+    // collectives.
+    const auto options = storage_.fp32_options().dtype(plan_.reduce_dtype);
+    enqueue_full_layout(i, at::zeros({units_[i].layout->full_numel()}, options));
+    p.boundary_reduced = true;
+    return;
+  }
   // A copy: the accumulator is zeroed below, before the bucket is sent.
   at::Tensor input = p.boundary_accumulator.to(plan_.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
   enqueue_full_layout(i, input);

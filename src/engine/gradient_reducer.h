@@ -77,7 +77,8 @@ class GradientReducer {
   struct Pending {
     std::vector<at::Tensor> grads;  ///< autograd's gradients, moved out of .grad()
     int seen = 0;
-    at::Tensor boundary_accumulator;  ///< zero 1: fp32, in the full layout
+    /// zero 1: fp32, in the full layout; made by the first backward without sync.
+    at::Tensor boundary_accumulator;
     bool boundary_reduced = false;    ///< zero 1: its accumulator went out during this boundary backward
   };
 

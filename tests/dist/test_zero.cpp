@@ -184,6 +184,26 @@ TEST(DistZeroAccumulation, FourMicroBatchesEqualOneFourTimesLargerBatch) {
   });
 }
 
+// ZeRO-1 sums a window's micro-batches in a full-size fp32 accumulator
+// before reducing them. With one micro-batch per window it reduces straight
+// from autograd, so it must not hold that accumulator (4 bytes per parameter,
+// unsharded) at all; with more, it holds it, and the plan counts it.
+TEST(DistZeroMemory, StageOneHoldsItsFullSizeAccumulatorOnlyWhenMicroBatchesAccumulate) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    const tiny::TinyRunResult stage2 = tiny::run_tiny(tiny_options(zero_config(2, shardtrain::MixedPrecision::kNo), ctx, 2));
+    for (int64_t accumulation : {1, 2}) {
+      SCOPED_TRACE("gradient_accumulation_steps " + std::to_string(accumulation));
+      auto options = tiny_options(zero_config(1, shardtrain::MixedPrecision::kNo, accumulation), ctx, 2);
+      const tiny::TinyRunResult run = tiny::run_tiny(options);
+      const int64_t accumulator = accumulation > 1 ? 4 * run.plan.num_params : 0;
+      // The gradient partition is stage 2's; the accumulator comes on top.
+      EXPECT_EQ(run.memory.grads, stage2.memory.grads + accumulator);
+      EXPECT_DOUBLE_EQ(run.plan.grads_bytes * run.plan.num_params,
+                       stage2.plan.grads_bytes * stage2.plan.num_params + static_cast<double>(accumulator));
+    }
+  }, {});
+}
+
 TEST(DistZeroMemory, ModelStateBytesMatchThePrecisionPlanAtWorlds1To4) {
   for (int world : {1, 2, 4}) {
     run_on_ranks(world, [world](RankContext& ctx) {

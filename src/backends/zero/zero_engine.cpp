@@ -19,6 +19,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.shard_params = stage != 0;
   o.reshard = stage == 3 ? engine::Reshard::kAfterForward : engine::Reshard::kNever;
   o.reduce_at_boundary_only = stage == 1;
+  o.accumulates_between_boundaries = config.gradient_accumulation_steps.value_or(1) > 1;
   o.compute_dtype = engine::compute_dtype(low, context);
   o.param_dtype = engine::scalar_type(low);
   o.reduce_dtype = engine::scalar_type(config.communication_data_type.value_or(low));
