@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -45,12 +46,11 @@ std::string read_first_match(const std::string& path, const std::string& key) {
 /// libtorch_cpu.so, so no BLAS library appears in /proc/self/maps however
 /// fast its GEMMs are: the loaded libraries cannot tell.
 std::string libtorch_blas() {
+  // The key at the start of an entry ("Build settings: BLAS_INFO=mkl, ...").
+  static const std::regex key(R"((^|[ ,])BLAS_INFO=([^, \n]+))");
   const std::string settings = at::show_config();
-  const std::string key = "BLAS_INFO=";
-  const auto start = settings.find(key);
-  if (start == std::string::npos) return {};
-  const auto value = start + key.size();
-  return settings.substr(value, settings.find_first_of(", \n", value) - value);
+  std::smatch match;
+  return std::regex_search(settings, match, key) ? match[2].str() : std::string();
 }
 
 /// `through_shardtrain`: the path training uses (shardtrain::nn::matmul),

@@ -138,7 +138,9 @@ struct ParseState {
   /// Where the launch keys (num_processes, main_process_ip, ...) were set,
   /// by key: what read_launch_settings hands the launcher's messages.
   std::map<std::string, std::string> launch_key_origins;
-  /// The DeepSpeed JSON that was read after the main document; empty if none.
+  /// The DeepSpeed JSON the run reads: the one the main document or the
+  /// override names, or the main document itself when it is that override;
+  /// empty if none (a DeepSpeed JSON given as the config file is not named).
   std::string deepspeed_file;
 
   void warn(std::string message) { config.warnings.push_back(std::move(message)); }
@@ -266,16 +268,18 @@ extern const std::set<std::string> kDeepSpeedMarkerKeys;
 
 // ---------------------------------------------------------------- cli_overrides.cpp
 
-/// The launcher's overrides read as the Accelerate values they stand for;
-/// an origin ("SHARDTRAIN_MIXED_PRECISION=bf16") is empty where none was given.
+/// The launcher's overrides (its flags in the launcher, the SHARDTRAIN_*
+/// variables in its workers) read as the Accelerate values they stand for; an
+/// origin ("SHARDTRAIN_MIXED_PRECISION=bf16", "--mixed_precision bf16") is
+/// empty where none was given.
 struct OverrideValues {
   std::optional<MixedPrecision> precision;
   std::optional<DistributedType> type;
   std::string precision_origin;
   std::string type_origin;
 };
-/// Reads SHARDTRAIN_MIXED_PRECISION, then SHARDTRAIN_DISTRIBUTED_TYPE; a bad
-/// value fails as the Accelerate key would.
+/// Reads the precision override, then the distributed_type one; a bad value
+/// fails as the Accelerate key would.
 OverrideValues read_overrides(const Overrides& overrides);
 /// The launcher's precision replaces the file's mixed_precision (saying so
 /// when they differ); runs before reconcile_precision.

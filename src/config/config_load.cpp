@@ -206,8 +206,16 @@ void check_combinations(ParseState& state) {
   FsdpConfig& fsdp = config.fsdp;
 
   if (config.machine_rank >= config.num_machines) {
-    ST_THROW(ConfigError, "machine_rank ", config.machine_rank, " is out of range for num_machines ",
-             config.num_machines, "; use 0 .. ", config.num_machines - 1);
+    auto origin = [&](const std::string& key, int value) {
+      const auto found = state.launch_key_origins.find(key);
+      return found != state.launch_key_origins.end() ? found->second
+                                                     : key + " " + std::to_string(value) + " (the default)";
+    };
+    // The file must hold together on its own: every rank reads it, whatever
+    // flags `shardtrain launch` was given.
+    ST_THROW(ConfigError, origin("machine_rank", config.machine_rank), " is out of range for ",
+             origin("num_machines", config.num_machines), "; use 0 .. ", config.num_machines - 1,
+             " in the file, or leave machine_rank out of it and pass --machine_rank to shardtrain launch");
   }
 
   if (state.optimizer_pin_memory && state.param_pin_memory && *state.optimizer_pin_memory != *state.param_pin_memory) {

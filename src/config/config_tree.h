@@ -2,8 +2,7 @@
 // A format-neutral document tree for configuration files. YAML and JSON are
 // both read into it, so one reader serves Accelerate YAML, Accelerate JSON and
 // DeepSpeed JSON alike; and both are written from it, so to_yaml and to_json
-// print the same fields in the same order. Private to src/config (the
-// launcher borrows its text helpers).
+// print the same fields in the same order. Private to src/config.
 
 #include <cstdint>
 #include <optional>

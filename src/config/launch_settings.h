@@ -64,7 +64,9 @@ struct LaunchSettings {
   /// The engine, decided as the workers decide it (named, or inferred from a
   /// deepspeed_config / fsdp_config block or DeepSpeed keys).
   DistributedType distributed_type = DistributedType::kNo;
-  /// The DeepSpeed JSON the workers read, absolute; empty when none.
+  /// The DeepSpeed JSON the workers read besides the config file (or alone),
+  /// absolute; empty when there is none, and when the config file is itself a
+  /// DeepSpeed JSON.
   std::string deepspeed_config_file;
 };
 

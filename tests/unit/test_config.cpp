@@ -356,7 +356,10 @@ TEST(UnitConfigErrors, WrongTypesNameKeyValueAndExpectation) {
                 .find("distributed_type: XLA is not supported by shardtrain"),
             std::string::npos);
   EXPECT_NE(error_of([] { shardtrain::parse_config("machine_rank: 2\nnum_machines: 2\n", "yaml"); })
-                .find("machine_rank 2 is out of range for num_machines 2"),
+                .find("machine_rank: 2 ((yaml text):1) is out of range for num_machines: 2 ((yaml text):2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { shardtrain::parse_config("machine_rank: 1\n", "yaml"); })
+                .find("machine_rank: 1 ((yaml text):1) is out of range for num_machines 1 (the default)"),
             std::string::npos);
 }
 
@@ -904,9 +907,10 @@ TEST(UnitConfigEnvironment, LauncherVariablesSelectFilesAndOverride) {
   }
 }
 
-TEST(UnitConfigEnvironment, EngineInferredFromTheFileSurvivesTheLaunchersPlainDefault) {
-  // The launcher reads only distributed_type from the YAML, so it exports NO for
-  // the article's YAML that configures DeepSpeed without naming it.
+TEST(UnitConfigEnvironment, EngineInferredFromTheFileSurvivesAPlainDataParallelOverride) {
+  // SHARDTRAIN_DISTRIBUTED_TYPE=NO set by hand (shardtrain launch exports the
+  // engine it inferred) does not undo the DeepSpeed the article's YAML
+  // configures without naming it.
   ScopedEnvironment env({{"SHARDTRAIN_CONFIG_FILE", (kConfigsDir / "articles/accelerate_article_003.yaml").string()},
                          {"SHARDTRAIN_DEEPSPEED_CONFIG_FILE", ""},
                          {"SHARDTRAIN_MIXED_PRECISION", "no"},

@@ -228,7 +228,9 @@ shardtrain::TrainingConfig read_by_a_worker(const LaunchOptions& options) {
 
 TEST(UnitLaunchOptions, TheLauncherReadsTheConfigAsItsWorkersDo) {
   ScratchDir dir;
-  const std::string json = dir.write("ds.json", "{\"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": 2}}");
+  // A name that cannot exist in the working directory, so it is found next to the YAML.
+  const std::string json_name = "ds_" + fs::path(dir.path()).filename().string() + ".json";
+  const std::string json = dir.write(json_name, "{\"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": 2}}");
   {
     SCOPED_TRACE("an engine configured by its block alone; mixed_precision as PyYAML writes `no`");
     const std::string yaml = dir.write("fsdp.yaml", "mixed_precision: false\nnum_processes: 2\n"
@@ -242,7 +244,7 @@ TEST(UnitLaunchOptions, TheLauncherReadsTheConfigAsItsWorkersDo) {
     EXPECT_EQ(worker.fsdp.sharding_strategy, shardtrain::ShardingStrategy::kShardGradOp);
   }
   const std::string deepspeed_yaml = dir.write("ds.yaml", "distributed_type: DEEPSPEED\nmixed_precision: 'no'\n"
-                                                          "deepspeed_config:\n  deepspeed_config_file: ds.json\n");
+                                                          "deepspeed_config:\n  deepspeed_config_file: " + json_name + "\n");
   {
     SCOPED_TRACE("Accelerate's \"no\" and a DeepSpeed JSON that enables bf16: the JSON's precision, silently");
     const LaunchOptions options = parse_launch_options({"--config_file", deepspeed_yaml, "./t"});
@@ -261,10 +263,19 @@ TEST(UnitLaunchOptions, TheLauncherReadsTheConfigAsItsWorkersDo) {
         parse_launch_options({"--config_file", deepspeed_yaml, "--use_fsdp", "--mixed_precision", "fp16", "./t"});
     EXPECT_EQ(options.distributed_type, "FSDP");
     EXPECT_EQ(options.mixed_precision, "fp16");
-    EXPECT_TRUE(options.deepspeed_config_file.empty());
     const shardtrain::TrainingConfig worker = read_by_a_worker(options);
     EXPECT_EQ(worker.distributed_type, shardtrain::DistributedType::kFsdp);
     EXPECT_EQ(worker.mixed_precision, shardtrain::MixedPrecision::kFp16);
+  }
+  {
+    SCOPED_TRACE("data parallel: MULTI_GPU, and no type with several processes");
+    for (const std::string& text : {std::string("distributed_type: MULTI_GPU\nnum_processes: 2\n"),
+                                    std::string("num_processes: 2\n")}) {
+      const std::string yaml = dir.write("dp.yaml", text);
+      const LaunchOptions options = parse_launch_options({"--config_file", yaml, "./t"});
+      EXPECT_EQ(options.distributed_type, "MULTI_CPU");
+      EXPECT_EQ(read_by_a_worker(options).distributed_type, shardtrain::DistributedType::kMultiCpu);
+    }
   }
   {
     SCOPED_TRACE("a DeepSpeed JSON given alone");
