@@ -1,3 +1,7 @@
+// The backend-neutral half of the Communicator (communicator.h): chunk sizes,
+// the dtypes it takes, the argument checks, and what each collective records
+// first (its sequence number in the log hang reports read, the observer, the
+// testing delay). The backends add the transport.
 #include "shardtrain/comm/communicator.h"
 
 #include <algorithm>

@@ -1,3 +1,5 @@
+// The process's spdlog logger: its level from SHARDTRAIN_LOG_LEVEL (rank 0
+// info, the others warn) and its rank prefix (logging.h).
 #include "shardtrain/logging.h"
 
 #include <algorithm>

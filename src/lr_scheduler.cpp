@@ -1,3 +1,5 @@
+// The learning-rate schedules, as DeepSpeed's and transformers' compute them
+// (lr_scheduler.h).
 #include "shardtrain/lr_scheduler.h"
 
 #include <algorithm>

@@ -1,3 +1,6 @@
+// The tiny training run the tests and examples share: its synthetic batches,
+// its model, one training run under any engine, and the plain-LibTorch
+// data-parallel reference the engines are held to bit for bit (tiny_train.h).
 #include "tiny/tiny_train.h"
 
 #include <algorithm>

@@ -1,3 +1,6 @@
+// Saving and loading checkpoints collectively: the staged write, fsync and
+// rename, `latest`, the kept history, and reading back under any engine and
+// world size (checkpoint.h).
 #include "checkpoint/checkpoint.h"
 #include "json_depth.h"
 #include "shardtrain/checkpoint_location.h"

@@ -1,3 +1,6 @@
+// The small Work kinds the backends share: completed, chained and all-of
+// work, and the wording of a backend failure as a timeout or an error
+// (work_util.h).
 #include "comm/work_util.h"
 
 #include <algorithm>

@@ -1,3 +1,6 @@
+// DistributedSampler: each rank's share of a dataset's indices per epoch,
+// shuffled with a seeded SplitMix64 so every rank computes the same order,
+// and resumable at a position (data.h).
 #include "shardtrain/data.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// DeepSpeed's dynamic fp16 loss-scaling rule, step by step (loss_scaler.h).
 #include "engine/loss_scaler.h"
 
 #include <algorithm>

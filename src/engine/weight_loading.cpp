@@ -1,3 +1,5 @@
+// Freeing and measuring parameter storage, for the ranks that do not load
+// the weights themselves (weight_loading.h).
 #include "shardtrain/weight_loading.h"
 
 #include <unordered_set>

@@ -1,3 +1,5 @@
+// `shardtrain launch`'s flags, merged with what the config file says (read
+// by the config reader, as the workers read it) and checked (launch_options.h).
 #include "launcher/launch_options.h"
 
 #include <cstdlib>

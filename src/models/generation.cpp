@@ -1,3 +1,5 @@
+// Greedy and sampled generation over a step function, and the KV-cached
+// step of a LlamaForCausalLM (generation.h).
 #include "shardtrain/models/generation.h"
 
 #include <algorithm>

@@ -1,3 +1,5 @@
+// A Hugging Face model directory's safetensors files, by tensor name: which
+// file holds each tensor and reading any slice of one (hf_weights.h).
 #include "shardtrain/models/hf_weights.h"
 
 #include <filesystem>

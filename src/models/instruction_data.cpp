@@ -1,3 +1,6 @@
+// Instruction data for fine-tuning: JSONL records, chat formats, tokenising
+// with the prompt masked out of the loss, truncation and packing into rows
+// (instruction_data.h).
 #include "shardtrain/models/instruction_data.h"
 
 #include <algorithm>

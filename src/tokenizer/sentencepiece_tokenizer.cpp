@@ -1,3 +1,5 @@
+// The SentencePiece tokenizer, reached through a small C shim loaded at run
+// time (the shim's library is found next to shardtrain's) (tokenizer.h).
 #include "shardtrain/tokenizer.h"
 
 #include <dlfcn.h>

@@ -1,3 +1,6 @@
+// The multi-rank test harness: runs a test body on N rank processes (this
+// binary re-executed with the test's filter), with a timeout and every
+// failing rank's output in the failure (multirank.h).
 #include "support/multirank.h"
 
 #include <arpa/inet.h>

@@ -1,3 +1,5 @@
+// Errors (ST_CHECK's message, condition and location; typed throws), the
+// logger's levels, and the communicator's chunk sizes.
 #include <gtest/gtest.h>
 
 #include "shardtrain/error.h"

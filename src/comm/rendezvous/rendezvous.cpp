@@ -1,3 +1,6 @@
+// Which rank and world a process is, read from the environment that
+// torchrun-style launchers, shardtrain launch, Slurm or Open MPI set, with an
+// error naming the missing or inconsistent variable and the fix (rendezvous.h).
 #include "shardtrain/comm/rendezvous.h"
 
 #include <cerrno>
