@@ -270,28 +270,28 @@ void add_accelerate_keys(Section& section, ParseState& state) {
           [&](const Field& f) {
             config.num_processes =
                 static_cast<int>(f.integer_in(1, std::numeric_limits<int>::max(), "a positive integer"));
-            state.launch_key_origins[f.key] = f.origin();
+            state.note_launch_key(f);
           })
       .on("num_machines",
           [&](const Field& f) {
             config.num_machines =
                 static_cast<int>(f.integer_in(1, std::numeric_limits<int>::max(), "a positive integer"));
-            state.launch_key_origins[f.key] = f.origin();
+            state.note_launch_key(f);
           })
       .on("machine_rank",
           [&](const Field& f) {
             config.machine_rank = static_cast<int>(f.integer_in(0, std::numeric_limits<int>::max(), "an integer >= 0"));
-            state.launch_key_origins[f.key] = f.origin();
+            state.note_launch_key(f);
           })
       .on("main_process_ip",
           [&](const Field& f) {
             config.main_process_ip = f.text();
-            state.launch_key_origins[f.key] = f.origin();
+            state.note_launch_key(f);
           })
       .on("main_process_port",
           [&](const Field& f) {
             config.main_process_port = static_cast<int>(f.integer_in(1, 65535, "a port 1-65535"));
-            state.launch_key_origins[f.key] = f.origin();
+            state.note_launch_key(f);
           })
       .on("main_training_function", [&](const Field& f) { config.main_training_function = f.text(); })
       .on("fsdp_config", [&](const Field& f) { read_fsdp_config(state, f); })

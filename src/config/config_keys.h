@@ -136,7 +136,8 @@ struct ParseState {
   std::optional<ShardingStrategy> sharding_from_reshard_key;
   PluginValues plugin;
   /// Where the launch keys (num_processes, main_process_ip, ...) were set,
-  /// by key: what read_launch_settings hands the launcher's messages.
+  /// by key ("num_processes: 4 (cfg.yaml:9)"): what the launcher's and the
+  /// cross-key checks' messages quote.
   std::map<std::string, std::string> launch_key_origins;
   /// The DeepSpeed JSON the run reads: the one the main document or the
   /// override names, or the main document itself when it is that override;
@@ -144,6 +145,13 @@ struct ParseState {
   std::string deepspeed_file;
 
   void warn(std::string message) { config.warnings.push_back(std::move(message)); }
+
+  void note_launch_key(const Field& field) { launch_key_origins[field.key] = field.origin(); }
+  /// nullptr when the file did not set the key.
+  const std::string* launch_key_origin(const std::string& key) const {
+    const auto found = launch_key_origins.find(key);
+    return found == launch_key_origins.end() ? nullptr : &found->second;
+  }
 
   bool is_explicit(const std::string& path) const { return explicit_keys.count(path) != 0; }
 

@@ -207,9 +207,8 @@ void check_combinations(ParseState& state) {
 
   if (config.machine_rank >= config.num_machines) {
     auto origin = [&](const std::string& key, int value) {
-      const auto found = state.launch_key_origins.find(key);
-      return found != state.launch_key_origins.end() ? found->second
-                                                     : key + " " + std::to_string(value) + " (the default)";
+      const std::string* given = state.launch_key_origin(key);
+      return given != nullptr ? *given : key + " " + std::to_string(value) + " (the default)";
     };
     // The file must hold together on its own: every rank reads it, whatever
     // flags `shardtrain launch` was given.
@@ -410,9 +409,8 @@ LaunchSettings read_launch_settings(const std::optional<std::string>& config_fil
   const TrainingConfig& config = state->config;
   auto from_file = [&](const std::string& key, auto value) {
     using Value = decltype(value);
-    const auto origin = state->launch_key_origins.find(key);
-    return origin == state->launch_key_origins.end() ? std::nullopt
-                                                      : std::optional<FileValue<Value>>({value, origin->second});
+    const std::string* origin = state->launch_key_origin(key);
+    return origin == nullptr ? std::nullopt : std::optional<FileValue<Value>>({value, *origin});
   };
   settings.num_processes = from_file("num_processes", config.num_processes);
   settings.num_machines = from_file("num_machines", config.num_machines);

@@ -244,19 +244,15 @@ void GradientReducer::finish_reductions() {
 
 void GradientReducer::reduce_accumulator(int i) {
   Pending& p = pending_[static_cast<std::size_t>(i)];
-  if (!p.boundary_accumulator.defined()) {
-    // No backward of this run accumulated into this unit: it still takes
-    // part in the reduction, with zeros, as every rank must issue the same
-    // collectives.
-    const auto options = storage_.fp32_options().dtype(plan_.reduce_dtype);
-    enqueue_full_layout(i, at::zeros({units_[i].layout->full_numel()}, options));
-    p.boundary_reduced = true;
-    return;
-  }
-  // A copy: the accumulator is zeroed below, before the bucket is sent.
-  at::Tensor input = p.boundary_accumulator.to(plan_.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+  const bool accumulated = p.boundary_accumulator.defined();
+  // A copy: the accumulator is zeroed below, before the bucket is sent. A
+  // unit no backward of this run accumulated into still takes part, with
+  // zeros: every rank must issue the same collectives.
+  at::Tensor input =
+      accumulated ? p.boundary_accumulator.to(plan_.reduce_dtype, /*non_blocking=*/false, /*copy=*/true)
+                  : at::zeros({units_[i].layout->full_numel()}, storage_.fp32_options().dtype(plan_.reduce_dtype));
   enqueue_full_layout(i, input);
-  p.boundary_accumulator.zero_();
+  if (accumulated) p.boundary_accumulator.zero_();
   p.boundary_reduced = true;
 }
 

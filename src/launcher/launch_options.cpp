@@ -64,9 +64,8 @@ Setting<T> merge(const std::string& name, const std::optional<T>& flag, const st
   return setting;
 }
 
-/// The flags that override the config files, spelt as the workers receive
-/// them (SHARDTRAIN_MIXED_PRECISION, ...): the launcher reads the files as its
-/// workers will.
+/// The flags that override the config files: the overrides the workers get as
+/// SHARDTRAIN_* variables, so the launcher reads the files as its workers will.
 config_detail::Overrides overrides_of(const LaunchFlags& flags) {
   config_detail::Overrides overrides;
   if (flags.mixed_precision) {
