@@ -70,10 +70,9 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
                                                             : context.world_size;
   double gathered_at_rest = engine_plan.reshard == engine::Reshard::kNever ? 1.0 : 0.0;
   // ZeRO-1's full-size fp32 accumulator, held only where micro-batches
-  // accumulate between boundaries; one rank adds each micro-batch's
-  // fp32-reduced gradient straight into the gradient instead.
+  // accumulate between boundaries and are not added straight into the gradient.
   const bool boundary_accumulator = engine_plan.reduce_at_boundary_only && engine_plan.accumulates_between_boundaries &&
-                                    !(context.world_size == 1 && reduce == DType::kFp32);
+                                    !engine_plan.adds_grads_directly(context.world_size == 1);
   plan.shard_count = static_cast<int>(shards);
   const double shard = size_of(low);
   const double compute_size = fp16_on_cpu ? 4.0 : size_of(low);

@@ -122,6 +122,16 @@ struct EnginePlan {
   LossScaleConfig loss_scale;
   bool fp16 = false;
   OptimizerSpec optimizer;
+
+  /// Gradients go straight into the shard's gradient: one rank with no
+  /// replicas (`single_rank`) and nothing to scale. Not with ZeRO-1's boundary
+  /// accumulation in a 16-bit reduce dtype: that rounds the accumulated sum
+  /// once, not each micro-batch's gradient. The gradient reducer acts on this
+  /// and the precision plan counts memory by it, so it is decided here once.
+  bool adds_grads_directly(bool single_rank) const {
+    return single_rank && predivide == 1.0 && postdivide == 1.0 &&
+           (!reduce_at_boundary_only || reduce_dtype == at::kFloat);
+  }
 };
 
 /// What a backend plans from besides the config: the run's shape and the

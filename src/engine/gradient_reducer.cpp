@@ -22,10 +22,7 @@ GradientReducer::GradientReducer(const EnginePlan& plan, const ShardGroups& grou
   for (int i = 0; i < units.size(); ++i) pending_[static_cast<std::size_t>(i)].grads.resize(units[i].params.size());
 }
 
-bool GradientReducer::adds_grads_directly() const {
-  return groups_.single_rank() && plan_.predivide == 1.0 && plan_.postdivide == 1.0 &&
-         (!plan_.reduce_at_boundary_only || plan_.reduce_dtype == at::kFloat);
-}
+bool GradientReducer::adds_grads_directly() const { return plan_.adds_grads_directly(groups_.single_rank()); }
 
 void GradientReducer::attach(int i) {
   const UnitEntry& u = units_[i];

@@ -82,9 +82,7 @@ class GradientReducer {
     bool boundary_reduced = false;    ///< zero 1: its accumulator went out during this boundary backward
   };
 
-  /// Gradients go straight into the shard's gradient (one rank, no replicas).
-  /// Not with ZeRO-1's boundary accumulation in a 16-bit reduce dtype: that
-  /// rounds the accumulated sum once, not each micro-batch's gradient.
+  /// EnginePlan::adds_grads_directly for these groups.
   bool adds_grads_directly() const;
   /// After autograd accumulated into a parameter's .grad(): takes that tensor
   /// (autograd's own output, not a copy) and leaves .grad() empty.

@@ -25,6 +25,7 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
+#include "support/scoped_environment.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
@@ -37,6 +38,7 @@ using shardtrain::testing::accelerator_for;
 using shardtrain::testing::micro_batch;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
+using shardtrain::testing::ScopedEnvironment;
 using shardtrain::testing::zero_test_config;
 
 /// A small training loop on the tiny model, one call per optimizer step.
@@ -136,9 +138,11 @@ TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNot
       ASSERT_FALSE(loop.accelerator->save_state(dir.string()).empty());
       losses.push_back(loop.step(2));
       const auto before = loop.parameters();
-      ::setenv("SHARDTRAIN_CHECKPOINT_FAIL_AT", injection.spec, 1);
-      const std::string failed = loop.accelerator->save_state(dir.string());
-      ::unsetenv("SHARDTRAIN_CHECKPOINT_FAIL_AT");
+      std::string failed;
+      {
+        const ScopedEnvironment fail_at{{"SHARDTRAIN_CHECKPOINT_FAIL_AT", injection.spec}};
+        failed = loop.accelerator->save_state(dir.string());
+      }
       EXPECT_EQ(failed, "") << injection.spec << ": the save must report failure on every rank";
       ctx.comm->barrier();
       EXPECT_EQ(read_latest(dir), "step_2") << injection.spec;
@@ -172,18 +176,19 @@ TEST(FaultCheckpointSave, CheckpointOnErrorStopThrowsOnEveryRankWithTheSameClean
     loop.step(0);
     ASSERT_FALSE(loop.accelerator->save_state(dir.string()).empty());
     loop.step(1);
-    ::setenv("SHARDTRAIN_CHECKPOINT_FAIL_AT", "rank_file:1:28", 1);
-    try {
-      loop.accelerator->save_state(dir.string());
-      ADD_FAILURE() << "rank " << ctx.rank() << ": checkpoint_on_error: stop did not throw";
-    } catch (const shardtrain::CheckpointSaveError& e) {
-      const std::string what = e.what();
-      // Both ranks name the rank that failed and its reason.
-      EXPECT_NE(what.find("rank 1: writing"), std::string::npos) << what;
-      EXPECT_NE(what.find("No space left on device"), std::string::npos) << what;
-      EXPECT_NE(what.find("latest: step_1"), std::string::npos) << what;
+    {
+      const ScopedEnvironment fail_at{{"SHARDTRAIN_CHECKPOINT_FAIL_AT", "rank_file:1:28"}};
+      try {
+        loop.accelerator->save_state(dir.string());
+        ADD_FAILURE() << "rank " << ctx.rank() << ": checkpoint_on_error: stop did not throw";
+      } catch (const shardtrain::CheckpointSaveError& e) {
+        const std::string what = e.what();
+        // Both ranks name the rank that failed and its reason.
+        EXPECT_NE(what.find("rank 1: writing"), std::string::npos) << what;
+        EXPECT_NE(what.find("No space left on device"), std::string::npos) << what;
+        EXPECT_NE(what.find("latest: step_1"), std::string::npos) << what;
+      }
     }
-    ::unsetenv("SHARDTRAIN_CHECKPOINT_FAIL_AT");
     ctx.comm->barrier();
     EXPECT_EQ(read_latest(dir), "step_1");
     EXPECT_TRUE(leftovers(dir).empty());
