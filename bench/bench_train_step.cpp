@@ -69,6 +69,9 @@ struct BenchOptions {
   bool audit = true;
   /// Rank of the *_lora and *_qlora configurations' adapters.
   int64_t lora_r = 8;
+  /// FSDP also wraps the embeddings and the head ("Embedding", "Linear")
+  /// beside the decoder layers, as ZeRO-3 does by itself.
+  bool wrap_edges = false;
 };
 
 struct RunResult {
@@ -189,6 +192,9 @@ shardtrain::TrainingConfig engine_config(const std::string& name, const BenchOpt
                                                               : shardtrain::ShardingStrategy::kNoShard;
     c.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
     c.fsdp.transformer_layer_cls_to_wrap = {o.model.decoder_layer_class_name()};
+    if (o.wrap_edges) {
+      c.fsdp.transformer_layer_cls_to_wrap.insert(c.fsdp.transformer_layer_cls_to_wrap.end(), {"Embedding", "Linear"});
+    }
   }
   return c;
 }
@@ -321,6 +327,9 @@ int main(int argc, char** argv) {
                  "ZeRO bucket and prefetch sizes: auto (from the hidden size, as configs/zero*.json) or "
                  "deepspeed (DeepSpeed's fixed defaults: 5e8 reduce bucket, 5e7 prefetch)")
       ->capture_default_str();
+  app.add_flag("--wrap-edges", o.wrap_edges,
+               "FSDP configurations also wrap the embeddings and lm_head as units (Embedding, Linear), so they "
+               "are gathered only while used");
   bool audit_ablation = false;
   app.add_flag("--audit-ablation", audit_ablation,
                "Also run every engine configuration without the lost-update audit, interleaved, and print its cost");

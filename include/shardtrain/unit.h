@@ -19,7 +19,7 @@
 /// The Accelerate wrap policy (`fsdp_transformer_layer_cls_to_wrap: TinyBlock`)
 /// selects units by this class name; parameters outside every selected unit
 /// belong to the root unit, which the prepared model gathers around the whole
-/// forward.
+/// forward. A unit's kind (Unit::Kind) says what else the engine may do with it.
 
 #include <functional>
 #include <string>
@@ -58,11 +58,27 @@ class UnitHooks {
 
 class Unit {
  public:
-  explicit Unit(std::string class_name) : unit_class_name_(std::move(class_name)) {}
+  enum class Kind {
+    /// A repeated block (a decoder layer): what activation checkpointing recomputes.
+    kBlock,
+    /// The embeddings or the output head: a unit so that it is gathered only
+    /// while it is used, but never recomputed, as Accelerate's and Hugging
+    /// Face's checkpointing recompute only the blocks (recomputing the head
+    /// would repeat the model's largest GEMM to save one activation).
+    kEdge,
+    /// Its parameters are also used outside its forward (embeddings tied to
+    /// the output head): never selected as a unit, so they stay in the root
+    /// unit, gathered for the whole forward and backward.
+    kShared,
+  };
+
+  explicit Unit(std::string class_name, Kind kind = Kind::kBlock)
+      : unit_class_name_(std::move(class_name)), unit_kind_(kind) {}
   virtual ~Unit() = default;
 
   /// The name wrap policies match, e.g. "LlamaDecoderLayer".
   const std::string& unit_class_name() const { return unit_class_name_; }
+  Kind unit_kind() const { return unit_kind_; }
 
   /// Called by engines when they take over (nullptr detaches).
   void attach_unit_hooks(UnitHooks* hooks, int unit_index) {
@@ -91,6 +107,7 @@ class Unit {
 
  private:
   std::string unit_class_name_;
+  Kind unit_kind_;
   UnitHooks* hooks_ = nullptr;
   int unit_index_ = -1;
 };

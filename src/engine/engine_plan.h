@@ -114,7 +114,8 @@ struct EnginePlan {
   bool wrap_units = true;
   std::vector<std::string> unit_classes;
   int64_t min_unit_params = 0;
-  /// Recompute every unit's forward during its backward (activation checkpointing).
+  /// Recompute every block unit's forward during its backward (activation
+  /// checkpointing; Unit::Kind::kBlock, not the embeddings or the head).
   bool activation_checkpointing = false;
   /// Rank 0's initial values are broadcast (fsdp_sync_module_states; zero
   /// always) over the shard group, or over the whole world with HYBRID_SHARD.

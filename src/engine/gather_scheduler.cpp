@@ -137,8 +137,13 @@ void GatherScheduler::gather_root() {
 }
 
 void GatherScheduler::release_after_backward() {
+  awaiting_backward_.clear();
   for (int i = 0; i < units_.size(); ++i) {
-    if (frees_after_backward(i)) release(i);
+    if (!frees_after_backward(i)) continue;
+    // A prefetch nothing consumed would otherwise land after this and stay
+    // gathered into the next step.
+    if (slots_[static_cast<std::size_t>(i)].work) finish(i);
+    release(i);
   }
 }
 
@@ -172,8 +177,14 @@ void GatherScheduler::prefetch_after(const std::vector<const Unit*>& order, std:
 }
 
 void GatherScheduler::prefetch_for_backward(const Unit& current) {
+  // Backward runs the forward's units in reverse, except those whose output
+  // needed no gradient: a frozen unit fed by no gradient (the embeddings under
+  // LoRA) has no backward, and gathering it would be traffic for nothing.
   const auto& order = units_.forward_order();
-  std::vector<const Unit*> reversed(order.rbegin(), order.rend());
+  std::vector<const Unit*> reversed;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    if (*it == &current || awaiting_backward_.count(*it) != 0) reversed.push_back(*it);
+  }
   auto where = std::find(reversed.begin(), reversed.end(), &current);
   if (where == reversed.end()) return;
   // Backward prefetch gathers exactly the next unit, as FSDP does.

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -61,11 +62,16 @@ class GatherScheduler {
   void release_unit(const Unit& unit, bool after_forward);
   /// The root entries (parameters outside every unit), around the whole forward.
   void gather_root();
-  /// After backward: frees what the reshard policy frees then.
+  /// After backward: frees what the reshard policy frees then, a gather
+  /// still in flight included.
   void release_after_backward();
   /// Issues gathers for the units after position `pos` of `order` while they
   /// fit in the prefetch window (elements, units) and the live-parameter budget.
   void prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements);
+  /// A unit's forward produced an output that needs a gradient: its backward
+  /// will run in this step's backward, so backward prefetch may gather it.
+  void expect_backward(const Unit& unit) { awaiting_backward_.insert(&unit); }
+  /// Gathers the unit whose backward comes after `current`'s.
   void prefetch_for_backward(const Unit& current);
   /// After the optimizer step: frees the stepped entries' stale values and
   /// regathers the ones kept gathered, bucketed by allgather_bucket_size.
@@ -108,6 +114,8 @@ class GatherScheduler {
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
   TrafficReport traffic_;
+  /// Units of this step's forwards with a backward to come (expect_backward).
+  std::unordered_set<const Unit*> awaiting_backward_;
 };
 
 }  // namespace shardtrain::engine

@@ -147,6 +147,7 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
   const bool reused_soon = at::GradMode::is_enabled() && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
                            s.units.reuse_distance(unit) <= s.plan.max_reuse_distance;
   if (!reused_soon) s.gather.release_unit(unit, /*after_forward=*/true);
+  if (at::GradMode::is_enabled() && output.requires_grad()) s.gather.expect_backward(unit);
   bool frees = false;
   for (int idx : s.units.entries_of(unit)) frees = frees || s.gather.frees_after_forward(idx);
   if (output.requires_grad() && (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre)) {
@@ -164,7 +165,7 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
 }
 
 bool ShardedEngine::recompute_in_backward(const Unit& unit) const {
-  return state_->plan.activation_checkpointing && state_->units.manages(unit);
+  return state_->plan.activation_checkpointing && state_->units.manages(unit) && unit.unit_kind() == Unit::Kind::kBlock;
 }
 
 at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,

@@ -28,11 +28,15 @@ std::string UnitEntry::label() const {
 
 UnitTable::UnitTable(torch::nn::Module& model, const EnginePlan& plan, int layout_world, bool logs) {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> unit_modules;
-  std::vector<std::string> marked_classes;
+  std::vector<std::string> marked_classes, shared_classes;
   if (plan.wrap_units) {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
       auto* marked = dynamic_cast<Unit*>(item.value().get());
       if (marked == nullptr) continue;
+      if (marked->unit_kind() == Unit::Kind::kShared) {
+        shared_classes.push_back(marked->unit_class_name());
+        continue;
+      }
       marked_classes.push_back(marked->unit_class_name());
       if (!plan.unit_classes.empty() &&
           std::find(plan.unit_classes.begin(), plan.unit_classes.end(), marked->unit_class_name()) ==
@@ -60,7 +64,10 @@ UnitTable::UnitTable(torch::nn::Module& model, const EnginePlan& plan, int layou
         });
     for (const auto& cls : plan.unit_classes) {
       if (std::find(marked_classes.begin(), marked_classes.end(), cls) != marked_classes.end()) continue;
-      if (any_listed_found) {
+      if (std::find(shared_classes.begin(), shared_classes.end(), cls) != shared_classes.end()) {
+        ST_LOG_INFO("{}: transformer_layer_cls_to_wrap names '{}', whose parameters this model also uses outside "
+                    "it (tied embeddings); they stay in the root unit", plan.name, cls);
+      } else if (any_listed_found) {
         ST_LOG_INFO("{}: transformer_layer_cls_to_wrap also names '{}', which this model does not have",
                     plan.name, cls);
       } else {

@@ -125,16 +125,14 @@ LlamaForCausalLM make_llama_without_weights(const LlamaConfig& config, at::Scala
   LlamaForCausalLM model = without_weights(LlamaForCausalLM(skeleton), dtype, device);
   model->config = config;
   model->model->config = config;
-  const int64_t V = config.vocab_size, H = config.hidden_size;
   // replace_module keeps the child's place, so parameters come in the same order as a normally built model's.
-  model->model->embed_tokens = torch::nn::Embedding(
-      model->model->replace_module("embed_tokens", without_weights(torch::nn::Embedding(V, H), dtype, device)));
+  model->model->embed_tokens = LlamaEmbedding(
+      model->model->replace_module("embed_tokens", without_weights(LlamaEmbedding(config), dtype, device)));
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     model->model->layers->push_back(without_weights(LlamaDecoderLayer(config), dtype, device));
   }
   if (!config.tie_word_embeddings) {
-    model->lm_head = shardtrain::nn::Linear(model->replace_module(
-        "lm_head", without_weights(shardtrain::nn::Linear(torch::nn::LinearOptions(H, V).bias(false)), dtype, device)));
+    model->lm_head = LlamaLMHead(model->replace_module("lm_head", without_weights(LlamaLMHead(config), dtype, device)));
   }
   return model;
 }

@@ -425,9 +425,25 @@ at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& hidden, const
   return out;
 }
 
+LlamaEmbeddingImpl::LlamaEmbeddingImpl(const LlamaConfig& c)
+    : torch::nn::EmbeddingImpl(torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size)),
+      Unit("Embedding", c.tie_word_embeddings ? Unit::Kind::kShared : Unit::Kind::kEdge) {}
+
+at::Tensor LlamaEmbeddingImpl::forward(const at::Tensor& input_ids) {
+  return run_unit(input_ids, [this](const at::Tensor& ids) { return torch::nn::EmbeddingImpl::forward(ids); });
+}
+
+LlamaLMHeadImpl::LlamaLMHeadImpl(const LlamaConfig& c)
+    : shardtrain::nn::LinearImpl(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)),
+      Unit("Linear", Unit::Kind::kEdge) {}
+
+at::Tensor LlamaLMHeadImpl::forward(const at::Tensor& hidden) {
+  return run_unit(hidden, [this](const at::Tensor& h) { return shardtrain::nn::LinearImpl::forward(h); });
+}
+
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   c.validate();
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
@@ -541,7 +557,7 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& input_ids, KVCache& 
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
   model = register_module("model", LlamaModel(c));
-  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", linear(c.hidden_size, c.vocab_size));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", LlamaLMHead(c));
   // transformers' _init_weights: normal(0, initializer_range) for matrices, ones for norms.
   torch::NoGradGuard no_grad;
   for (auto& item : named_parameters()) {

@@ -204,6 +204,30 @@ struct KVCache {
   }
 };
 
+/// The token embeddings (`model.embed_tokens`), a sharding unit of their own,
+/// so that an engine gathers the vocabulary-sized table only around its
+/// forward and backward rather than for the whole step, as DeepSpeed's ZeRO-3
+/// and FSDP2 users' `fully_shard(model.embed_tokens)` do. The unit class name
+/// is "Embedding", Hugging Face's (nn.Embedding), so one wrap list means the
+/// same in Accelerate and here. Tied to the output head it is
+/// Unit::Kind::kShared and stays in the root unit.
+struct LlamaEmbeddingImpl : torch::nn::EmbeddingImpl, shardtrain::Unit {
+  explicit LlamaEmbeddingImpl(const LlamaConfig& config);
+  /// input_ids [B,T] int64 -> [B,T,H].
+  at::Tensor forward(const at::Tensor& input_ids);
+};
+TORCH_MODULE(LlamaEmbedding);
+
+/// The output head (`lm_head`, untied models only), a sharding unit for the
+/// same reason. Unit class name "Linear", Hugging Face's (nn.Linear); the
+/// decoder layers' Linear layers are no units, they belong to their layer's.
+struct LlamaLMHeadImpl : shardtrain::nn::LinearImpl, shardtrain::Unit {
+  explicit LlamaLMHeadImpl(const LlamaConfig& config);
+  /// hidden [B,T,H] -> logits [B,T,vocab] in hidden's dtype.
+  at::Tensor forward(const at::Tensor& hidden);
+};
+TORCH_MODULE(LlamaLMHead);
+
 /// Embeddings, decoder layers and the final norm ("model." in HF names).
 struct LlamaModelImpl : torch::nn::Module {
   explicit LlamaModelImpl(const LlamaConfig& config);
@@ -218,7 +242,7 @@ struct LlamaModelImpl : torch::nn::Module {
   /// Core-attention recomputations in backward, summed over the layers, since construction.
   int64_t core_attention_recomputations() const;
   LlamaConfig config;
-  torch::nn::Embedding embed_tokens{nullptr};
+  LlamaEmbedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
   at::Tensor inv_freq;  // buffer-like, not a parameter and not in the state dict
@@ -255,7 +279,7 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   LlamaConfig config;
   LlamaModel model{nullptr};
   /// Null when config.tie_word_embeddings (logits then use model->embed_tokens).
-  shardtrain::nn::Linear lm_head{nullptr};
+  LlamaLMHead lm_head{nullptr};
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -1,0 +1,230 @@
+// The bundled Llama's embeddings and output head as sharding units of their
+// own (Unit::Kind::kEdge): which wrap policies select them, that an engine
+// then never holds both vocabulary-sized tables gathered at once, that
+// activation checkpointing does not recompute them, that tied embeddings stay
+// in the root unit, and that none of it changes a bit of training.
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "accelerator_internals.h"
+#include "engine/sharded_engine.h"
+#include "shardtrain/accelerator.h"
+#include "shardtrain/lora.h"
+#include "shardtrain/models/llama.h"
+#include "support/llama_golden.h"
+#include "support/log_capture.h"
+#include "support/multirank.h"
+#include "support/tiny_compare.h"
+
+namespace {
+
+namespace sm = shardtrain::models;
+using shardtrain::testing::RankContext;
+
+// The embeddings and the head hold 2048 x 64 = 131,072 elements each, a
+// decoder layer 36,992 and the final norm 64, so one table with every layer
+// and the norm (205,120) is less than both tables (262,144): a gathered peak
+// below both tables' bytes means they were never gathered at the same time.
+constexpr int64_t kVocab = 2048;
+constexpr int64_t kTableElements = kVocab * 64;
+
+struct TrainedRun {
+  std::vector<double> losses;
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  std::vector<std::string> units;
+  int64_t gathered_peak = 0;
+  int64_t gathered_between_steps = 0;
+  int64_t frozen_gather_bytes = 0;  ///< over the three steps
+  bool embeddings_recomputed = false, head_recomputed = false, layer_recomputed = false;
+};
+
+/// Three AdamW steps of the small GQA Llama on rank-dependent batches;
+/// `lora`: adapters on q_proj and v_proj, the rest frozen.
+TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig& model_config, RankContext& ctx,
+                 bool lora = false) {
+  auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+  torch::manual_seed(7);
+  sm::LlamaForCausalLM model(model_config);
+  if (lora) {
+    shardtrain::LoraConfig adapters;
+    adapters.r = 4;
+    adapters.lora_alpha = 8;
+    adapters.target_modules = {"q_proj", "v_proj"};
+    shardtrain::apply_lora(*model, adapters);
+  }
+  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+  TrainedRun run;
+  auto& engine =
+      dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(*accelerator));
+  for (const std::string& path : engine.unit_paths()) {
+    if (std::find(run.units.begin(), run.units.end(), path) == run.units.end()) run.units.push_back(path);
+  }
+  auto recomputed = [](shardtrain::Unit& unit) {
+    return unit.unit_hooks() != nullptr && unit.unit_hooks()->recompute_in_backward(unit);
+  };
+  run.embeddings_recomputed = recomputed(*model->model->embed_tokens);
+  if (model->lm_head) run.head_recomputed = recomputed(*model->lm_head);
+  run.layer_recomputed = recomputed(*model->model->layers[0]->as<sm::LlamaDecoderLayerImpl>());
+  accelerator->reset_traffic();
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(100 + 10 * step + ctx.rank());
+    const at::Tensor ids = torch::randint(0, kVocab, {2, 16}, torch::kLong);
+    const at::Tensor loss = sm::causal_lm_loss(prepared(ids), ids);
+    accelerator->backward(loss);
+    accelerator->step();
+    accelerator->zero_grad();
+    run.losses.push_back(loss.item<double>());
+  }
+  run.gathered_peak = accelerator->memory().gathered_peak;
+  run.gathered_between_steps = accelerator->memory().gathered;
+  run.frozen_gather_bytes = accelerator->traffic().frozen_gather_bytes;
+  run.weights = accelerator->full_state_dict();
+  return run;
+}
+
+bool has_unit(const TrainedRun& run, const std::string& path) {
+  return std::find(run.units.begin(), run.units.end(), path) != run.units.end();
+}
+
+void expect_same_training(const TrainedRun& actual, const TrainedRun& expected, const std::string& what) {
+  EXPECT_EQ(actual.losses, expected.losses) << what;
+  // By name: a state dict lists the units' parameters in unit order.
+  const std::map<std::string, at::Tensor> have(actual.weights.begin(), actual.weights.end());
+  const std::map<std::string, at::Tensor> want(expected.weights.begin(), expected.weights.end());
+  ASSERT_EQ(have.size(), want.size()) << what;
+  for (const auto& [name, value] : want) {
+    ASSERT_EQ(have.count(name), 1u) << what << ": " << name;
+    EXPECT_TRUE(at::equal(have.at(name), value)) << what << ": " << name;
+  }
+}
+
+/// FSDP FULL_SHARD, fp32, wrapping the listed classes.
+shardtrain::TrainingConfig fsdp_wrapping(std::vector<std::string> classes) {
+  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
+  config.fsdp.transformer_layer_cls_to_wrap = std::move(classes);
+  return config;
+}
+
+/// ZeRO-3, fp32, freeing every unit after its forward and prefetching
+/// nothing, so the gathered peak shows the units rather than DeepSpeed's
+/// defaults (which keep a model this small gathered from forward to backward).
+shardtrain::TrainingConfig zero3_freeing_after_forward() {
+  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(false);
+  config.zero.stage3_max_reuse_distance = 0;
+  config.zero.stage3_prefetch_bucket_size = 0;
+  config.zero.stage3_param_persistence_threshold = 0;
+  return config;
+}
+
+sm::LlamaConfig model_config(bool tied) {
+  sm::LlamaConfig c = shardtrain::testing::small_gqa_llama_config(kVocab);
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesThemAndTrainTheSame) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const TrainedRun layers_only = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(false), ctx);
+    const TrainedRun with_edges = train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"}), model_config(false), ctx);
+    const TrainedRun zero3 = train(zero3_freeing_after_forward(), model_config(false), ctx);
+
+    // Accelerate's transformer-based policy wraps only the classes it names.
+    EXPECT_FALSE(has_unit(layers_only, "model.embed_tokens"));
+    EXPECT_FALSE(has_unit(layers_only, "lm_head"));
+    for (const TrainedRun* run : {&with_edges, &zero3}) {
+      EXPECT_TRUE(has_unit(*run, "model.embed_tokens"));
+      EXPECT_TRUE(has_unit(*run, "lm_head"));
+      // The decoder layers' own Linear layers belong to their layer's unit.
+      EXPECT_FALSE(has_unit(*run, "model.layers.0.self_attn.q_proj"));
+      EXPECT_TRUE(has_unit(*run, "model.layers.0"));
+    }
+
+    // The root unit holds both tables for the whole step; as units they are
+    // gathered one at a time (see kVocab).
+    const int64_t both_tables = 2 * kTableElements * 4;
+    EXPECT_GE(layers_only.gathered_peak, both_tables);
+    EXPECT_LT(with_edges.gathered_peak, both_tables);
+    EXPECT_LT(zero3.gathered_peak, both_tables);
+
+    // Where a unit ends changes when its parameters exist, not one value.
+    expect_same_training(with_edges, layers_only, "fsdp with the edges as units");
+    expect_same_training(zero3, layers_only, "zero-3");
+  });
+}
+
+// Under LoRA the embeddings and the head are frozen: no gradient of theirs
+// says when their backward is done. The embeddings' output needs no
+// gradient, so they are not gathered again in backward; the head is freed by
+// its input's gradient. Either way nothing stays gathered between steps.
+TEST(DistLlamaUnits, FrozenEdgesUnderLoraAreFreedAndTrainTheSame) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const TrainedRun layers_only = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(false), ctx, true);
+    const TrainedRun with_edges =
+        train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"}), model_config(false), ctx, true);
+    const TrainedRun zero3 = train(zero3_freeing_after_forward(), model_config(false), ctx, true);
+    for (const TrainedRun* run : {&with_edges, &zero3}) {
+      EXPECT_TRUE(has_unit(*run, "model.embed_tokens"));
+      EXPECT_TRUE(has_unit(*run, "lm_head"));
+      EXPECT_EQ(run->gathered_between_steps, 0);
+    }
+    const int64_t both_tables = 2 * kTableElements * 4;
+    EXPECT_LT(with_edges.gathered_peak, both_tables);
+    EXPECT_LT(zero3.gathered_peak, both_tables);
+    // Each step the root gathers both tables once. As units, the head is
+    // gathered again for its backward (its input's gradient reads it) and
+    // the embeddings are not: one table more per step, not two.
+    EXPECT_EQ(with_edges.frozen_gather_bytes, layers_only.frozen_gather_bytes + 3 * kTableElements * 4);
+    EXPECT_EQ(zero3.frozen_gather_bytes, with_edges.frozen_gather_bytes);
+    expect_same_training(with_edges, layers_only, "fsdp with the edges as units, LoRA");
+    expect_same_training(zero3, layers_only, "zero-3, LoRA");
+  });
+}
+
+TEST(DistLlamaUnits, TiedEmbeddingsStayInTheRootUnitAndTrainTheSame) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const TrainedRun zero3 = train(zero3_freeing_after_forward(), model_config(true), ctx);
+    shardtrain::testing::LogCapture log;
+    const TrainedRun listed = train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding"}), model_config(true), ctx);
+    if (ctx.rank() == 0) {
+      EXPECT_NE(log.text().find("names 'Embedding', whose parameters this model also uses outside it (tied "
+                                "embeddings); they stay in the root unit"),
+                std::string::npos)
+          << log.text();
+    }
+    const TrainedRun layers_only = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(true), ctx);
+    // The head reads the embedding table after the last layer: a unit would
+    // have freed it by then.
+    for (const TrainedRun* run : {&zero3, &listed}) {
+      EXPECT_FALSE(has_unit(*run, "model.embed_tokens"));
+      EXPECT_TRUE(has_unit(*run, "model.layers.1"));
+    }
+    expect_same_training(zero3, layers_only, "zero-3, tied");
+    expect_same_training(listed, layers_only, "fsdp listing Embedding, tied");
+  });
+}
+
+TEST(DistLlamaUnits, ActivationCheckpointingRecomputesTheLayersButNotTheEdges) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    shardtrain::TrainingConfig zero3 = zero3_freeing_after_forward();
+    zero3.gradient_checkpointing = true;
+    shardtrain::TrainingConfig fsdp = fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"});
+    fsdp.fsdp.activation_checkpointing = true;
+    const TrainedRun plain = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(false), ctx);
+    for (const auto& [config, name] : {std::pair{zero3, "zero-3"}, std::pair{fsdp, "fsdp"}}) {
+      const TrainedRun run = train(config, model_config(false), ctx);
+      EXPECT_TRUE(run.layer_recomputed) << name;
+      EXPECT_FALSE(run.embeddings_recomputed) << name;
+      EXPECT_FALSE(run.head_recomputed) << name;
+      expect_same_training(run, plain, std::string(name) + " with activation checkpointing");
+    }
+  });
+}
+
+}  // namespace
