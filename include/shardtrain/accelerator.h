@@ -133,8 +133,9 @@ class PreparedModel {
   ModuleHolder& operator->() { return module_; }
   /// Runs `f(module())` — any forward of the module other than forward(),
   /// e.g. a KV-cached one — between the engine's begin_forward/end_forward,
-  /// as operator() does, so parameters outside the units (the root unit:
-  /// embeddings, final norm, LM head) are gathered around it:
+  /// as operator() does, so parameters outside the units (the root unit: the
+  /// final norm, and the embeddings and LM head unless they are units) are
+  /// gathered around it:
   ///     at::Tensor logits = prepared.run([&](auto& m) { return m->forward_cached(ids, cache); });
   /// Collective under ZeRO-3 / FSDP: every rank must make the same calls.
   /// Under torch::NoGradGuard the engine attaches no backward hooks (the units

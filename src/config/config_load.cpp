@@ -252,7 +252,8 @@ void check_combinations(ParseState& state) {
   // every resolved dump carries one, and convert_config reads it.
   // TRANSFORMER_BASED_WRAP without class names is what Accelerate's own
   // templates ship: it falls back to the model's _no_split_modules, and the
-  // FSDP engine likewise wraps every shardtrain::Unit the model marks.
+  // FSDP engine likewise wraps every block unit the model marks
+  // (EnginePlan::unnamed_takes_blocks_only).
 
   if (config.distributed_type != DistributedType::kDeepSpeed) return;
   for (const bool optimizer_offload : {true, false}) {

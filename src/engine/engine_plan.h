@@ -113,6 +113,11 @@ struct EnginePlan {
   /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
   bool wrap_units = true;
   std::vector<std::string> unit_classes;
+  /// With no class names, take only Unit::Kind::kBlock units: FSDP's
+  /// transformer-based policy falls back, as Accelerate's does, to the
+  /// model's _no_split_modules (its blocks). ZeRO and the size-based policy
+  /// consider every marked unit, the embeddings and the head included.
+  bool unnamed_takes_blocks_only = false;
   int64_t min_unit_params = 0;
   /// Recompute every block unit's forward during its backward (activation
   /// checkpointing; Unit::Kind::kBlock, not the embeddings or the head).

@@ -110,6 +110,12 @@ void GatherScheduler::finish(int i) {
 
 void GatherScheduler::release(int i) {
   Slot& slot = slots_[static_cast<std::size_t>(i)];
+  // A prefetch nothing consumed (a no-grad forward that stopped early, a
+  // unit with no backward) is waited for, or it would land after this with
+  // values an optimizer step may since have changed. It waits only on a
+  // gather this rank issued, as every rank did: the decisions that issue
+  // gathers are the same on every rank.
+  if (slot.work) finish(i);
   if (!slot.gathered || slot.views_shard) return;
   engine::resize_storage_bytes(slot.full, 0);
   add_live(-full_bytes(i));
@@ -139,11 +145,7 @@ void GatherScheduler::gather_root() {
 void GatherScheduler::release_after_backward() {
   awaiting_backward_.clear();
   for (int i = 0; i < units_.size(); ++i) {
-    if (!frees_after_backward(i)) continue;
-    // A prefetch nothing consumed would otherwise land after this and stay
-    // gathered into the next step.
-    if (slots_[static_cast<std::size_t>(i)].work) finish(i);
-    release(i);
+    if (frees_after_backward(i)) release(i);
   }
 }
 

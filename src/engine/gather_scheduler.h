@@ -57,13 +57,13 @@ class GatherScheduler {
   void start(int i);
   /// Waits for entry i's gather (issuing it first if needed).
   void finish(int i);
+  /// Frees entry i's full buffer; a gather of it still in flight is waited for first.
   void release(int i);
   void gather_unit(const Unit& unit);
   void release_unit(const Unit& unit, bool after_forward);
   /// The root entries (parameters outside every unit), around the whole forward.
   void gather_root();
-  /// After backward: frees what the reshard policy frees then, a gather
-  /// still in flight included.
+  /// After backward: frees what the reshard policy frees then.
   void release_after_backward();
   /// Issues gathers for the units after position `pos` of `order` while they
   /// fit in the prefetch window (elements, units) and the live-parameter budget.

@@ -143,11 +143,14 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
     reducer->expect_input_grad(unit);
     input.register_hook([reducer, key](const at::Tensor&) { reducer->unit_input_grad_ready(*key); });
   }
-  // The reuse is the unit's backward: a no-grad forward has none, so it reshards.
-  const bool reused_soon = at::GradMode::is_enabled() && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
+  // The reuse is the unit's backward: a no-grad forward has none, nor has a
+  // unit whose output needs no gradient (frozen embeddings under LoRA), so
+  // they reshard.
+  const bool has_backward = at::GradMode::is_enabled() && output.requires_grad();
+  const bool reused_soon = has_backward && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
                            s.units.reuse_distance(unit) <= s.plan.max_reuse_distance;
   if (!reused_soon) s.gather.release_unit(unit, /*after_forward=*/true);
-  if (at::GradMode::is_enabled() && output.requires_grad()) s.gather.expect_backward(unit);
+  if (has_backward) s.gather.expect_backward(unit);
   bool frees = false;
   for (int idx : s.units.entries_of(unit)) frees = frees || s.gather.frees_after_forward(idx);
   if (output.requires_grad() && (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre)) {

@@ -38,6 +38,9 @@ UnitTable::UnitTable(torch::nn::Module& model, const EnginePlan& plan, int layou
         continue;
       }
       marked_classes.push_back(marked->unit_class_name());
+      if (plan.unit_classes.empty() && plan.unnamed_takes_blocks_only && marked->unit_kind() != Unit::Kind::kBlock) {
+        continue;
+      }
       if (!plan.unit_classes.empty() &&
           std::find(plan.unit_classes.begin(), plan.unit_classes.end(), marked->unit_class_name()) ==
               plan.unit_classes.end()) {

@@ -42,13 +42,17 @@ struct TrainedRun {
   int64_t gathered_peak = 0;
   int64_t gathered_between_steps = 0;
   int64_t frozen_gather_bytes = 0;  ///< over the three steps
+  int64_t model_bytes = 0;          ///< every parameter, fp32
   bool embeddings_recomputed = false, head_recomputed = false, layer_recomputed = false;
 };
 
 /// Three AdamW steps of the small GQA Llama on rank-dependent batches;
 /// `lora`: adapters on q_proj and v_proj, the rest frozen.
+/// `hidden_states_before_step`: between each backward and its step, a no-grad
+/// forward that stops before the head (PreparedModel::run of the model's
+/// trunk), which leaves the head's prefetch unconsumed.
 TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig& model_config, RankContext& ctx,
-                 bool lora = false) {
+                 bool lora = false, bool hidden_states_before_step = false) {
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   torch::manual_seed(7);
   sm::LlamaForCausalLM model(model_config);
@@ -59,8 +63,9 @@ TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig
     adapters.target_modules = {"q_proj", "v_proj"};
     shardtrain::apply_lora(*model, adapters);
   }
-  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
   TrainedRun run;
+  for (const auto& p : model->parameters()) run.model_bytes += p.numel() * 4;
+  auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
   auto& engine =
       dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(*accelerator));
   for (const std::string& path : engine.unit_paths()) {
@@ -78,6 +83,10 @@ TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig
     const at::Tensor ids = torch::randint(0, kVocab, {2, 16}, torch::kLong);
     const at::Tensor loss = sm::causal_lm_loss(prepared(ids), ids);
     accelerator->backward(loss);
+    if (hidden_states_before_step) {
+      torch::NoGradGuard no_grad;
+      prepared.run([&](sm::LlamaForCausalLM& m) { return m->model(ids); });
+    }
     accelerator->step();
     accelerator->zero_grad();
     run.losses.push_back(loss.item<double>());
@@ -134,10 +143,15 @@ TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesTh
     const TrainedRun layers_only = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(false), ctx);
     const TrainedRun with_edges = train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"}), model_config(false), ctx);
     const TrainedRun zero3 = train(zero3_freeing_after_forward(), model_config(false), ctx);
+    const TrainedRun unnamed = train(fsdp_wrapping({}), model_config(false), ctx);
 
-    // Accelerate's transformer-based policy wraps only the classes it names.
-    EXPECT_FALSE(has_unit(layers_only, "model.embed_tokens"));
-    EXPECT_FALSE(has_unit(layers_only, "lm_head"));
+    // Accelerate's transformer-based policy wraps only the classes it names,
+    // and with none named the model's blocks (_no_split_modules).
+    for (const TrainedRun* run : {&layers_only, &unnamed}) {
+      EXPECT_FALSE(has_unit(*run, "model.embed_tokens"));
+      EXPECT_FALSE(has_unit(*run, "lm_head"));
+      EXPECT_TRUE(has_unit(*run, "model.layers.1"));
+    }
     for (const TrainedRun* run : {&with_edges, &zero3}) {
       EXPECT_TRUE(has_unit(*run, "model.embed_tokens"));
       EXPECT_TRUE(has_unit(*run, "lm_head"));
@@ -156,6 +170,21 @@ TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesTh
     // Where a unit ends changes when its parameters exist, not one value.
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units");
     expect_same_training(zero3, layers_only, "zero-3");
+    expect_same_training(unnamed, layers_only, "fsdp naming no class");
+  });
+}
+
+// A no-grad forward that stops before the head, between backward and step:
+// the head, prefetched after the last layer under ZeRO-3's default window,
+// is never consumed. Its gather must not land after the step and be taken
+// for the stepped weights by the next forward.
+TEST(DistLlamaUnits, AnUnconsumedPrefetchDoesNotOutliveTheStep) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const shardtrain::TrainingConfig zero3 = shardtrain::testing::fp32_llama_engine_config(false);
+    const TrainedRun plain = train(zero3, model_config(false), ctx);
+    const TrainedRun with_trunk_forward = train(zero3, model_config(false), ctx, false, true);
+    EXPECT_EQ(with_trunk_forward.gathered_between_steps, plain.gathered_between_steps);
+    expect_same_training(with_trunk_forward, plain, "a no-grad trunk forward before each step");
   });
 }
 
@@ -169,7 +198,14 @@ TEST(DistLlamaUnits, FrozenEdgesUnderLoraAreFreedAndTrainTheSame) {
     const TrainedRun with_edges =
         train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"}), model_config(false), ctx, true);
     const TrainedRun zero3 = train(zero3_freeing_after_forward(), model_config(false), ctx, true);
-    for (const TrainedRun* run : {&with_edges, &zero3}) {
+    // DeepSpeed's reuse distance keeps a unit gathered from its forward to its
+    // backward; the frozen embeddings have none, so they are freed at once.
+    shardtrain::TrainingConfig zero3_keeping = zero3_freeing_after_forward();
+    zero3_keeping.zero.stage3_max_reuse_distance = shardtrain::ZeroConfig::kDefaultMaxReuseDistance;
+    const TrainedRun kept = train(zero3_keeping, model_config(false), ctx, true);
+    EXPECT_LE(kept.gathered_peak, kept.model_bytes - kTableElements * 4);
+    expect_same_training(kept, layers_only, "zero-3 with DeepSpeed's reuse distance, LoRA");
+    for (const TrainedRun* run : {&with_edges, &zero3, &kept}) {
       EXPECT_TRUE(has_unit(*run, "model.embed_tokens"));
       EXPECT_TRUE(has_unit(*run, "lm_head"));
       EXPECT_EQ(run->gathered_between_steps, 0);

@@ -104,8 +104,9 @@ StepFunction cached_step(LlamaForCausalLM model);
 
 /// The step of a model prepared by an Accelerator (a PreparedModel of a
 /// LlamaForCausalLM): forward_cached between the engine's begin_forward and
-/// end_forward, so the root parameters (embeddings, final norm, LM head) are
-/// gathered too. `prepared` must outlive the returned function. Collective
+/// end_forward, so the root unit's parameters (those outside every selected
+/// unit: the final norm, and the embeddings and LM head unless they are units)
+/// are gathered too. `prepared` must outlive the returned function. Collective
 /// under ZeRO-3 / FSDP: see the file comment.
 template <typename Prepared>
 StepFunction prepared_cached_step(Prepared& prepared) {

@@ -79,6 +79,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   switch (c.auto_wrap_policy) {
     case AutoWrapPolicy::kTransformerBased:
       o.unit_classes = c.transformer_layer_cls_to_wrap;
+      o.unnamed_takes_blocks_only = true;
       break;
     case AutoWrapPolicy::kSizeBased:
       o.min_unit_params = c.min_num_params;
