@@ -33,7 +33,7 @@ using shardtrain::testing::RankContext;
 // and the norm (205,120) is less than both tables (262,144): a gathered peak
 // below both tables' bytes means they were never gathered at the same time.
 constexpr int64_t kVocab = 2048;
-constexpr int64_t kTableElements = kVocab * 64;
+constexpr int64_t kTableBytes = kVocab * 64 * 4;  // fp32
 
 struct TrainedRun {
   std::vector<double> losses;
@@ -162,10 +162,9 @@ TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesTh
 
     // The root unit holds both tables for the whole step; as units they are
     // gathered one at a time (see kVocab).
-    const int64_t both_tables = 2 * kTableElements * 4;
-    EXPECT_GE(layers_only.gathered_peak, both_tables);
-    EXPECT_LT(with_edges.gathered_peak, both_tables);
-    EXPECT_LT(zero3.gathered_peak, both_tables);
+    EXPECT_GE(layers_only.gathered_peak, 2 * kTableBytes);
+    EXPECT_LT(with_edges.gathered_peak, 2 * kTableBytes);
+    EXPECT_LT(zero3.gathered_peak, 2 * kTableBytes);
 
     // Where a unit ends changes when its parameters exist, not one value.
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units");
@@ -203,20 +202,19 @@ TEST(DistLlamaUnits, FrozenEdgesUnderLoraAreFreedAndTrainTheSame) {
     shardtrain::TrainingConfig zero3_keeping = zero3_freeing_after_forward();
     zero3_keeping.zero.stage3_max_reuse_distance = shardtrain::ZeroConfig::kDefaultMaxReuseDistance;
     const TrainedRun kept = train(zero3_keeping, model_config(false), ctx, true);
-    EXPECT_LE(kept.gathered_peak, kept.model_bytes - kTableElements * 4);
+    EXPECT_LE(kept.gathered_peak, kept.model_bytes - kTableBytes);
     expect_same_training(kept, layers_only, "zero-3 with DeepSpeed's reuse distance, LoRA");
     for (const TrainedRun* run : {&with_edges, &zero3, &kept}) {
       EXPECT_TRUE(has_unit(*run, "model.embed_tokens"));
       EXPECT_TRUE(has_unit(*run, "lm_head"));
       EXPECT_EQ(run->gathered_between_steps, 0);
     }
-    const int64_t both_tables = 2 * kTableElements * 4;
-    EXPECT_LT(with_edges.gathered_peak, both_tables);
-    EXPECT_LT(zero3.gathered_peak, both_tables);
+    EXPECT_LT(with_edges.gathered_peak, 2 * kTableBytes);
+    EXPECT_LT(zero3.gathered_peak, 2 * kTableBytes);
     // Each step the root gathers both tables once. As units, the head is
     // gathered again for its backward (its input's gradient reads it) and
     // the embeddings are not: one table more per step, not two.
-    EXPECT_EQ(with_edges.frozen_gather_bytes, layers_only.frozen_gather_bytes + 3 * kTableElements * 4);
+    EXPECT_EQ(with_edges.frozen_gather_bytes, layers_only.frozen_gather_bytes + 3 * kTableBytes);
     EXPECT_EQ(zero3.frozen_gather_bytes, with_edges.frozen_gather_bytes);
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units, LoRA");
     expect_same_training(zero3, layers_only, "zero-3, LoRA");
