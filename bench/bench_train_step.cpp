@@ -82,6 +82,7 @@ struct RunResult {
   int64_t state_peak_bytes = 0;  ///< engines: states at rest plus the gathered peak
   int64_t planned_bytes = -1;  ///< -1: no plan (plain loops)
   int64_t peak_rss = 0;
+  int64_t gathered_bytes_per_step = 0;  ///< parameters all-gathered (bytes on the wire), mean over every step
   int64_t num_params = 0;  ///< the model's, adapters included, before any quantization
   double flops_per_token = 0;  ///< what MFU counts (LoRA: no weight gradient for the frozen base)
 };
@@ -250,6 +251,7 @@ RunResult run_engine(const std::string& name, const BenchOptions& o, const shard
   run.total_steps = o.skip + o.steps;
   auto prepared = accelerator.prepare(model, {}, run);
   double timed = 0, optimizer = 0;
+  accelerator.reset_traffic();
   for (int step = 0; step < o.skip + o.steps; ++step) {
     at::Tensor tokens = random_tokens(o, step, comm->rank());
     const auto start = Clock::now();
@@ -268,6 +270,7 @@ RunResult run_engine(const std::string& name, const BenchOptions& o, const shard
   }
   result.step_seconds = timed / o.steps;
   result.optimizer_seconds = optimizer / o.steps;
+  result.gathered_bytes_per_step = accelerator.traffic().param_gather_bytes / (o.skip + o.steps);
   const shardtrain::MemoryReport mem = accelerator.memory();
   result.state_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered;
   result.state_peak_bytes = mem.params + mem.grads + mem.master + mem.optimizer + mem.gathered_peak;
@@ -390,9 +393,10 @@ int main(int argc, char** argv) {
             if (audit) last[key] = r;
             if (main_process) {
               std::printf("round %d  %-20s %s%s %8.3f s/step  loss %.4f  peak RSS %.0f MiB  model states %.2f MB, "
-                          "peak %.2f MB\n",
+                          "peak %.2f MB, gathers %.2f MB/step\n",
                           round + 1, name.c_str(), dtype.c_str(), audit ? "" : " (no audit)", r.step_seconds,
-                          r.final_loss, r.peak_rss / 1048576.0, r.state_bytes / 1e6, r.state_peak_bytes / 1e6);
+                          r.final_loss, r.peak_rss / 1048576.0, r.state_bytes / 1e6, r.state_peak_bytes / 1e6,
+                          r.gathered_bytes_per_step / 1e6);
               std::fflush(stdout);
             }
           }

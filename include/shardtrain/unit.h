@@ -79,6 +79,13 @@ class Unit {
   /// The name wrap policies match, e.g. "LlamaDecoderLayer".
   const std::string& unit_class_name() const { return unit_class_name_; }
   Kind unit_kind() const { return unit_kind_; }
+  /// Whether the backward of this unit's forward reads its parameters'
+  /// values. An embedding lookup's does not: its weight gradient is the
+  /// output's gradient summed into the looked-up rows, and autograd keeps
+  /// only the ids. Engines then free the parameters after the forward and
+  /// do not gather them again for backward. Override only where the whole
+  /// forward is such an operation.
+  virtual bool backward_reads_parameters() const { return true; }
 
   /// Called by engines when they take over (nullptr detaches).
   void attach_unit_hooks(UnitHooks* hooks, int unit_index) {

@@ -145,15 +145,24 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
   }
   // The reuse is the unit's backward: a no-grad forward has none, nor has a
   // unit whose output needs no gradient (frozen embeddings under LoRA), so
-  // they reshard.
+  // they reshard. A backward that reads no parameter values (an embedding
+  // lookup's) is no reuse either: nothing of this step needs them again, so
+  // they are freed now even where the policy keeps units to the end of
+  // backward, and never gathered for it.
   const bool has_backward = at::GradMode::is_enabled() && output.requires_grad();
-  const bool reused_soon = has_backward && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
+  const bool backward_gathers = has_backward && unit.backward_reads_parameters();
+  const bool reused_soon = backward_gathers && s.plan.max_reuse_distance > 0 && s.units.trace_valid() &&
                            s.units.reuse_distance(unit) <= s.plan.max_reuse_distance;
-  if (!reused_soon) s.gather.release_unit(unit, /*after_forward=*/true);
-  if (has_backward) s.gather.expect_backward(unit);
+  if (has_backward && !backward_gathers) {
+    s.gather.release_unit(unit, /*after_forward=*/false);
+  } else if (!reused_soon) {
+    s.gather.release_unit(unit, /*after_forward=*/true);
+  }
+  if (!backward_gathers) return output;
+  s.gather.expect_backward(unit);
   bool frees = false;
   for (int idx : s.units.entries_of(unit)) frees = frees || s.gather.frees_after_forward(idx);
-  if (output.requires_grad() && (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre)) {
+  if (frees || s.plan.backward_prefetch == BackwardPrefetchMode::kPre) {
     GatherScheduler* gather = &s.gather;
     const bool prefetch = s.plan.backward_prefetch == BackwardPrefetchMode::kPre;
     const Unit* key = &unit;

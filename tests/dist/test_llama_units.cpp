@@ -1,6 +1,7 @@
 // The bundled Llama's embeddings and output head as sharding units of their
 // own (Unit::Kind::kEdge): which wrap policies select them, that an engine
-// then never holds both vocabulary-sized tables gathered at once, that
+// then never holds both vocabulary-sized tables gathered at once, that the
+// embeddings are not gathered for their backward, which reads no values, that
 // activation checkpointing does not recompute them, that tied embeddings stay
 // in the root unit, and that none of it changes a bit of training.
 
@@ -41,6 +42,7 @@ struct TrainedRun {
   std::vector<std::string> units;
   int64_t gathered_peak = 0;
   int64_t gathered_between_steps = 0;
+  int64_t param_gather_bytes = 0;   ///< over the three steps
   int64_t frozen_gather_bytes = 0;  ///< over the three steps
   int64_t model_bytes = 0;          ///< every parameter, fp32
   bool embeddings_recomputed = false, head_recomputed = false, layer_recomputed = false;
@@ -93,6 +95,7 @@ TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig
   }
   run.gathered_peak = accelerator->memory().gathered_peak;
   run.gathered_between_steps = accelerator->memory().gathered;
+  run.param_gather_bytes = accelerator->traffic().param_gather_bytes;
   run.frozen_gather_bytes = accelerator->traffic().frozen_gather_bytes;
   run.weights = accelerator->full_state_dict();
   return run;
@@ -166,6 +169,14 @@ TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesTh
     EXPECT_LT(with_edges.gathered_peak, 2 * kTableBytes);
     EXPECT_LT(zero3.gathered_peak, 2 * kTableBytes);
 
+    // The root unit (both tables, the norm) is gathered once a step and every
+    // layer twice (forward, backward). As units, the head is gathered twice
+    // too, the embeddings once: a lookup's backward reads no table values
+    // (LlamaEmbeddingImpl::backward_reads_parameters), so it is not
+    // regathered. One table more per step, over three steps.
+    EXPECT_EQ(with_edges.param_gather_bytes, layers_only.param_gather_bytes + 3 * kTableBytes);
+    EXPECT_EQ(zero3.param_gather_bytes, layers_only.param_gather_bytes + 3 * kTableBytes);
+
     // Where a unit ends changes when its parameters exist, not one value.
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units");
     expect_same_training(zero3, layers_only, "zero-3");
@@ -218,6 +229,30 @@ TEST(DistLlamaUnits, FrozenEdgesUnderLoraAreFreedAndTrainTheSame) {
     EXPECT_EQ(zero3.frozen_gather_bytes, with_edges.frozen_gather_bytes);
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units, LoRA");
     expect_same_training(zero3, layers_only, "zero-3, LoRA");
+  });
+}
+
+// The embeddings' backward reads no table values, so the table is freed
+// after their forward even where units otherwise stay gathered from forward
+// to backward: FSDP's SHARD_GRAD_OP and DeepSpeed's reuse distance. Kept, it
+// would be gathered with the head at the step's peak.
+TEST(DistLlamaUnits, EmbeddingsAreFreedAfterTheirForwardWhereUnitsWaitForBackward) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const TrainedRun layers_only = train(fsdp_wrapping({"LlamaDecoderLayer"}), model_config(false), ctx);
+    shardtrain::TrainingConfig shard_grad_op = fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"});
+    shard_grad_op.fsdp.sharding_strategy = shardtrain::ShardingStrategy::kShardGradOp;
+    shardtrain::TrainingConfig zero3_keeping = zero3_freeing_after_forward();
+    zero3_keeping.zero.stage3_max_reuse_distance = shardtrain::ZeroConfig::kDefaultMaxReuseDistance;
+    for (const auto& [config, name] :
+         {std::pair{shard_grad_op, "fsdp SHARD_GRAD_OP"}, std::pair{zero3_keeping, "zero-3 keeping by reuse distance"}}) {
+      const TrainedRun run = train(config, model_config(false), ctx);
+      EXPECT_TRUE(has_unit(run, "model.embed_tokens")) << name;
+      // Every layer, the norm and the head stay gathered into backward: one
+      // table with them is below both tables (see kVocab).
+      EXPECT_LT(run.gathered_peak, 2 * kTableBytes) << name;
+      EXPECT_EQ(run.gathered_between_steps, 0) << name;
+      expect_same_training(run, layers_only, name);
+    }
   });
 }
 

@@ -206,8 +206,9 @@ struct KVCache {
 
 /// The token embeddings (`model.embed_tokens`), a sharding unit of their own,
 /// so that an engine gathers the vocabulary-sized table only around its
-/// forward and backward rather than for the whole step, as DeepSpeed's ZeRO-3
-/// and FSDP2 users' `fully_shard(model.embed_tokens)` do. The unit class name
+/// forward rather than for the whole step, as DeepSpeed's ZeRO-3 and FSDP2
+/// users' `fully_shard(model.embed_tokens)` do (they gather it for the
+/// backward too, which reads only the ids). The unit class name
 /// is "Embedding", Hugging Face's (nn.Embedding), so one wrap list means the
 /// same in Accelerate and here. Tied to the output head it is
 /// Unit::Kind::kShared and stays in the root unit.
@@ -215,6 +216,8 @@ struct LlamaEmbeddingImpl : torch::nn::EmbeddingImpl, shardtrain::Unit {
   explicit LlamaEmbeddingImpl(const LlamaConfig& config);
   /// input_ids [B,T] int64 -> [B,T,H].
   at::Tensor forward(const at::Tensor& input_ids);
+  /// A lookup: its backward needs the ids and the table's shape, not its values.
+  bool backward_reads_parameters() const override { return false; }
 };
 TORCH_MODULE(LlamaEmbedding);
 
