@@ -412,11 +412,18 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   models::LlamaForCausalLM model{nullptr};
   shardtrain::WeightSource weight_source;
   if (!options.model_dir.empty() && options.load_in_4bit) {
-    // QLoRA quantizes the weights it holds: each rank loads the base whole
-    // (as transformers does with load_in_4bit), then keeps only NF4 bytes.
-    model = models::LlamaForCausalLM(mc);
-    model->to(device, dtype_of(load_dtype));
-    models::load_hf_weights(model, options.model_dir);
+    // QLoRA quantizes the weights a rank holds: a rank that loads reads the
+    // base whole (as transformers does with load_in_4bit), then keeps only
+    // NF4 bytes. Under rank-0-only loading (fsdp_cpu_ram_efficient_loading,
+    // zero3_init_flag) only rank 0 loads; the others build the model without
+    // weights, quantize its shapes, and receive their shards of rank 0's bytes.
+    if (accelerator.materialize_full_weights()) {
+      model = models::LlamaForCausalLM(mc);
+      model->to(device, dtype_of(load_dtype));
+      models::load_hf_weights(model, options.model_dir);
+    } else {
+      model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
+    }
   } else if (!options.model_dir.empty()) {
     // No rank holds the full model: each builds it without weights (layer by
     // layer, storage released) and the engine fills this rank's shard from

@@ -17,9 +17,13 @@
 ///     accelerator.prepare(model, ...);
 ///
 /// Call it after apply_lora (or load_lora_adapter) and before prepare(), on
-/// every rank, on a model that holds its weights, after moving the model to
-/// its device and dtype: LibTorch's Module::to(dtype) converts every
-/// parameter, the NF4 bytes too (a layer then refuses to run). A quantized base is not
+/// every rank, after moving the model to its device and dtype: LibTorch's
+/// Module::to(dtype) converts every parameter, the NF4 bytes too (a layer
+/// then refuses to run). Under rank-0-only loading (fsdp_cpu_ram_efficient_
+/// loading, zero3_init_flag) the ranks where materialize_full_weights() is
+/// false quantize the model they built without weights: its weights get
+/// their NF4 shapes without values, and prepare() fills each rank's shard of
+/// the bytes from rank 0's (a weight source cannot: it reads original values). A quantized base is not
 /// written to checkpoints (it is made again from the base weights, the same
 /// bits) and cannot be exported as a full model: save the adapter
 /// (Accelerator::save_lora_adapter) and merge it onto the original base.

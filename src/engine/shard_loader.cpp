@@ -120,6 +120,14 @@ std::vector<std::vector<ShardLoader::Source>> ShardLoader::agree_on_sources() {
           ++released_params;
           released_elements += u.params[k].numel();
           if (has_source) {
+            // Every rank decides this alike (the flags were all-reduced), so
+            // every rank throws, and none waits in a collective.
+            ST_CHECK_T(ConfigError, !u.packed, plan_.name, ": the quantized weight '", u.names[k],
+                       "' has no values on some rank, and a weight source reads the original values, not NF4 "
+                       "bytes. Under QLoRA, build the model with its weights where accelerator."
+                       "materialize_full_weights() is true and quantize it there (the other ranks quantize the "
+                       "model built without weights, and receive their shards from rank 0), and pass no weight "
+                       "source");
             mode = Source::kWeights;
           } else {
             ST_CHECK(f[count + idx] == 0, plan_.name, ": parameter '", u.names[k],
@@ -158,9 +166,6 @@ void ShardLoader::load() {
     const UnitShard& unit_shard = storage_.unit(i);
     const bool released = loads_released_[static_cast<std::size_t>(i)];
     const int64_t S = u.layout->shard_numel();
-    ST_CHECK_T(ConfigError, !(released && u.packed), plan_.name, ": the quantized weights of unit '",
-               u.path.empty() ? "<root>" : u.path, "' were built without their values on some rank; quantize "
-               "the base (shardtrain::quantize_frozen_base) on every rank from the loaded weights");
     // An entry with an fp32 master (or frozen fp32 copy) starts it from the
     // values; one without keeps the load dtype's values exactly (pure mode);
     // NF4 bytes stay bytes.

@@ -10,6 +10,7 @@
 #include "nn/nf4_linear.h"
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"
+#include "shardtrain/weight_loading.h"
 
 namespace shardtrain::nn {
 
@@ -69,9 +70,7 @@ void LinearImpl::remove_lora() {
 std::string LinearImpl::nf4_refusal(at::ScalarType compute_dtype) const {
   if (weight_quantized()) return "the weight is quantized already";
   if (weight.requires_grad()) return "the weight trains; only a frozen weight can be quantized (apply_lora freezes the base)";
-  if (!weight.has_storage() || weight.numel() == 0 || weight.data_ptr() == nullptr) {
-    return "the weight has no values (a model built without its weights); load the weights before quantizing";
-  }
+  if (weight.numel() == 0) return "the weight has no elements";
   if (weight.numel() % kernels::nf4::kBlock != 0) {
     return "the weight has " + std::to_string(weight.numel()) + " elements, not a multiple of the NF4 block of " +
            std::to_string(kernels::nf4::kBlock) + "; leave the layer out (QuantizationConfig::skip_modules)";
@@ -85,9 +84,17 @@ std::string LinearImpl::nf4_refusal(at::ScalarType compute_dtype) const {
 void LinearImpl::quantize_weight_nf4(at::ScalarType compute_dtype) {
   const std::string refusal = nf4_refusal(compute_dtype);
   ST_CHECK_T(ConfigError, refusal.empty(), "quantize_weight_nf4: ", refusal);
-  at::Tensor buffer = kernels::nf4_quantize(weight.detach());
+  // A weight built without its values (a rank that does not load under
+  // rank-0-only loading) becomes its NF4 buffer's shape without values: the
+  // engine fills this rank's shard of the bytes from rank 0, which quantized
+  // the loaded weight. The buffer's size depends on the element count alone.
+  const bool released = is_storage_released(weight);
+  const at::TensorOptions bytes = weight.options().dtype(at::kByte);
+  at::Tensor buffer = released ? at::empty({kernels::nf4_buffer_bytes(weight.numel())}, bytes)
+                               : kernels::nf4_quantize(weight.detach());
   at::NoGradGuard no_grad;
   weight.set_data(buffer);  // the module's parameter and this handle share the TensorImpl
+  if (released) release_storage(weight);
   quantized_compute_dtype = compute_dtype;
 }
 

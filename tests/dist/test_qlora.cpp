@@ -1,13 +1,15 @@
 // QLoRA under the sharding engines at world 2: the NF4 base is sharded and
 // all-gathered as its bytes (the frozen weights' traffic per step drops by
 // exactly the difference between bf16 and NF4 bytes of the quantized
-// weights), the adapters train on it, the base's bytes never change, and a
-// checkpoint of the run saves and loads without the base.
+// weights), the adapters train on it, the base's bytes never change, a
+// checkpoint of the run saves and loads without the base, and under rank-0-only
+// loading the other ranks receive their NF4 shards from rank 0.
 
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -17,7 +19,9 @@
 #include "shardtrain/kernels.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/models/hf_weights.h"
 #include "shardtrain/quantization.h"
+#include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
@@ -163,6 +167,110 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsdp_standard", "fsdp_pure"),
                          [](const auto& info) { return info.param; });
+
+// ---- QLoRA with rank-0-only loading ----------------------------------------------
+
+struct LoadedRun {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> state;  ///< after training: adapters, NF4 bytes, the rest
+  int64_t held_after_quantizing = 0;        ///< parameter storage before prepare()
+  int64_t adapter_bytes = 0;                ///< the LoRA parameters'
+};
+
+/// The QLoRA run of train(), with `rank0_loads` (fsdp_cpu_ram_efficient_loading
+/// or zero3_init_flag): the ranks where materialize_full_weights() is false
+/// build the model without weights and quantize that.
+LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_loads,
+                        const shardtrain::RunInfo& run = shardtrain::testing::micro_batch(2)) {
+  const bool pure = mode == "fsdp_pure";
+  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(mode != "zero3");
+  config.zero3_init_flag = rank0_loads && mode == "zero3";
+  config.fsdp.cpu_ram_efficient_loading = rank0_loads && mode != "zero3";
+  config.mixed_precision = pure ? shardtrain::MixedPrecision::kNo : shardtrain::MixedPrecision::kBf16;
+  config.optimizer.type = "SGD";
+  config.optimizer.lr = 0.5;
+  config.optimizer.weight_decay = 0.0;
+  auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+  EXPECT_EQ(accelerator->materialize_full_weights(), !rank0_loads || ctx.rank() == 0);
+  torch::manual_seed(11);
+  const at::ScalarType dtype = pure ? at::kBFloat16 : at::kFloat;
+  LlamaForCausalLM model = accelerator->materialize_full_weights()
+                               ? LlamaForCausalLM(model_config())
+                               : shardtrain::models::make_llama_without_weights(model_config(), dtype);
+  if (accelerator->materialize_full_weights()) model->to(dtype);
+  shardtrain::LoraConfig lora;
+  lora.r = 8;
+  lora.lora_alpha = 16;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  shardtrain::apply_lora(*model, lora);
+  shardtrain::quantize_frozen_base(*model);
+  LoadedRun result;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (item.key().find("lora_") != std::string::npos) result.adapter_bytes += p.numel() * p.element_size();
+  }
+  result.held_after_quantizing = shardtrain::parameter_storage_bytes(*model);
+  auto prepared = accelerator->prepare(model, {}, run);
+  torch::manual_seed(100 + ctx.rank());
+  for (int step = 0; step < kSteps; ++step) {
+    const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
+    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
+    accelerator->backward(loss);
+    accelerator->step();
+    accelerator->zero_grad();
+    result.losses.push_back(loss.item<double>());
+  }
+  for (const auto& [name, value] : accelerator->full_state_dict()) result.state[name] = value;
+  return result;
+}
+
+/// zero3, fsdp_standard, fsdp_pure (the base loaded in bf16).
+class DistQloraRankZeroLoading : public ::testing::TestWithParam<std::string> {};
+
+// Rank 0 loads the base and quantizes it; rank 1 builds it without weights,
+// quantizes only its shapes, holds no base at all before prepare(), and
+// receives its shards of rank 0's NF4 bytes: the training is the same, to the
+// bit, as when every rank loads and quantizes the whole base.
+TEST_P(DistQloraRankZeroLoading, RankOneHoldsNoBaseAndTrainsAsWhenEveryRankLoadsIt) {
+  shardtrain::testing::run_on_ranks(kWorld, [mode = GetParam()](RankContext& ctx) {
+    const LoadedRun everyone = train_loading(ctx, mode, false);
+    const LoadedRun rank0 = train_loading(ctx, mode, true);
+    if (ctx.rank() == 0) {
+      EXPECT_EQ(rank0.held_after_quantizing, everyone.held_after_quantizing);
+    } else {
+      // Only the adapters, which apply_lora made here, have values.
+      EXPECT_GT(rank0.adapter_bytes, 0);
+      EXPECT_EQ(rank0.held_after_quantizing, rank0.adapter_bytes);
+    }
+    EXPECT_EQ(rank0.losses, everyone.losses);
+    ASSERT_EQ(rank0.state.size(), everyone.state.size());
+    for (const auto& [name, value] : everyone.state) {
+      ASSERT_EQ(rank0.state.count(name), 1u) << name;
+      EXPECT_TRUE(at::equal(rank0.state.at(name), value)) << name;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(DistEngines, DistQloraRankZeroLoading,
+                         ::testing::Values("zero3", "fsdp_standard", "fsdp_pure"),
+                         [](const auto& info) { return info.param; });
+
+// A weight source reads a checkpoint's original values, not NF4 bytes: a
+// quantized weight that no rank holds is refused on every rank, by name.
+TEST(DistQloraRankZeroLoadingErrors, AQuantizedWeightFromAWeightSourceIsRefusedOnEveryRank) {
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    shardtrain::RunInfo run = shardtrain::testing::micro_batch(2);
+    run.weight_source = [](const std::string&, int64_t, int64_t, at::Tensor) {};
+    try {
+      train_loading(ctx, "fsdp_standard", true, run);
+      ADD_FAILURE() << "prepare() accepted a weight source for NF4 weights";
+    } catch (const shardtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("a weight source reads the original values, not NF4 bytes"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
 
 // Where parameters are not sharded (ZeRO-2 at world 2, zero-0 at world 1)
 // the NF4 bytes are replicated: the parameters view the (whole) shard, the

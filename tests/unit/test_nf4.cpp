@@ -2,8 +2,8 @@
 // quantize_4bit (NF4, blocksize 64, compress_statistics) bit for bit — the
 // codes, the double-quantized absmax values, the offset, the map and both
 // decodings — on tensors chosen to reach its edge cases; the dequantizing
-// layer is the decoded weight's product, forward and backward; and the
-// refusals of quantize_frozen_base.
+// layer is the decoded weight's product, forward and backward; quantizing a
+// model built without weights; and the refusals of quantize_frozen_base.
 
 #include <algorithm>
 #include <cmath>
@@ -20,10 +20,12 @@
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"
 #include "shardtrain/lora.h"
+#include "shardtrain/models/hf_weights.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/quantization.h"
 #include "shardtrain/safetensors.h"
+#include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
 #include "support/peer_python.h"
 #include "support/scratch_dir.h"
@@ -183,6 +185,32 @@ TEST(UnitNf4, QuantizeFrozenBaseQuantizesTheFrozenLinearsButTheSkippedOnes) {
       EXPECT_TRUE(item.value().grad().defined()) << item.key();
     }
   }
+}
+
+// A rank that does not load under rank-0-only loading quantizes the model it
+// built without weights: each weight becomes a byte buffer of the size rank
+// 0's NF4 bytes have, holding nothing, for the engine to fill from rank 0.
+TEST(UnitNf4, QuantizingAModelBuiltWithoutWeightsGivesItsNf4ShapesWithoutValues) {
+  torch::manual_seed(1);
+  shardtrain::models::LlamaForCausalLM loaded(qlora_test_config());
+  shardtrain::models::LlamaForCausalLM empty = shardtrain::models::make_llama_without_weights(qlora_test_config());
+  for (auto* model : {&loaded, &empty}) {
+    shardtrain::apply_lora(**model, shardtrain::LoraConfig());
+    shardtrain::quantize_frozen_base(**model);
+  }
+  const auto want = loaded->named_parameters();
+  const auto have = empty->named_parameters();
+  ASSERT_EQ(have.size(), want.size());
+  int quantized = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(have[i].key(), want[i].key());
+    EXPECT_EQ(have[i].value().sizes(), want[i].value().sizes()) << want[i].key();
+    EXPECT_EQ(have[i].value().scalar_type(), want[i].value().scalar_type()) << want[i].key();
+    if (want[i].value().scalar_type() != at::kByte) continue;
+    ++quantized;
+    EXPECT_TRUE(shardtrain::is_storage_released(have[i].value())) << have[i].key();
+  }
+  EXPECT_EQ(quantized, 14);  // 2 layers x 7 projections
 }
 
 TEST(UnitNf4, QuantizeFrozenBaseRefusesWhatItCannotQuantizeAndChangesNothing) {

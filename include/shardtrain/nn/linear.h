@@ -80,11 +80,13 @@ class LinearImpl : public torch::nn::LinearImpl {
   /// keep, gather and checkpoint-skip it as bytes). The forward decodes it
   /// into `compute_dtype` and multiplies there, the input cast to
   /// `compute_dtype` and the result back to the input's dtype; backward decodes
-  /// it again rather than keeping the decoded matrix alive.
+  /// it again rather than keeping the decoded matrix alive. A weight built
+  /// without its values (release_parameter_storage) becomes a byte buffer of
+  /// the right size without values, for the engine to fill from rank 0.
   /// Throws ConfigError when nf4_refusal() gives a reason.
   void quantize_weight_nf4(at::ScalarType compute_dtype);
   /// Why quantize_weight_nf4 would refuse (quantized already, a weight that
-  /// trains or has no values, a size not whole NF4 blocks, a compute dtype
+  /// trains or has no elements, a size not whole NF4 blocks, a compute dtype
   /// other than bf16/fp16/fp32), or "" when it would not.
   std::string nf4_refusal(at::ScalarType compute_dtype) const;
   bool weight_quantized() const { return quantized_compute_dtype != at::ScalarType::Undefined; }
