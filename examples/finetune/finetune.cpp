@@ -411,19 +411,18 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const std::string load_dtype = resolve_load_dtype(options, accelerator.config());
   models::LlamaForCausalLM model{nullptr};
   shardtrain::WeightSource weight_source;
+  shardtrain::WeightSource base_values;  // QLoRA: what quantize_frozen_base reads
   if (!options.model_dir.empty() && options.load_in_4bit) {
-    // QLoRA quantizes the weights a rank holds: a rank that loads reads the
-    // base whole (as transformers does with load_in_4bit), then keeps only
-    // NF4 bytes. Under rank-0-only loading (fsdp_cpu_ram_efficient_loading,
-    // zero3_init_flag) only rank 0 loads; the others build the model without
-    // weights, quantize its shapes, and receive their shards of rank 0's bytes.
-    if (accelerator.materialize_full_weights()) {
-      model = models::LlamaForCausalLM(mc);
-      model->to(device, dtype_of(load_dtype));
-      models::load_hf_weights(model, options.model_dir);
-    } else {
-      model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
-    }
+    // QLoRA: the model is built without weights, and quantize_frozen_base
+    // below reads each weight and quantizes it at once, so a rank never holds
+    // more than one weight unquantized (transformers' load_in_4bit). Under
+    // rank-0-only loading (fsdp_cpu_ram_efficient_loading, zero3_init_flag)
+    // only rank 0 reads; the others quantize the shapes and receive their
+    // shards of rank 0's bytes in prepare().
+    auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
+    model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
+    checkpoint->check_against(*model);
+    if (accelerator.materialize_full_weights()) base_values = models::hf_weight_source(checkpoint);
   } else if (!options.model_dir.empty()) {
     // No rank holds the full model: each builds it without weights (layer by
     // layer, storage released) and the engine fills this rank's shard from
@@ -466,7 +465,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     ST_CHECK_T(shardtrain::ConfigError, !options.merge_lora,
                "--merge-lora needs the original base weights, which --load-in-4bit replaces; merge OUTPUT/adapter in a "
                "run without --load-in-4bit (--lora-adapter OUTPUT/adapter --merge-lora)");
-    const shardtrain::QuantizationSummary quantized = shardtrain::quantize_frozen_base(*model);
+    const shardtrain::QuantizationSummary quantized = shardtrain::quantize_frozen_base(*model, base_values);
     if (verbose) std::cout << "QLoRA base: " << quantized.describe() << std::endl;
   }
 

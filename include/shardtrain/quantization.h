@@ -35,6 +35,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
+#include "shardtrain/weight_loading.h"
+
 namespace shardtrain {
 
 /// The fields of transformers' BitsAndBytesConfig that shardtrain implements;
@@ -58,9 +60,20 @@ struct QuantizationSummary {
 };
 
 /// Quantizes the frozen Linear weights of `model` (see the file comment).
-/// Throws ConfigError when no layer is left to quantize, when a weight has no
-/// values, or for a compute dtype it does not take. Trainable layers
-/// (adapters, modules_to_save) are left alone.
+/// Throws ConfigError when no layer is left to quantize, when a weight size
+/// is not whole NF4 blocks, or for a compute dtype it does not take.
+/// Trainable layers (adapters, modules_to_save) are left alone.
 QuantizationSummary quantize_frozen_base(torch::nn::Module& model, const QuantizationConfig& config = {});
+
+/// The same for a model built without its weights (models::make_llama_without_
+/// weights) on a rank that loads them: every parameter without storage is
+/// filled from `values` (e.g. models::hf_weight_source), one at a time, and
+/// each weight to quantize is quantized as soon as it has its values, so the
+/// process holds the NF4 base, the parameters that stay unquantized and at
+/// most one weight in its load dtype, as transformers' load_in_4bit quantizes
+/// each weight as it loads it. The bytes are those of loading the whole
+/// model, then quantizing. An empty `values` is the overload above.
+QuantizationSummary quantize_frozen_base(torch::nn::Module& model, const WeightSource& values,
+                                         const QuantizationConfig& config = {});
 
 }  // namespace shardtrain

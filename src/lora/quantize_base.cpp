@@ -1,5 +1,6 @@
 // QLoRA's quantized base (shardtrain/quantization.h): which layers are
-// quantized, and the summary. The format is the kernel layer's
+// quantized, filling a model built without weights as they are quantized,
+// and the summary. The format is the kernel layer's
 // (kernels::nf4_quantize), the layer's forward nn::LinearImpl's.
 
 #include "shardtrain/quantization.h"
@@ -7,10 +8,13 @@
 #include <iomanip>
 #include <sstream>
 
+#include <ATen/ATen.h>
+
 #include "lora/lora_common.h"
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"
 #include "shardtrain/nn/linear.h"
+#include "shardtrain/weight_loading.h"
 
 namespace shardtrain {
 
@@ -23,7 +27,25 @@ std::string QuantizationSummary::describe() const {
   return out.str();
 }
 
+namespace {
+
+/// Gives a parameter built without storage its values from `values`.
+void fill_from(const at::Tensor& param, const std::string& name, const WeightSource& values) {
+  at::NoGradGuard no_grad;
+  at::Tensor filled = at::empty(param.sizes(), param.options());
+  values(name, 0, param.numel(), filled.view({-1}));
+  at::Tensor handle = param;  // shares the module's TensorImpl
+  handle.set_data(filled);
+}
+
+}  // namespace
+
 QuantizationSummary quantize_frozen_base(torch::nn::Module& model, const QuantizationConfig& config) {
+  return quantize_frozen_base(model, WeightSource(), config);
+}
+
+QuantizationSummary quantize_frozen_base(torch::nn::Module& model, const WeightSource& values,
+                                         const QuantizationConfig& config) {
   QuantizationSummary summary;
   std::vector<std::pair<std::string, nn::LinearImpl*>> chosen;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
@@ -42,11 +64,17 @@ QuantizationSummary quantize_frozen_base(torch::nn::Module& model, const Quantiz
     ST_CHECK_T(ConfigError, refusal.empty(), "quantize_frozen_base: ", path, ": ", refusal);
   }
   for (const auto& [path, linear] : chosen) {
+    if (values && is_storage_released(linear->weight)) fill_from(linear->weight, path + ".weight", values);
     summary.bytes_before += linear->weight.numel() * static_cast<int64_t>(linear->weight.element_size());
     summary.quantized_parameters += linear->weight.numel();
     linear->quantize_weight_nf4(config.compute_dtype);
     summary.bytes_after += linear->weight.numel();
     summary.quantized_modules.push_back(path);
+  }
+  if (values) {
+    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+      if (is_storage_released(item.value())) fill_from(item.value(), item.key(), values);
+    }
   }
   return summary;
 }

@@ -3,12 +3,14 @@
 // codes, the double-quantized absmax values, the offset, the map and both
 // decodings — on tensors chosen to reach its edge cases; the dequantizing
 // layer is the decoded weight's product, forward and backward; quantizing a
-// model built without weights; and the refusals of quantize_frozen_base.
+// model built without weights, with or without reading its weights as it
+// goes; and the refusals of quantize_frozen_base.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -211,6 +213,55 @@ TEST(UnitNf4, QuantizingAModelBuiltWithoutWeightsGivesItsNf4ShapesWithoutValues)
     EXPECT_TRUE(shardtrain::is_storage_released(have[i].value())) << have[i].key();
   }
   EXPECT_EQ(quantized, 14);  // 2 layers x 7 projections
+}
+
+// A rank that loads a QLoRA base reads each weight and quantizes it at once
+// (transformers' load_in_4bit): the bytes are those of loading the whole
+// model, then quantizing, and it never holds more than one weight
+// unquantized beside what it keeps.
+TEST(UnitNf4, QuantizingWhileLoadingGivesTheBytesOfLoadingWholeAndHoldsOneWeightUnquantized) {
+  const shardtrain::testing::ScratchDir dir;
+  {
+    torch::manual_seed(21);
+    shardtrain::models::LlamaForCausalLM original(qlora_test_config());
+    st::write_file(dir.file("model.safetensors"), shardtrain::models::hf_state_dict(original));
+  }
+  shardtrain::models::LlamaForCausalLM whole(qlora_test_config());
+  shardtrain::models::load_hf_weights(whole, dir.path());
+  torch::manual_seed(5);
+  shardtrain::apply_lora(*whole, shardtrain::LoraConfig());
+  shardtrain::quantize_frozen_base(*whole);
+
+  auto checkpoint = std::make_shared<const shardtrain::models::HfCheckpoint>(dir.path());
+  shardtrain::models::LlamaForCausalLM streamed = shardtrain::models::make_llama_without_weights(qlora_test_config());
+  torch::manual_seed(5);
+  shardtrain::apply_lora(*streamed, shardtrain::LoraConfig());
+  // The parameters' storage as each read begins, with the buffer it fills.
+  int64_t peak = 0, largest_read = 0, reads = 0;
+  const shardtrain::WeightSource counting = [&](const std::string& name, int64_t begin, int64_t length,
+                                                at::Tensor out) {
+    const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
+    peak = std::max(peak, shardtrain::parameter_storage_bytes(*streamed) + bytes);
+    largest_read = std::max(largest_read, bytes);
+    ++reads;
+    checkpoint->read_slice(name, begin, length, out);
+  };
+  const shardtrain::QuantizationSummary summary = shardtrain::quantize_frozen_base(*streamed, counting);
+  EXPECT_EQ(summary.quantized_modules.size(), 14u);
+
+  const auto want = whole->named_parameters();
+  const auto have = streamed->named_parameters();
+  ASSERT_EQ(have.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(have[i].key(), want[i].key());
+    EXPECT_FALSE(shardtrain::is_storage_released(have[i].value())) << have[i].key();
+    EXPECT_TRUE(at::equal(have[i].value(), want[i].value())) << have[i].key();
+  }
+  EXPECT_EQ(reads, static_cast<int64_t>(checkpoint->names().size()));
+  const int64_t kept = shardtrain::parameter_storage_bytes(*streamed);
+  EXPECT_LE(peak, kept + largest_read);
+  // Loading whole holds every fp32 weight to quantize at once, at the least.
+  EXPECT_LT(peak, summary.bytes_before);
 }
 
 TEST(UnitNf4, QuantizeFrozenBaseRefusesWhatItCannotQuantizeAndChangesNothing) {
