@@ -64,4 +64,11 @@ int64_t parameter_storage_bytes(torch::nn::Module& module);
 using WeightSource =
     std::function<void(const std::string& name, int64_t begin, int64_t length, at::Tensor out)>;
 
+/// Asks `source` for elements [begin, begin + length) of `name` into `out`
+/// and checks that it wrote every one: `out` is filled with NaN first, so a
+/// source that returns without writing (or rebinds `out`) throws
+/// shardtrain::Error naming the parameter and the range.
+void read_weights(const WeightSource& source, const std::string& name, int64_t begin, int64_t length,
+                  const at::Tensor& out);
+
 }  // namespace shardtrain

@@ -6,7 +6,6 @@
 #include "engine/shard_loader.h"
 
 #include <algorithm>
-#include <limits>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -124,12 +123,16 @@ std::vector<std::vector<ShardLoader::Source>> ShardLoader::agree_on_sources() {
             // every rank throws, and none waits in a collective.
             ST_CHECK_T(ConfigError, !u.packed, plan_.name, ": the quantized weight '", u.names[k],
                        "' has no values on some rank, and a weight source reads the original values, not NF4 "
-                       "bytes. Under QLoRA, build the model with its weights where accelerator."
-                       "materialize_full_weights() is true and quantize it there (the other ranks quantize the "
-                       "model built without weights, and receive their shards from rank 0), and pass no weight "
-                       "source");
+                       "bytes. Under QLoRA, give the weights to quantize_frozen_base instead, where accelerator."
+                       "materialize_full_weights() is true (quantize_frozen_base(model, models::hf_weight_source("
+                       "checkpoint))); the other ranks quantize the model built without weights and receive "
+                       "their shards from rank 0. Pass prepare() no weight source");
             mode = Source::kWeights;
           } else {
+            ST_CHECK(f[count + idx] == 0 || !u.packed, plan_.name, ": the quantized weight '", u.names[k],
+                     "' has no values on rank 0. Build the model with its weights where accelerator."
+                     "materialize_full_weights() is true, or build it without and give quantize_frozen_base the "
+                     "weights to read (quantize_frozen_base(model, models::hf_weight_source(checkpoint)))");
             ST_CHECK(f[count + idx] == 0, plan_.name, ": parameter '", u.names[k],
                      "' has no storage on rank 0 and no weight source was given. Rank 0 must build the model with "
                      "its weights (accelerator.materialize_full_weights() is true there), or pass "
@@ -288,12 +291,8 @@ void ShardLoader::fill_released(int i, const std::vector<Source>& modes, const a
   try {
     for (const auto& seg : segments) {
       if (modes[seg.param_index] != Source::kWeights) continue;
-      at::Tensor out = shard.narrow(0, seg.shard_offset, seg.length);
-      // NaN first: a source that returns without writing (or rebinds `out`) is caught below.
-      out.fill_(std::numeric_limits<double>::quiet_NaN());
-      plan_.weight_source(u.names[seg.param_index], seg.param_offset, seg.length, out);
-      ST_CHECK(!out.isnan().any().item<bool>(), "the weight source left elements of '", u.names[seg.param_index],
-               "' [", seg.param_offset, ", +", seg.length, ") unwritten (or wrote NaN); it must copy into `out`");
+      read_weights(plan_.weight_source, u.names[seg.param_index], seg.param_offset, seg.length,
+                   shard.narrow(0, seg.shard_offset, seg.length));
     }
   } catch (const std::exception& e) {
     failure = e.what();

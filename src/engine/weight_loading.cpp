@@ -1,7 +1,8 @@
 // Freeing and measuring parameter storage, for the ranks that do not load
-// the weights themselves (weight_loading.h).
+// the weights themselves, and reading from a weight source (weight_loading.h).
 #include "shardtrain/weight_loading.h"
 
+#include <limits>
 #include <unordered_set>
 
 #if defined(__GLIBC__)
@@ -45,6 +46,14 @@ int64_t release_parameter_storage(torch::nn::Module& module) {
 
 bool is_storage_released(const at::Tensor& tensor) {
   return tensor.defined() && tensor.numel() > 0 && (!tensor.has_storage() || tensor.storage().nbytes() == 0);
+}
+
+void read_weights(const WeightSource& source, const std::string& name, int64_t begin, int64_t length,
+                  const at::Tensor& out) {
+  out.fill_(std::numeric_limits<double>::quiet_NaN());
+  source(name, begin, length, out);
+  ST_CHECK(!out.isnan().any().item<bool>(), "the weight source left elements of '", name, "' [", begin, ", +",
+           length, ") unwritten (or wrote NaN); it must copy into `out`");
 }
 
 int64_t parameter_storage_bytes(torch::nn::Module& module) {

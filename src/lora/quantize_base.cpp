@@ -33,7 +33,7 @@ namespace {
 void fill_from(const at::Tensor& param, const std::string& name, const WeightSource& values) {
   at::NoGradGuard no_grad;
   at::Tensor filled = at::empty(param.sizes(), param.options());
-  values(name, 0, param.numel(), filled.view({-1}));
+  read_weights(values, name, 0, param.numel(), filled.view({-1}));
   at::Tensor handle = param;  // shares the module's TensorImpl
   handle.set_data(filled);
 }

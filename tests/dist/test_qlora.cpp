@@ -256,8 +256,9 @@ INSTANTIATE_TEST_SUITE_P(DistEngines, DistQloraRankZeroLoading,
                          [](const auto& info) { return info.param; });
 
 // A weight source reads a checkpoint's original values, not NF4 bytes: a
-// quantized weight that no rank holds is refused on every rank, by name.
-TEST(DistQloraRankZeroLoadingErrors, AQuantizedWeightFromAWeightSourceIsRefusedOnEveryRank) {
+// quantized weight that no rank holds is refused on every rank, by name, and
+// so is one that rank 0 quantized without its values.
+TEST(DistQloraRankZeroLoadingErrors, Nf4WeightsWithoutValuesOnRankZeroAreRefusedOnEveryRank) {
   shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
     shardtrain::RunInfo run = shardtrain::testing::micro_batch(2);
     run.weight_source = [](const std::string&, int64_t, int64_t, at::Tensor) {};
@@ -266,6 +267,28 @@ TEST(DistQloraRankZeroLoadingErrors, AQuantizedWeightFromAWeightSourceIsRefusedO
       ADD_FAILURE() << "prepare() accepted a weight source for NF4 weights";
     } catch (const shardtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("a weight source reads the original values, not NF4 bytes"),
+                std::string::npos)
+          << e.what();
+    }
+
+    shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(true);
+    config.fsdp.cpu_ram_efficient_loading = true;
+    auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+    torch::manual_seed(11);
+    LlamaForCausalLM model(model_config());
+    shardtrain::apply_lora(*model, shardtrain::LoraConfig());
+    // Every rank, rank 0 too, quantizes the projections without their values.
+    for (const auto& item : model->named_parameters()) {
+      const bool base_projection =
+          item.key().find("_proj.weight") != std::string::npos && item.key().find("lora_") == std::string::npos;
+      if (base_projection) shardtrain::release_storage(item.value());
+    }
+    shardtrain::quantize_frozen_base(*model);
+    try {
+      accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      ADD_FAILURE() << "prepare() accepted NF4 weights that rank 0 has no values of";
+    } catch (const shardtrain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("' has no values on rank 0. Build the model with its weights"),
                 std::string::npos)
           << e.what();
     }

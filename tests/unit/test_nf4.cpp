@@ -213,6 +213,18 @@ TEST(UnitNf4, QuantizingAModelBuiltWithoutWeightsGivesItsNf4ShapesWithoutValues)
     EXPECT_TRUE(shardtrain::is_storage_released(have[i].value())) << have[i].key();
   }
   EXPECT_EQ(quantized, 14);  // 2 layers x 7 projections
+
+  // Such a layer refuses to run until prepare() has filled it.
+  shardtrain::nn::Linear layer(torch::nn::LinearOptions(64, 64).bias(false));
+  layer->weight.set_requires_grad(false);
+  shardtrain::release_storage(layer->weight);
+  layer->quantize_weight_nf4(at::kBFloat16);
+  try {
+    layer(torch::randn({2, 64}));
+    ADD_FAILURE() << "a quantized layer without values ran";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the quantized weight has no values"), std::string::npos) << e.what();
+  }
 }
 
 // A rank that loads a QLoRA base reads each weight and quantizes it at once
@@ -262,6 +274,17 @@ TEST(UnitNf4, QuantizingWhileLoadingGivesTheBytesOfLoadingWholeAndHoldsOneWeight
   EXPECT_LE(peak, kept + largest_read);
   // Loading whole holds every fp32 weight to quantize at once, at the least.
   EXPECT_LT(peak, summary.bytes_before);
+
+  // A source that returns without writing is caught, not quantized.
+  shardtrain::models::LlamaForCausalLM unwritten = shardtrain::models::make_llama_without_weights(qlora_test_config());
+  shardtrain::apply_lora(*unwritten, shardtrain::LoraConfig());
+  try {
+    shardtrain::quantize_frozen_base(*unwritten, [](const std::string&, int64_t, int64_t, at::Tensor) {});
+    ADD_FAILURE() << "quantized weights the source never wrote";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the weight source left elements of 'model.layers.0."), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(UnitNf4, QuantizeFrozenBaseRefusesWhatItCannotQuantizeAndChangesNothing) {
