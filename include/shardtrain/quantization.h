@@ -23,10 +23,11 @@
 /// loading, zero3_init_flag) the ranks where materialize_full_weights() is
 /// false quantize the model they built without weights: its weights get
 /// their NF4 shapes without values, and prepare() fills each rank's shard of
-/// the bytes from rank 0's (a weight source cannot: it reads original values). A quantized base is not
-/// written to checkpoints (it is made again from the base weights, the same
-/// bits) and cannot be exported as a full model: save the adapter
-/// (Accelerator::save_lora_adapter) and merge it onto the original base.
+/// the bytes from rank 0's (a weight source cannot: it reads original
+/// values). A quantized base is not written to checkpoints (it is made again
+/// from the base weights, the same bits) and cannot be exported as a full
+/// model: save the adapter (Accelerator::save_lora_adapter) and merge it
+/// onto the original base.
 
 #include <cstdint>
 #include <string>
