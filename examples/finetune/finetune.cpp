@@ -412,25 +412,23 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   models::LlamaForCausalLM model{nullptr};
   shardtrain::WeightSource weight_source;
   shardtrain::WeightSource base_values;  // QLoRA: what quantize_frozen_base reads
-  if (!options.model_dir.empty() && options.load_in_4bit) {
-    // QLoRA: the model is built without weights, and quantize_frozen_base
-    // below reads each weight and quantizes it at once, so a rank never holds
-    // more than one weight unquantized (transformers' load_in_4bit). Under
-    // rank-0-only loading (fsdp_cpu_ram_efficient_loading, zero3_init_flag)
-    // only rank 0 reads; the others quantize the shapes and receive their
-    // shards of rank 0's bytes in prepare().
-    auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
-    model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
-    checkpoint->check_against(*model);
-    if (accelerator.materialize_full_weights()) base_values = models::hf_weight_source(checkpoint);
-  } else if (!options.model_dir.empty()) {
+  if (!options.model_dir.empty()) {
     // No rank holds the full model: each builds it without weights (layer by
-    // layer, storage released) and the engine fills this rank's shard from
-    // the safetensors files, reading only those bytes.
+    // layer, storage released). Without QLoRA the engine fills this rank's
+    // shard from the safetensors files, reading only those bytes. With QLoRA,
+    // quantize_frozen_base below reads each weight and quantizes it at once,
+    // so a rank never holds more than one weight unquantized (transformers'
+    // load_in_4bit); under rank-0-only loading (fsdp_cpu_ram_efficient_loading,
+    // zero3_init_flag) only rank 0 reads, and the others quantize the shapes
+    // and receive their shards of rank 0's bytes in prepare().
     auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
     model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
     checkpoint->check_against(*model);
-    weight_source = models::hf_weight_source(checkpoint);
+    if (!options.load_in_4bit) {
+      weight_source = models::hf_weight_source(checkpoint);
+    } else if (accelerator.materialize_full_weights()) {
+      base_values = models::hf_weight_source(checkpoint);
+    }
   } else {
     // Initialised on the CPU whatever the device, so a seed gives the same
     // weights on a CPU and on a GPU.

@@ -34,8 +34,7 @@ void fill_from(const at::Tensor& param, const std::string& name, const WeightSou
   at::NoGradGuard no_grad;
   at::Tensor filled = at::empty(param.sizes(), param.options());
   read_weights(values, name, 0, param.numel(), filled.view({-1}));
-  at::Tensor handle = param;  // shares the module's TensorImpl
-  handle.set_data(filled);
+  param.set_data(filled);  // the module's parameter and `param` share the TensorImpl
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "kernels/mixed_gemm.h"
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"
+#include "shardtrain/weight_loading.h"
 
 namespace shardtrain::nn {
 namespace {
@@ -50,7 +51,7 @@ at::Tensor nf4_linear(const at::Tensor& input, const at::Tensor& buffer, const a
   ST_CHECK(buffer.scalar_type() == at::kByte, "nf4_linear: the quantized weight is ", buffer.scalar_type(),
            ", not its NF4 bytes (uint8): the model was converted after quantize_frozen_base (Module::to(dtype) "
            "converts every parameter); move it to its dtype before quantizing");
-  ST_CHECK(buffer.storage().nbytes() > 0, "nf4_linear: the quantized weight has no values: the model was built "
+  ST_CHECK(!is_storage_released(buffer), "nf4_linear: the quantized weight has no values: the model was built "
            "without its weights and quantized, and has not been through Accelerator::prepare(), which fills it");
   ST_CHECK(input.size(-1) == in_features, "nf4_linear: the input's last dimension is ", input.size(-1),
            ", the layer takes ", in_features);
