@@ -37,6 +37,39 @@ constexpr int kSteps = 3;
 
 shardtrain::models::LlamaConfig model_config() { return shardtrain::testing::small_gqa_llama_config(64); }
 
+/// The adapters every run here trains: r 8 on the attention projections.
+shardtrain::LoraConfig qkvo_lora() {
+  shardtrain::LoraConfig lora;
+  lora.r = 8;
+  lora.lora_alpha = 16;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  return lora;
+}
+
+/// SGD without momentum or decay, at a rate that moves the adapters visibly in
+/// kSteps steps: an update is then a plain function of the gradient.
+void use_plain_sgd(shardtrain::TrainingConfig& config) {
+  config.optimizer.type = "SGD";
+  config.optimizer.lr = 0.5;
+  config.optimizer.weight_decay = 0.0;
+}
+
+/// kSteps steps on random ids, seeded per rank; the per-step losses.
+template <typename Prepared>
+std::vector<double> train_steps(RankContext& ctx, shardtrain::Accelerator& accelerator, Prepared& prepared) {
+  std::vector<double> losses;
+  torch::manual_seed(100 + ctx.rank());
+  for (int step = 0; step < kSteps; ++step) {
+    const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
+    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
+    accelerator.backward(loss);
+    accelerator.step();
+    accelerator.zero_grad();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
 struct RunResult {
   shardtrain::TrafficReport traffic;  // over kSteps steps
   shardtrain::MemoryReport memory;
@@ -52,10 +85,7 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
   torch::manual_seed(11);
   LlamaForCausalLM model(model_config());
   if (bf16_base) model->to(torch::kBFloat16);
-  shardtrain::LoraConfig lora;
-  lora.r = 8;
-  lora.lora_alpha = 16;
-  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  const shardtrain::LoraConfig lora = qkvo_lora();
   shardtrain::apply_lora(*model, lora);
   RunResult result;
   std::map<std::string, at::Tensor> base_bytes;
@@ -68,21 +98,11 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
     }
   }
   config.mixed_precision = bf16_base ? shardtrain::MixedPrecision::kNo : shardtrain::MixedPrecision::kBf16;
-  config.optimizer.type = "SGD";
-  config.optimizer.lr = 0.5;
-  config.optimizer.weight_decay = 0.0;
+  use_plain_sgd(config);
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
   accelerator->reset_traffic();
-  torch::manual_seed(100 + ctx.rank());
-  for (int step = 0; step < kSteps; ++step) {
-    const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
-    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
-    EXPECT_TRUE(std::isfinite(loss.item<double>()));
-    accelerator->backward(loss);
-    accelerator->step();
-    accelerator->zero_grad();
-  }
+  for (const double loss : train_steps(ctx, *accelerator, prepared)) EXPECT_TRUE(std::isfinite(loss));
   result.traffic = accelerator->traffic();
   result.memory = accelerator->memory();
   if (!quantize) return result;
@@ -187,9 +207,7 @@ LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_lo
   config.zero3_init_flag = rank0_loads && mode == "zero3";
   config.fsdp.cpu_ram_efficient_loading = rank0_loads && mode != "zero3";
   config.mixed_precision = pure ? shardtrain::MixedPrecision::kNo : shardtrain::MixedPrecision::kBf16;
-  config.optimizer.type = "SGD";
-  config.optimizer.lr = 0.5;
-  config.optimizer.weight_decay = 0.0;
+  use_plain_sgd(config);
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   EXPECT_EQ(accelerator->materialize_full_weights(), !rank0_loads || ctx.rank() == 0);
   torch::manual_seed(11);
@@ -198,10 +216,7 @@ LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_lo
                                ? LlamaForCausalLM(model_config())
                                : shardtrain::models::make_llama_without_weights(model_config(), dtype);
   if (accelerator->materialize_full_weights()) model->to(dtype);
-  shardtrain::LoraConfig lora;
-  lora.r = 8;
-  lora.lora_alpha = 16;
-  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  const shardtrain::LoraConfig lora = qkvo_lora();
   shardtrain::apply_lora(*model, lora);
   shardtrain::quantize_frozen_base(*model);
   LoadedRun result;
@@ -211,15 +226,7 @@ LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_lo
   }
   result.held_after_quantizing = shardtrain::parameter_storage_bytes(*model);
   auto prepared = accelerator->prepare(model, {}, run);
-  torch::manual_seed(100 + ctx.rank());
-  for (int step = 0; step < kSteps; ++step) {
-    const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
-    const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
-    accelerator->backward(loss);
-    accelerator->step();
-    accelerator->zero_grad();
-    result.losses.push_back(loss.item<double>());
-  }
+  result.losses = train_steps(ctx, *accelerator, prepared);
   for (const auto& [name, value] : accelerator->full_state_dict()) result.state[name] = value;
   return result;
 }
