@@ -164,6 +164,15 @@ void discard_unpublished(const fs::path& root, const std::string& tag, const Pub
   if (ec) ST_LOG_WARN("checkpoint: cleaning up the failed save of {} in {}: {}", tag, root.string(), ec.message());
 }
 
+/// The random streams a rank's file keeps, by key: the CPU's, and on a GPU the
+/// GPU's too (LoRA dropout on CUDA tensors draws from it). A resume on another
+/// kind of device restores those it shares with the saving run.
+std::vector<std::pair<std::string, at::Generator>> random_streams(const comm::Communicator& comm) {
+  std::vector<std::pair<std::string, at::Generator>> streams = {{"rng/cpu", at::detail::getDefaultCPUGenerator()}};
+  if (comm.device().is_cuda()) streams.emplace_back("rng/cuda", at::globalContext().defaultGenerator(comm.device()));
+  return streams;
+}
+
 }  // namespace
 
 std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
@@ -211,11 +220,10 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
           slices.push_back({{"name", slice.name}, {"shape", slice.shape}, {"trainable", slice.trainable},
                             {"begin", slice.begin}, {"length", slice.length}, {"kinds", kinds}, {"dtype", dtype}});
         }
-        // Per-rank RNG, so a resume at the same world size continues the same random stream.
-        {
-          at::Generator generator = at::detail::getDefaultCPUGenerator();
+        // Per-rank RNG, so a resume at the same world size continues the same random streams.
+        for (auto& [key, generator] : random_streams(comm)) {
           std::lock_guard<std::mutex> lock(generator.mutex());
-          tensors.emplace_back("rng/cpu", generator.get_state());
+          tensors.emplace_back(key, generator.get_state());
         }
         const std::string file = rank_file(rank, ".safetensors");
         injected_failure(rank, "rank_file", (tmp / file).string());
@@ -483,10 +491,10 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
   // Same world size: continue each rank's random stream.
   if (index.world_size == comm.world_size()) {
     const std::string own = rank_file(comm.rank(), ".safetensors");
-    if (index.file_position.count(own) != 0 && reader(own).contains("rng/cpu")) {
-      at::Generator generator = at::detail::getDefaultCPUGenerator();
+    for (auto& [key, generator] : random_streams(comm)) {
+      if (index.file_position.count(own) == 0 || !reader(own).contains(key)) continue;
       std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(reader(own).read("rng/cpu"));
+      generator.set_state(reader(own).read(key));
     }
   }
   comm.barrier();

@@ -92,7 +92,8 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
       to_host(momentum_);
     }
     host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    // fp32 parameters need no rounded copy: the host master is uploaded as it is.
+    if (plan.param_dtype != at::kFloat) host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
   }
 
   shards_.resize(static_cast<std::size_t>(units.size()));
@@ -114,6 +115,21 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
       shard.lp = at::zeros({S}, low);
       if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, fp32);
     }
+  }
+}
+
+at::Tensor ShardStorage::low_precision_out() const {
+  if (plan_.pure_low_precision || lp_.is_same(master_)) return {};
+  if (host_lp_.defined()) return host_lp_;
+  return lp_.scalar_type() == at::kFloat ? at::Tensor() : lp_;
+}
+
+void ShardStorage::upload_low_precision() {
+  if (plan_.pure_low_precision || lp_.is_same(master_)) return;
+  if (host_lp_.defined()) {
+    lp_.copy_(host_lp_);
+  } else if (lp_.scalar_type() == at::kFloat) {
+    lp_.copy_(master_);
   }
 }
 

@@ -56,12 +56,17 @@ class ShardStorage {
   const at::Tensor& exp_avg() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
   const at::Tensor& momentum() const { return momentum_; }
-  /// Optimizer offload: host copies the step reads the gradient from and
-  /// writes the low-precision values to (undefined without offload).
+  /// Optimizer offload: the host copy the step reads the gradient from
+  /// (undefined without offload).
   const at::Tensor& host_grad() const { return host_grad_; }
-  const at::Tensor& host_low_precision() const { return host_lp_; }
-  /// The low-precision partition is a copy of its own, written after each step.
-  bool separate_low_precision() const { return !plan_.pure_low_precision && !lp_.is_same(master_); }
+  /// Where the optimizer's kernel writes the stepped values rounded to
+  /// param_dtype: the low-precision partition, its host copy under offload, or
+  /// nothing where the stepped tensor is itself what the model reads.
+  at::Tensor low_precision_out() const;
+  /// After a step, brings the model's partition up to date where the kernel
+  /// could not write it: from the host copy, or, for fp32 parameters whose
+  /// master was offloaded off the GPU, from the master itself.
+  void upload_low_precision();
 
   /// Something wrote into the gradient partition.
   void note_grads_written() { grads_zero_ = false; }

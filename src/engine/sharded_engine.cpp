@@ -265,7 +265,10 @@ void ShardedEngine::visit_full_parameters(const std::function<void(const std::st
     const UnitEntry& u = s.units[i];
     const UnitShard& shard = s.storage.unit(i);
     // The master, or the widened shard; a quantized weight's bytes as they are.
-    const at::Tensor source = u.packed ? shard.lp : shard.value().to(at::kFloat).contiguous();
+    // On the model's device: under optimizer offload the master lives on the
+    // host, and a GPU communicator gathers device tensors only.
+    const at::Tensor source =
+        u.packed ? shard.lp : shard.value().to(s.storage.fp32_options()).contiguous();
     at::Tensor full = source;  // without sharding the shard is the full buffer
     if (s.plan.shard_params) {
       full = at::empty({u.layout->full_numel()}, source.options());

@@ -106,9 +106,7 @@ StepInfo ShardedOptimizer::step(double lr) {
     storage_.host_grad().copy_(storage_.grad());
     grad = storage_.host_grad();
   }
-  const bool separate_lp = storage_.separate_low_precision();
-  at::Tensor lp_out;
-  if (separate_lp) lp_out = storage_.host_low_precision().defined() ? storage_.host_low_precision() : storage_.low_precision();
+  const at::Tensor lp_out = storage_.low_precision_out();
   ++steps_;
 
   if (custom_) {
@@ -120,11 +118,11 @@ StepInfo ShardedOptimizer::step(double lr) {
       custom_->step();
     }
     leaf.mutable_grad() = at::Tensor();
-    if (separate_lp) lp_out.copy_(storage_.master());
+    if (lp_out.defined()) lp_out.copy_(storage_.master());
   } else {
     fused_step(lr, grad_scale, grad, lp_out, result);
   }
-  if (separate_lp && storage_.host_low_precision().defined()) storage_.low_precision().copy_(storage_.host_low_precision());
+  storage_.upload_low_precision();
   scaler_.update(false);
   storage_.clear_grads();
   clip_coefficient_ = 1.0;

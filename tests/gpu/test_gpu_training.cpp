@@ -16,8 +16,10 @@
 #include "data_dir.h"
 #include "finetune/finetune.h"
 #include "gpu_test_device.h"
+#include "shardtrain/accelerator.h"
 #include "shardtrain/device.h"
 #include "support/scratch_dir.h"
+#include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
 
 namespace {
@@ -82,6 +84,10 @@ void disable_tf32() {
   // The CPU has no TF32: an fp32 comparison must not let cuBLAS drop to it.
   at::globalContext().setAllowTF32CuBLAS(false);
   at::globalContext().setAllowTF32CuDNN(false);
+  // The pure-bf16 bound assumes fp32 accumulation throughout; torch lets
+  // cuBLAS's split-K reduce partial sums in bf16/fp16 unless told not to.
+  at::globalContext().setAllowBF16ReductionCuBLAS(false);
+  at::globalContext().setAllowFP16ReductionCuBLAS(false);
 }
 
 struct DeviceRun {
@@ -233,6 +239,67 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
         << "step " << kSteps / 2 + k + 1 << ": resumed on the cpu " << rest.losses[k] << ", device "
         << device_loss;
   }
+}
+
+// Optimizer offload moves the fp32 master and the optimizer state to pinned
+// host memory and steps them there with the CPU kernels, which round exactly
+// as the GPU's do: the same run with and without offload is the same to the
+// bit, in fp32 (where the parameters are the master itself on the GPU, and
+// the host master is uploaded after each step) and in bf16 (where the step
+// writes a rounded host copy). The run ends by gathering the full state
+// dict, which reads the host master.
+TEST(GpuTrainingOffload, OptimizerOffloadTrainsAsTheRunWithoutIt) {
+  shardtrain::testing::ScratchDir scratch;
+  REQUIRE_TEST_DEVICE();
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    auto config = [&](bool offload) {
+      const std::string offload_block = offload ? R"(, "offload_optimizer": {"device": "cpu", "pin_memory": true})" : "";
+      const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": )") +
+                               (bf16 ? "true" : "false") + R"(}, "zero_optimization": {"stage": 3)" + offload_block +
+                               "}}";
+      return scratch.write(std::string(bf16 ? "bf16" : "fp32") + (offload ? "_offload" : "") + ".json", text);
+    };
+    tiny::TinyRunOptions options = tiny_options(kCases[1], test_device_name());
+    options.steps = 5;
+    options.config_path = config(false);
+    const tiny::TinyRunResult on_device = tiny::run_tiny(options);
+    options.config_path = config(true);
+    const tiny::TinyRunResult offloaded = tiny::run_tiny(options);
+    EXPECT_EQ(offloaded.losses, on_device.losses);
+    ASSERT_EQ(offloaded.final_params.size(), on_device.final_params.size());
+    for (std::size_t k = 0; k < on_device.final_params.size(); ++k) {
+      const auto& [name, value] = on_device.final_params[k];
+      EXPECT_EQ(offloaded.final_params[k].first, name);
+      EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), value.cpu())) << name;
+    }
+  }
+}
+
+// A checkpoint keeps each rank's random streams, the device's included (LoRA
+// dropout on GPU tensors draws from the GPU's): after a load, the device
+// draws what it drew right after the save.
+TEST(GpuTrainingCheckpoint, LoadingRestoresTheDevicesRandomStream) {
+  shardtrain::testing::ScratchDir scratch;
+  REQUIRE_TEST_DEVICE();
+  const at::Device device = shardtrain::testing::test_device();
+  shardtrain::AcceleratorOptions options;
+  options.config_path = data_path(kCases[1].tiny_config);
+  options.init.backend = shardtrain::backend_for(device);
+  options.print_plan = false;
+  shardtrain::Accelerator accelerator(options);
+  tiny::TinyModel model(tiny::TinyConfig{});
+  model->to(device);
+  shardtrain::RunInfo run;
+  run.micro_batch_size = 4;
+  auto prepared = accelerator.prepare(model, {}, run);
+  accelerator.save_state(scratch.file("ckpt"));
+  const at::Tensor after_save = at::rand({64}, at::TensorOptions().device(device));
+  at::rand({1000}, at::TensorOptions().device(device));  // the stream moves on
+  accelerator.load_state(scratch.file("ckpt"));
+  const at::Tensor after_load = at::rand({64}, at::TensorOptions().device(device));
+  EXPECT_TRUE(at::equal(after_load.cpu(), after_save.cpu()));
 }
 
 TEST(GpuTrainingMemory, PeakMemoryComesFromTheCachingAllocator) {
