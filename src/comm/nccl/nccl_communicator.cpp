@@ -17,6 +17,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <utility>
 #include <stdexcept>
 #include <thread>
 
@@ -111,10 +112,14 @@ struct NcclState {
   /// thread-safe) and guards the fields below.
   std::mutex mutex;
   ncclComm_t comm = nullptr;
+  /// The handle of a communicator marked aborted whose ncclCommAbort is still
+  /// to run (the watchdog runs it after failing what was pending).
+  ncclComm_t doomed = nullptr;
   bool aborted = false;
-  std::string abort_reason;
+  std::string abort_reason;  ///< written once, before abort_started
   /// Set before ncclCommAbort, read without the lock: the watchdog must not
-  /// take an event that an abort made fire for a completion.
+  /// take an event that an abort made fire for a completion, and
+  /// check_health() reads abort_reason once it is set.
   std::atomic<bool> abort_started{false};
   /// Follows the collectives in flight; stopped first at teardown.
   std::unique_ptr<Watchdog> watchdog;
@@ -126,28 +131,48 @@ struct NcclState {
   NcclState& operator=(const NcclState&) = delete;
   ~NcclState();
 
-  /// ncclCommAbort: kills the NCCL kernels still waiting for peers, so the
-  /// GPU stream drains and the process can exit or report. Requires `mutex`.
-  void abort_locked(const std::string& reason) {
-    abort_started.store(true, std::memory_order_release);
-    if (comm != nullptr) {
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
-    }
+  /// Marks the communicator aborted (the first reason is the one later calls
+  /// report) and takes its handle out of use, into `doomed`. Requires `mutex`.
+  void mark_aborted_locked(const std::string& reason) {
     if (!aborted) {
       aborted = true;
       abort_reason = reason;
     }
+    abort_started.store(true, std::memory_order_release);
+    if (comm != nullptr) {
+      doomed = comm;
+      comm = nullptr;
+    }
   }
 
-  void abort(const std::string& reason) {
-    std::lock_guard<std::mutex> lock(mutex);
-    abort_locked(reason);
+  /// ncclCommAbort: kills the NCCL kernels still waiting for peers, so the
+  /// GPU stream drains and the process can exit or report. Requires `mutex`
+  /// (the callers issuing or creating, who wait for the abort anyway).
+  void abort_locked(const std::string& reason) {
+    mark_aborted_locked(reason);
+    finish_abort(std::exchange(doomed, nullptr));
   }
 
-  bool is_aborted() {
+  /// The watchdog's abort, in two halves. Marking takes the lock only briefly;
+  /// ncclCommAbort then runs outside it, after the watchdog has failed what
+  /// was pending, because it can block until the whole GPU queue drains (at
+  /// teardown it frees pinned host memory, and cudaFreeHost waits for the
+  /// device): a caller learns of a timeout at its deadline, and
+  /// check_health() and issuing never wait behind the teardown.
+  void mark_aborted(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex);
-    return aborted;
+    mark_aborted_locked(reason);
+  }
+  void finish_abort() {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      handle = std::exchange(doomed, nullptr);
+    }
+    finish_abort(handle);
+  }
+  static void finish_abort(ncclComm_t handle) {
+    if (handle != nullptr) (void)ncclCommAbort(handle);
   }
 
   void ensure_usable_locked(const std::string& description) const {
@@ -180,8 +205,9 @@ struct NcclState {
 
   /// NCCL's asynchronous state (a peer's network error, a failed proxy), for
   /// the watchdog: empty while healthy; on a real error the communicator is
-  /// aborted and the text names NCCL's error. Never blocks: while another
-  /// thread is inside an NCCL call this round is skipped.
+  /// marked aborted (the watchdog finishes the abort) and the text names
+  /// NCCL's error. Never blocks: while another thread is inside an NCCL call
+  /// this round is skipped.
   std::string poll_async_error() {
     std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
     if (!lock.owns_lock()) return {};
@@ -195,7 +221,7 @@ struct NcclState {
     const std::string reason = std::string("NCCL reported ") + ncclGetErrorString(result) +
                                (text != nullptr && *text != 0 ? std::string(" (") + text + ")" : std::string()) +
                                "; a peer rank probably died or lost its network";
-    abort_locked(reason);
+    mark_aborted_locked(reason);
     return reason;
   }
 
@@ -208,7 +234,8 @@ struct NcclState {
     ST_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_buffer), sizeof(float)));
     ST_CHECK_CUDA(cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream));
     watchdog = std::make_unique<Watchdog>(
-        device, timeout, [this] { return poll_async_error(); }, [this](const std::string& reason) { abort(reason); },
+        device, timeout, [this] { return poll_async_error(); },
+        [this](const std::string& reason) { mark_aborted(reason); }, [this] { finish_abort(); },
         [this] { return abort_started.load(std::memory_order_acquire); },
         [this] { return hang_report ? hang_report() : std::string(); });
   }
@@ -225,6 +252,7 @@ NcclState::~NcclState() {
     return;
   }
   (void)cudaSetDevice(device);
+  finish_abort(std::exchange(doomed, nullptr));  // marked by a watchdog stopped before it finished
   if (comm != nullptr) {
     // Collectives whose Work was dropped without wait() may still be queued;
     // NCCL's buffers must outlive them. Bounded: a peer may never arrive.
@@ -508,11 +536,9 @@ NcclCommunicator::~NcclCommunicator() = default;
 
 void NcclCommunicator::check_health() const {
   if (!state_->abort_started.load(std::memory_order_acquire)) return;
-  std::string reason;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    reason = state_->abort_reason;
-  }
+  // Without the lock, which an abort in progress may hold: the reason was
+  // written, once, before abort_started.
+  const std::string reason = state_->abort_reason;
   const std::string where = "nccl communicator " + state_->name;
   if (reason.rfind("timeout", 0) == 0) {
     ST_THROW(TimeoutError, where, " was aborted (", reason, "): results since then are not valid; restart the job "

@@ -42,10 +42,10 @@ void PendingCollective::wait_settled() const {
   while (status() == Status::kRunning) backoff.sleep();
 }
 
-Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort,
-                   IsAborted is_aborted, HangReport hang_report)
+Watchdog::Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, MarkAborted mark_aborted,
+                   FinishAbort finish_abort, IsAborted is_aborted, HangReport hang_report)
     : device_(device), timeout_(timeout), hang_report_(std::move(hang_report)), poll_(std::move(poll)),
-      abort_(std::move(abort)),
+      mark_aborted_(std::move(mark_aborted)), finish_abort_(std::move(finish_abort)),
       is_aborted_(std::move(is_aborted)), thread_([this] { run(); }) {}
 
 Watchdog::~Watchdog() {
@@ -126,7 +126,7 @@ void Watchdog::run() {
       } else if (query != cudaErrorNotReady) {
         (void)cudaGetLastError();
         abort_reason_ = std::string("CUDA error ") + cudaGetErrorName(query) + " during " + p->description();
-        abort_(abort_reason_);
+        mark_aborted_(abort_reason_);
         fail(*p, [&] {
           ST_THROW(Error, p->description(), " failed: CUDA reported ", cudaGetErrorName(query), " (",
                    cudaGetErrorString(query), ") while it ran; the communicator was aborted");
@@ -137,7 +137,7 @@ void Watchdog::run() {
         abort_reason_ = "timeout of " + p->description();
         ST_LOG_ERROR("nccl watchdog: {} did not finish within {} ms; aborting the communicator", p->description(),
                      timeout_.count());
-        abort_(abort_reason_);
+        mark_aborted_(abort_reason_);
         const std::string report = hang_report_ ? hang_report_() : "";
         fail(*p, [&] {
           rethrow_collective_failure(p->description(), timeout_,
@@ -152,6 +152,8 @@ void Watchdog::run() {
     }
     mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());
     in_flight_.fetch_sub(static_cast<int>(before - mine.size()), std::memory_order_acq_rel);
+    // Everything pending has failed by now; the teardown may take as long as the GPU queue.
+    if (!abort_reason_.empty()) finish_abort_();
     if (progressed) {
       backoff.reset();
     } else if (!mine.empty()) {

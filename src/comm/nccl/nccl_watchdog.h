@@ -3,10 +3,12 @@
 // collective in flight, so that no caller ever blocks on the GPU to learn
 // whether a collective finished. Work::wait() only orders the caller's stream
 // after the collective (the CPU runs ahead, as in c10d); the watchdog notices
-// completion, NCCL's asynchronous errors and missed deadlines, aborts the
-// communicator on a failure (ncclCommAbort makes the stuck kernels exit, so
-// the GPU queue drains) and fails the pending work with an error naming the
-// operation, the rank and the sizes.
+// completion, NCCL's asynchronous errors and missed deadlines, and on a
+// failure marks the communicator aborted, fails the pending work with an
+// error naming the operation, the rank and the sizes, and then tears the
+// communicator down (ncclCommAbort makes the stuck kernels exit, so the GPU
+// queue drains; it may block until the whole queue has, which is why the
+// callers hear first).
 //
 // No lock is held while it polls: the pending list is swapped out under a
 // short lock, and events and NCCL's error state are queried outside it.
@@ -68,17 +70,20 @@ class PendingCollective {
 class Watchdog {
  public:
   /// NCCL's asynchronous error for the communicator: empty while healthy,
-  /// else a description (the callback has aborted the communicator then).
+  /// else a description (the callback has marked the communicator aborted).
   using AsyncErrorPoll = std::function<std::string()>;
-  /// Aborts the communicator (ncclCommAbort) with a reason later calls report.
-  using Abort = std::function<void(const std::string& reason)>;
+  /// Marks the communicator aborted, with a reason later calls report; quick.
+  using MarkAborted = std::function<void(const std::string& reason)>;
+  /// Tears a communicator marked aborted down (ncclCommAbort); may block
+  /// until the GPU's queue drains. Does nothing when none is marked.
+  using FinishAbort = std::function<void()>;
   /// Whether an abort has begun (from any thread), read without a lock.
   using IsAborted = std::function<bool()>;
   /// The cross-rank hang report for a timed-out collective (CollectiveLog::report()).
   using HangReport = std::function<std::string()>;
 
-  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, Abort abort, IsAborted is_aborted,
-           HangReport hang_report);
+  Watchdog(int device, std::chrono::milliseconds timeout, AsyncErrorPoll poll, MarkAborted mark_aborted,
+           FinishAbort finish_abort, IsAborted is_aborted, HangReport hang_report);
   /// Stops and joins the thread; collectives still pending stay unsettled.
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
@@ -103,14 +108,15 @@ class Watchdog {
   std::chrono::milliseconds timeout_;
   HangReport hang_report_;
   AsyncErrorPoll poll_;
-  Abort abort_;
+  MarkAborted mark_aborted_;
+  FinishAbort finish_abort_;
   IsAborted is_aborted_;
   std::atomic<int> in_flight_{0};
   std::mutex mutex_;  ///< guards pending_ and stop_ only; never held while polling
   std::condition_variable wake_;
   std::vector<std::shared_ptr<PendingCollective>> pending_;
   bool stop_ = false;
-  std::string abort_reason_;  ///< watchdog thread only: set once it aborted the communicator
+  std::string abort_reason_;  ///< watchdog thread only: set once it marked the communicator aborted
   std::thread thread_;
 };
 
