@@ -113,7 +113,10 @@ at::Tensor non_finite_flag(const at::Tensor& t) {
 void cast_into(at::Tensor& dst, const at::Tensor& src) {
   ST_CHECK(dst.defined() && src.defined(), "cast_into: undefined tensor");
   check_same_device(dst, src, "cast_into source");
-  ST_CHECK(dst.numel() == src.numel(), "cast_into: ", src.numel(), " elements into ", dst.numel());
+  // One contract on every device (the CUDA kernel reads flat memory, copy_ broadcasts).
+  ST_CHECK(dst.sizes() == src.sizes(), "cast_into: a source of shape ", src.sizes(), " into a destination of shape ",
+           dst.sizes(), "; the shapes must be equal");
+  ST_CHECK(dst.is_contiguous(), "cast_into: the destination must be contiguous");
   if (dst.is_cpu()) {
     // ATen's CPU conversion rounds to nearest even, the same as the CUDA kernel.
     dst.copy_(src);

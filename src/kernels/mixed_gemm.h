@@ -1,7 +1,8 @@
 #pragma once
 // The kernel layer's mixed-precision GEMM: bf16/fp16 operands, fp32
-// accumulation, one rounding of the result, on every device. On CUDA and on
-// CPUs with fast native bf16 it is LibTorch's kernel; elsewhere the operands
+// accumulation, one rounding of the result (on CUDA, where torch's cuBLAS
+// reduced-precision-reduction flags allow it: include/shardtrain/nn/linear.h).
+// On CUDA and on CPUs with fast native bf16 it is LibTorch's kernel; elsewhere the operands
 // are widened to fp32 (see include/shardtrain/nn/linear.h for the contract
 // users see). Autograd: both gradient products follow the same rule, and
 // only the low-precision inputs are saved for backward, so an engine that

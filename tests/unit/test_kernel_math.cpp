@@ -378,6 +378,11 @@ TEST(UnitKernelDispatch, CpuTensorsRunTheCpuKernelsAndResultsStayOnTheirDevice) 
   at::Tensor half = at::empty({kN}, at::kHalf);
   k::cast_into(half, grad);
   EXPECT_TRUE(at::equal(half, grad.to(at::kHalf)));
+  // The same contract as the CUDA kernel's: equal shapes (copy_ alone would broadcast), a contiguous destination.
+  at::Tensor row = at::empty({1, kN}, at::kHalf);
+  EXPECT_THROW(k::cast_into(row, grad), shardtrain::Error);
+  at::Tensor strided = at::empty({2 * kN}, at::kHalf).slice(0, 0, 2 * kN, 2);
+  EXPECT_THROW(k::cast_into(strided, grad), shardtrain::Error);
 }
 
 TEST(UnitKernelDispatch, TensorsOnADeviceWithoutKernelsAreAClearError) {

@@ -13,7 +13,12 @@
 /// them, from the CPU's flags alone (never a timing: the two paths round
 /// differently, and every rank must take the same one):
 ///  - native: LibTorch's own kernel (CUDA always; a CPU with native bf16
-///    instructions, AVX-512 BF16 or AMX);
+///    instructions, AVX-512 BF16 or AMX). On CUDA, cuBLAS accumulates in
+///    fp32, but with torch's default (allow_bf16_reduced_precision_reduction,
+///    and its fp16 twin, on) a split-K GEMM may round its partial sums to
+///    the input dtype: turn those off (at::globalContext()
+///    .setAllowBF16ReductionCuBLAS(false)) for the one rounding. This library
+///    leaves them as the program set them, as PyTorch does;
 ///  - widened: the operands are widened to fp32, the fp32 GEMM (MKL/OpenBLAS)
 ///    runs, and the result is rounded once. fp16 on a CPU is always widened.
 /// Backward follows the same rule for both gradient products. fp32/fp64

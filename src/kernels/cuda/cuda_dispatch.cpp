@@ -149,9 +149,10 @@ at::Tensor non_finite_flag(const at::Tensor& t) {
   return flag;
 }
 
-void cast_into(at::Tensor& dst, const at::Tensor& src) {
+void cast_into(at::Tensor& dst, const at::Tensor& source) {
+  // kernels::cast_into checked the shapes and dst; a strided source is read as copy_ on the CPU reads it.
+  const at::Tensor src = source.contiguous();
   check_cuda_operand(dst, src, "cast_into source");
-  ST_CHECK(dst.is_contiguous(), "cast_into destination must be contiguous");
   const cuda::DType src_type = cuda_type(src, "cast_into source");
   const cuda::DType dst_type = cuda_type(dst, "cast_into destination");
   on_cuda(dst, "cast_into", [&](cudaStream_t stream) {
