@@ -23,14 +23,16 @@ set(_st_setup_hint "run scripts/setup (it installs torch==2.11.0, the CUDA 13.0 
 # adds -gencode flags to CMAKE_CUDA_FLAGS; it sets CMAKE_CUDA_ARCHITECTURES to
 # OFF, so that variable has no effect. Ampere (8.0), Hopper (9.0) and Blackwell
 # (10.0) are what this project's GPU users run; scripts/gpu-bundle narrows it.
+# The last one also carries its PTX (+PTX), which the driver compiles for a
+# newer GPU (sm_120, say) instead of failing with "no kernel image".
 if(NOT DEFINED TORCH_CUDA_ARCH_LIST)
   if(DEFINED ENV{TORCH_CUDA_ARCH_LIST})
     set(_st_default_archs "$ENV{TORCH_CUDA_ARCH_LIST}")
   else()
-    set(_st_default_archs "8.0;9.0;10.0")
+    set(_st_default_archs "8.0;9.0;10.0+PTX")
   endif()
   set(TORCH_CUDA_ARCH_LIST "${_st_default_archs}" CACHE STRING
-    "GPU architectures of the CUDA kernels, as torch reads them (e.g. 8.0;9.0;10.0)")
+    "GPU architectures of the CUDA kernels, as torch reads them (e.g. 8.0;9.0;10.0+PTX)")
 endif()
 
 if(NOT DEFINED Python3_EXECUTABLE AND EXISTS "${PROJECT_SOURCE_DIR}/.venv/bin/python3")
