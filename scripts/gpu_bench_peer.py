@@ -140,6 +140,8 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # set_device and init_process_group's device_id need an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.backends.cuda.matmul.allow_tf32 = False  # shardtrain leaves TF32 off too
         torch.cuda.set_device(device)
     if args.mode == "gemm":
