@@ -52,5 +52,9 @@ void reset_cuda_peak_memory(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
 }
 
+void restore_cuda_device(int device_index) {
+  (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device_index));
+}
+
 
 }  // namespace shardtrain::torch_cuda

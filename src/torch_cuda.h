@@ -48,4 +48,11 @@ struct CudaMemoryStats {
 CudaMemoryStats cuda_memory_stats(int device_index);
 void reset_cuda_peak_memory(int device_index);
 
+/// Makes `device_index` this thread's current device again after a guard
+/// switched away from it, without creating a CUDA context on it where none
+/// exists (c10::cuda::MaybeSetDevice). A thread that never touched a GPU
+/// reports device 0; a plain cudaSetDevice(0) back would create a context
+/// there, some hundreds of MB on GPU 0, for every rank whose GPU is not 0.
+void restore_cuda_device(int device_index);
+
 }  // namespace shardtrain::torch_cuda

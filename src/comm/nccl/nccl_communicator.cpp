@@ -284,7 +284,7 @@ NcclState::~NcclState() {
   if (ready_event != nullptr) (void)cudaEventDestroy(ready_event);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);
   (void)cudaGetLastError();
-  (void)cudaSetDevice(previous);
+  torch_cuda::restore_cuda_device(previous);
 }
 
 /// What the enqueue step of one collective sees. NCCL/CUDA results go through
@@ -405,7 +405,7 @@ class NcclWork final : public Work {
     // stream wait for the collective closes the window without blocking here.
     (void)cudaStreamWaitEvent(issue_stream_, pending_->done_event(), 0);
     (void)cudaGetLastError();
-    (void)cudaSetDevice(previous);
+    torch_cuda::restore_cuda_device(previous);
   }
 
   /// Orders the caller's current stream (and the issuing one) after the

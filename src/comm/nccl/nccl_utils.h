@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include "shardtrain/error.h"
+#include "torch_cuda.h"
 
 namespace shardtrain::comm::nccl_detail {
 
@@ -59,7 +60,7 @@ class CudaDeviceGuard {
  public:
   explicit CudaDeviceGuard(int device);
   ~CudaDeviceGuard() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);
+    if (previous_ != device_) torch_cuda::restore_cuda_device(previous_);
   }
   CudaDeviceGuard(const CudaDeviceGuard&) = delete;
   CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;

@@ -21,7 +21,7 @@ PendingCollective::~PendingCollective() {
   (void)cudaSetDevice(device_);
   (void)cudaEventDestroy(done_);
   (void)cudaGetLastError();
-  (void)cudaSetDevice(previous);
+  torch_cuda::restore_cuda_device(previous);
 }
 
 std::exception_ptr PendingCollective::failure() const {
