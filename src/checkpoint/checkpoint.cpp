@@ -454,6 +454,25 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     if (!slot) slot = std::make_unique<safetensors::Reader>((ckpt / file).string());
     return *slot;
   };
+  // Same world size: each rank continues its random streams. Read, and tried
+  // on a copy of each generator, before anything loads; set after. Agreed on,
+  // so a bad one stops every rank before the model changes.
+  std::vector<std::pair<at::Generator, at::Tensor>> streams_to_restore;
+  if (index.world_size == comm.world_size()) {
+    const std::string own = rank_file(comm.rank(), ".safetensors");
+    if (auto failed = agree_on_failure(comm, true, [&] {
+          for (auto& [key, generator] : random_streams(comm)) {
+            if (index.file_position.count(own) == 0 || !reader(own).contains(key)) continue;
+            at::Tensor state = reader(own).read(key);
+            at::Generator trial = generator.clone();
+            trial.set_state(state);  // throws where the state does not fit this generator
+            streams_to_restore.emplace_back(generator, std::move(state));
+          }
+        })) {
+      ST_THROW(Error, "checkpoint ", ckpt.string(), ": a random-number state cannot be restored (", *failed,
+               "); nothing was loaded");
+    }
+  }
   bool warned_rounding = false;
   engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
     const ParamEntry* param = index.param(name);
@@ -488,14 +507,9 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     }
     return result;
   });
-  // Same world size: continue each rank's random stream.
-  if (index.world_size == comm.world_size()) {
-    const std::string own = rank_file(comm.rank(), ".safetensors");
-    for (auto& [key, generator] : random_streams(comm)) {
-      if (index.file_position.count(own) == 0 || !reader(own).contains(key)) continue;
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(reader(own).read(key));
-    }
+  for (auto& [generator, state] : streams_to_restore) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
   }
   comm.barrier();
   return index.training_state;

@@ -61,7 +61,8 @@ class ShardStorage {
   const at::Tensor& host_grad() const { return host_grad_; }
   /// Where the optimizer's kernel writes the stepped values rounded to
   /// param_dtype: the low-precision partition, its host copy under offload, or
-  /// nothing where the stepped tensor is itself what the model reads.
+  /// nothing where the stepped tensor is itself what the model reads, or is
+  /// fp32 and copied to the model's device after the step (upload_low_precision).
   at::Tensor low_precision_out() const;
   /// After a step, brings the model's partition up to date where the kernel
   /// could not write it: from the host copy, or, for fp32 parameters whose

@@ -134,7 +134,7 @@ void ShardedOptimizer::fused_step(double lr, double grad_scale, const at::Tensor
                                   StepInfo& result) {
   const auto& o = plan_.optimizer;
   const bool pure = plan_.pure_low_precision;
-  const bool separate_lp = lp_out.defined();
+  const bool write_lp = lp_out.defined();
   at::Tensor stepped = storage_.stepped();
   const at::Tensor& momentum_flat = storage_.momentum();
   const int64_t total = stepped.numel();
@@ -156,7 +156,7 @@ void ShardedOptimizer::fused_step(double lr, double grad_scale, const at::Tensor
     const int64_t len = end - begin;
     at::Tensor param = stepped.narrow(0, begin, len);
     at::Tensor g = grad.narrow(0, begin, len);
-    at::Tensor lp = separate_lp ? lp_out.narrow(0, begin, len) : at::Tensor();
+    at::Tensor lp = write_lp ? lp_out.narrow(0, begin, len) : at::Tensor();
     if (o.type == "SGD") {
       at::Tensor momentum = momentum_flat.defined() ? momentum_flat.narrow(0, begin, len) : at::Tensor();
       kernels::SgdParams p;
@@ -166,7 +166,7 @@ void ShardedOptimizer::fused_step(double lr, double grad_scale, const at::Tensor
       p.nesterov = o.nesterov;
       p.grad_scale = grad_scale;
       p.first_step = steps_ == 1;
-      kernels::sgd_step(param, momentum_flat.defined() ? &momentum : nullptr, g, separate_lp ? &lp : nullptr, p,
+      kernels::sgd_step(param, momentum_flat.defined() ? &momentum : nullptr, g, write_lp ? &lp : nullptr, p,
                         audit_ptr);
       continue;
     }
@@ -184,7 +184,7 @@ void ShardedOptimizer::fused_step(double lr, double grad_scale, const at::Tensor
     if (pure) {
       kernels::adam_step_low_precision(param, m, v, g, p, audit_ptr);
     } else {
-      kernels::adam_step(param, m, v, g, separate_lp ? &lp : nullptr, p, audit_ptr);
+      kernels::adam_step(param, m, v, g, write_lp ? &lp : nullptr, p, audit_ptr);
     }
   }
   if (audit_ptr != nullptr) {

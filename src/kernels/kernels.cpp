@@ -113,7 +113,7 @@ at::Tensor non_finite_flag(const at::Tensor& t) {
 void cast_into(at::Tensor& dst, const at::Tensor& src) {
   ST_CHECK(dst.defined() && src.defined(), "cast_into: undefined tensor");
   check_same_device(dst, src, "cast_into source");
-  // One contract on every device (the CUDA kernel reads flat memory, copy_ broadcasts).
+  // One shape contract on every device (the CUDA kernel reads flat memory, copy_ broadcasts).
   ST_CHECK(dst.sizes() == src.sizes(), "cast_into: a source of shape ", src.sizes(), " into a destination of shape ",
            dst.sizes(), "; the shapes must be equal");
   ST_CHECK(dst.is_contiguous(), "cast_into: the destination must be contiguous");

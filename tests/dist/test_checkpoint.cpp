@@ -5,11 +5,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/format.h"
 #include "shardtrain/safetensors.h"
 
 #include "shardtrain/error.h"
@@ -270,6 +274,33 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
       });
     }
     expect_load_error(d, "these fields no longer match their checksums: training_state.step");
+  }
+  {  // a rank's random-number state that its generator cannot take, in a file
+     // whose size, CRC-32 and index all match (a writer's bug, not damage):
+     // every rank refuses it before loading, where rank 1 alone used to fail
+     // after loading the weights and leave rank 0 waiting for it
+    const fs::path d = fresh("bad_rng");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "rank00001.safetensors";
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      std::map<std::string, std::string> metadata;
+      {
+        const shardtrain::safetensors::Reader reader(f.string());
+        metadata = reader.metadata();
+        for (const std::string& name : reader.names()) {
+          tensors.emplace_back(name, name == "rng/cpu" ? at::zeros({16}, at::kByte) : reader.read(name));
+        }
+      }
+      shardtrain::safetensors::write_file(f.string(), tensors, metadata);
+      const fs::path index_path = d / "step_2" / "index.json";
+      nlohmann::json index = nlohmann::json::parse(std::ifstream(index_path));
+      index["files"]["rank00001.safetensors"]["size"] = fs::file_size(f);
+      index["files"]["rank00001.safetensors"]["crc32"] = shardtrain::safetensors::crc32_of_file(f.string());
+      index.erase("checksums");
+      shardtrain::checkpoint::seal_index(index);
+      std::ofstream(index_path) << index.dump(1);
+    }
+    expect_load_error(d, "a random-number state cannot be restored (rank 1:");
   }
   {  // no checkpoint at all
     const fs::path d = base / "empty";

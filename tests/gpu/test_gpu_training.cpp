@@ -1,7 +1,8 @@
 // Training on a GPU against the same run on the CPU, at world 1, 20 steps:
 // the plain loop, zero-3, fsdp standard and fsdp pure, on train_tiny's model
 // and on the tiny Llama; the lost-update audit on both devices; a checkpoint
-// saved on the GPU resumed on the CPU. The CPU run of every comparison comes
+// saved on the GPU resumed on the CPU, and one that restores the GPU's
+// random stream; optimizer offload on the GPU against the run without it. The CPU run of every comparison comes
 // first, so a dry run with the CPU standing in for the GPU
 // (gpu_test_device.h) runs it too, and records its numbers.
 
@@ -80,7 +81,7 @@ std::string data_path(const char* relative) {
   return *relative == '\0' ? std::string() : shardtrain_data_dir() + "/" + relative;
 }
 
-void disable_tf32() {
+void strict_cublas_math() {
   // The CPU has no TF32: an fp32 comparison must not let cuBLAS drop to it.
   at::globalContext().setAllowTF32CuBLAS(false);
   at::globalContext().setAllowTF32CuDNN(false);
@@ -174,7 +175,7 @@ TEST_P(GpuEngines, TinyModelFollowsTheCpuRunStepByStep) {
   const DeviceRun cpu = run_tiny_on(c, "cpu");
   RecordProperty("cpu_last_loss", std::to_string(cpu.losses.back()));
   REQUIRE_TEST_DEVICE();
-  disable_tf32();
+  strict_cublas_math();
   expect_follows(cpu, run_tiny_on(c, test_device_name()), c.pure ? kPureLossBound : kFp32LossBound,
                  c.pure ? kPureAuditBound : kFp32AuditBound, *this);
 }
@@ -185,7 +186,7 @@ TEST_P(GpuEngines, TinyLlamaFollowsTheCpuRunStepByStep) {
   const DeviceRun cpu = run_llama_on(c, "cpu", scratch.file("cpu"));
   RecordProperty("cpu_last_loss", std::to_string(cpu.losses.back()));
   REQUIRE_TEST_DEVICE();
-  disable_tf32();
+  strict_cublas_math();
   expect_follows(cpu, run_llama_on(c, test_device_name(), scratch.file("device")),
                  c.pure ? kPureLossBound : kFp32LossBound, c.pure ? kPureAuditBound : kFp32AuditBound, *this);
 }
@@ -200,7 +201,7 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
   shardtrain::testing::ScratchDir scratch;
   const EngineCase zero3 = kCases[1];
   REQUIRE_TEST_DEVICE();
-  disable_tf32();
+  strict_cublas_math();
   tiny::TinyRunOptions on_device = tiny_options(zero3, test_device_name());
   on_device.save_dir = scratch.file("ckpt");
   on_device.save_every = kSteps / 2;

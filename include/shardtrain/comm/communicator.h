@@ -21,11 +21,12 @@
 ///    Work::wait() returns. wait() throws TimeoutError when the collective
 ///    did not finish within the communicator's timeout (a rank that never
 ///    joins), and Error for any other failure, naming the operation, rank,
-///    dtype and sizes. On NCCL, wait() only orders the caller's GPU stream
-///    after the collective and returns at once, so a failure found later is
-///    thrown by check_health() (and by wait() on any Work not yet waited). Where the ranks can still reach the store, the error
+///    dtype and sizes. Where the ranks can still reach the store, the error
 ///    ends with a hang report: the ranks' recent collectives compared, the
 ///    first sequence number where they differ, and who is behind or missing.
+///    On NCCL, wait() only orders the caller's GPU stream after the
+///    collective and returns at once, so a failure found later is thrown by
+///    check_health() and by any later wait() on its Work.
 
 #include <chrono>
 #include <cstdint>

@@ -252,7 +252,7 @@ NcclState::~NcclState() {
     return;
   }
   (void)cudaSetDevice(device);
-  finish_abort(std::exchange(doomed, nullptr));  // marked by a watchdog stopped before it finished
+  finish_abort(std::exchange(doomed, nullptr));  // defensive: the watchdog finishes what it marks
   if (comm != nullptr) {
     // Collectives whose Work was dropped without wait() may still be queued;
     // NCCL's buffers must outlive them. Bounded: a peer may never arrive.

@@ -79,6 +79,13 @@ void Watchdog::fail(PendingCollective& pending, const std::function<void()>& mak
   }
 }
 
+void Watchdog::fail_aborted(PendingCollective& pending) const {
+  fail(pending, [&] {
+    ST_THROW(Error, pending.description(), " failed: the communicator was aborted while it was in flight (",
+             abort_reason_, "); its output is not valid. Restart the job (resume from the last checkpoint)");
+  });
+}
+
 void Watchdog::run() {
   (void)cudaSetDevice(device_);
   Backoff backoff;
@@ -102,10 +109,7 @@ void Watchdog::run() {
       if (!abort_reason_.empty()) {
         // After an abort the kernels are cut short and events fire anyway:
         // completion no longer means the output is valid.
-        fail(*p, [&] {
-          ST_THROW(Error, p->description(), " failed: the communicator was aborted while it was in flight (",
-                   abort_reason_, "); its output is not valid. Restart the job (resume from the last checkpoint)");
-        });
+        fail_aborted(*p);
         p.reset();
         progressed = true;
         continue;
@@ -151,8 +155,14 @@ void Watchdog::run() {
       }
     }
     mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());
+    if (!abort_reason_.empty()) {
+      // Those checked before this round's abort was marked (still running
+      // then) fail now too: the teardown below may take as long as the GPU
+      // queue, and nothing pending may wait for it.
+      for (auto& p : mine) fail_aborted(*p);
+      mine.clear();
+    }
     in_flight_.fetch_sub(static_cast<int>(before - mine.size()), std::memory_order_acq_rel);
-    // Everything pending has failed by now; the teardown may take as long as the GPU queue.
     if (!abort_reason_.empty()) finish_abort_();
     if (progressed) {
       backoff.reset();

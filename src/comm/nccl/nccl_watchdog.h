@@ -103,6 +103,8 @@ class Watchdog {
   void run();
   /// Fails `pending` with a copy of the exception `make_error` throws.
   static void fail(PendingCollective& pending, const std::function<void()>& make_error);
+  /// Fails `pending` as cut short by the abort (abort_reason_).
+  void fail_aborted(PendingCollective& pending) const;
 
   int device_;
   std::chrono::milliseconds timeout_;
