@@ -35,24 +35,15 @@ namespace {
 namespace fs = std::filesystem;
 namespace st = shardtrain::safetensors;
 using shardtrain::models::LlamaForCausalLM;
+using shardtrain::testing::attention_lora_r8;
 using shardtrain::testing::RankContext;
 
 constexpr int kWorld = 2;
 const char* const kCase = "llama";
 
-shardtrain::LoraConfig test_lora() {
-  shardtrain::LoraConfig config;
-  config.r = 8;
-  config.lora_alpha = 16;
-  config.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  return config;
-}
-
 shardtrain::TrainingConfig engine_config(bool fsdp) {
   shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
-  config.optimizer.type = "SGD";
-  config.optimizer.lr = 0.5;
-  config.optimizer.weight_decay = 0.0;
+  shardtrain::testing::use_plain_sgd(config);
   return config;
 }
 
@@ -64,13 +55,13 @@ shardtrain::TrainingConfig fsdp_config(shardtrain::ShardingStrategy strategy) {
 }
 
 /// The small GQA Llama (vocab 64) with `layers` layers, seeded alike on every
-/// rank, with test_lora()'s adapters, in training mode.
+/// rank, with attention_lora_r8()'s adapters, in training mode.
 LlamaForCausalLM adapted_small_llama(int64_t layers) {
   shardtrain::models::LlamaConfig model_config = shardtrain::testing::small_gqa_llama_config(64);
   model_config.num_hidden_layers = layers;
   torch::manual_seed(3);
   LlamaForCausalLM model(model_config);
-  shardtrain::apply_lora(*model, test_lora());
+  shardtrain::apply_lora(*model, attention_lora_r8());
   model->train();
   return model;
 }
@@ -118,7 +109,7 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
     LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
     std::map<std::string, at::Tensor> base_before;
     for (const auto& item : model->named_parameters()) base_before[item.key()] = item.value().detach().clone();
-    const shardtrain::LoraConfig lora = test_lora();
+    const shardtrain::LoraConfig lora = attention_lora_r8();
     shardtrain::apply_lora(*model, lora);
     model->train();
     auto accelerator = shardtrain::testing::accelerator_for(engine_config(fsdp), ctx);
@@ -193,7 +184,7 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
   const st::Reader merged((dir / "merged" / "model.safetensors").string());
   const st::Reader adapter((dir / "adapter" / "adapter_model.safetensors").string());
   const double u = std::ldexp(1.0, -24);
-  const double scaling = test_lora().scaling();
+  const double scaling = attention_lora_r8().scaling();
   int adapted = 0;
   for (const auto& name : merged.names()) {
     ASSERT_EQ(name.find("lora_"), std::string::npos) << "the merged export holds an adapter tensor: " << name;
@@ -239,7 +230,7 @@ AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& co
   LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
   if (bf16_base) model->to(torch::kBFloat16);
   torch::manual_seed(7);  // the same adapter initialisation in every run
-  shardtrain::apply_lora(*model, test_lora());
+  shardtrain::apply_lora(*model, attention_lora_r8());
   model->train();
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
@@ -259,7 +250,7 @@ AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& co
   if (!save_dir.empty()) {
     // The adapter saves in fp32, and a checkpoint of the run (the bf16 base
     // and the adapters' fp32 masters and moments) loads back unchanged.
-    accelerator->save_lora_adapter((save_dir / "adapter").string(), test_lora());
+    accelerator->save_lora_adapter((save_dir / "adapter").string(), attention_lora_r8());
     accelerator->save_state((save_dir / "checkpoint").string());
     accelerator->load_state((save_dir / "checkpoint").string());
     for (const auto& [name, value] : accelerator->full_state_dict()) {
@@ -441,7 +432,7 @@ TEST(DistLoraMemory, AUnitFedALeafInputStaysGatheredUntilBackwardEnds) {
       model_config.ffn = 64;
       torch::manual_seed(5);
       TwoBlocks model(model_config);
-      shardtrain::LoraConfig lora = test_lora();
+      shardtrain::LoraConfig lora = attention_lora_r8();
       lora.target_modules = {"qkv", "proj"};
       shardtrain::apply_lora(*model, lora);
       model->train();

@@ -30,29 +30,14 @@ namespace {
 
 namespace fs = std::filesystem;
 using shardtrain::models::LlamaForCausalLM;
+using shardtrain::testing::attention_lora_r8;
 using shardtrain::testing::RankContext;
+using shardtrain::testing::use_plain_sgd;
 
 constexpr int kWorld = 2;
 constexpr int kSteps = 3;
 
 shardtrain::models::LlamaConfig model_config() { return shardtrain::testing::small_gqa_llama_config(64); }
-
-/// The adapters every run here trains: r 8 on the attention projections.
-shardtrain::LoraConfig qkvo_lora() {
-  shardtrain::LoraConfig lora;
-  lora.r = 8;
-  lora.lora_alpha = 16;
-  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  return lora;
-}
-
-/// SGD without momentum or decay, at a rate that moves the adapters visibly in
-/// kSteps steps: an update is then a plain function of the gradient.
-void use_plain_sgd(shardtrain::TrainingConfig& config) {
-  config.optimizer.type = "SGD";
-  config.optimizer.lr = 0.5;
-  config.optimizer.weight_decay = 0.0;
-}
 
 /// kSteps steps on random ids, seeded per rank; the per-step losses.
 template <typename Prepared>
@@ -85,7 +70,7 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
   torch::manual_seed(11);
   LlamaForCausalLM model(model_config());
   if (bf16_base) model->to(torch::kBFloat16);
-  const shardtrain::LoraConfig lora = qkvo_lora();
+  const shardtrain::LoraConfig lora = attention_lora_r8();
   shardtrain::apply_lora(*model, lora);
   RunResult result;
   std::map<std::string, at::Tensor> base_bytes;
@@ -216,7 +201,7 @@ LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_lo
                                ? LlamaForCausalLM(model_config())
                                : shardtrain::models::make_llama_without_weights(model_config(), dtype);
   if (accelerator->materialize_full_weights()) model->to(dtype);
-  const shardtrain::LoraConfig lora = qkvo_lora();
+  const shardtrain::LoraConfig lora = attention_lora_r8();
   shardtrain::apply_lora(*model, lora);
   shardtrain::quantize_frozen_base(*model);
   LoadedRun result;

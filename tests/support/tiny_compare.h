@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "shardtrain/accelerator.h"
+#include "shardtrain/lora.h"
 #include "support/multirank.h"
 #include "tiny/tiny_train.h"
 
@@ -54,6 +55,24 @@ inline TrainingConfig fp32_llama_engine_config(bool fsdp) {
   config.optimizer.specified = true;
   config.steps_per_print = 1000;
   return config;
+}
+
+/// LoRA r 8, alpha 16 on the attention projections (q/k/v/o_proj): the
+/// adapters the LoRA and QLoRA engine tests train.
+inline LoraConfig attention_lora_r8() {
+  LoraConfig lora;
+  lora.r = 8;
+  lora.lora_alpha = 16;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  return lora;
+}
+
+/// SGD without momentum or decay, at a rate that moves the adapters visibly
+/// in a few steps: an update is then a plain function of the gradient.
+inline void use_plain_sgd(TrainingConfig& config) {
+  config.optimizer.type = "SGD";
+  config.optimizer.lr = 0.5;
+  config.optimizer.weight_decay = 0.0;
 }
 
 /// An Accelerator on the harness's communicator.
