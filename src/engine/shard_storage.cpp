@@ -77,20 +77,21 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
   }
-  if (plan.offload_optimizer && !pure) {
+  // With the model on the CPU every partition already lives on the host, so
+  // the offload has nothing to move: a host copy of the gradient and of the
+  // low-precision partition would only cost memory and two copies a step.
+  if (plan.offload_optimizer && !pure && !device_.is_cpu()) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
-    // Pinned next to a GPU, as DeepSpeed's offload buffers are: copies between
-    // pinned host memory and the device run at full bus speed and can overlap.
+    // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
+    // memory and the device run at full bus speed and can overlap.
     const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
-    if (!master_.is_cpu()) {
-      auto to_host = [&](at::Tensor& t) {
-        if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
-      };
-      to_host(master_);
-      to_host(exp_avg_);
-      to_host(exp_avg_sq_);
-      to_host(momentum_);
-    }
+    auto to_host = [&](at::Tensor& t) {
+      if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
+    };
+    to_host(master_);
+    to_host(exp_avg_);
+    to_host(exp_avg_sq_);
+    to_host(momentum_);
     host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
     // fp32 parameters need no rounded copy: the host master is uploaded as it is.
     if (plan.param_dtype != at::kFloat) host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
@@ -147,7 +148,7 @@ void ShardStorage::clear_grads() {
 
 void ShardStorage::add_memory(MemoryReport& stats) const {
   const bool master_is_lp = lp_.is_same(master_);
-  stats.params += bytes_of(lp_);
+  stats.params += bytes_of(lp_) + bytes_of(host_lp_);
   stats.master += master_is_lp ? 0 : bytes_of(master_);
   stats.grads += bytes_of(grad_) + bytes_of(host_grad_);
   stats.optimizer += bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
