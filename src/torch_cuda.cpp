@@ -31,6 +31,11 @@ std::string cuda_device_name(int device_index) {
   return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device_index))->name;
 }
 
+int cuda_compute_capability(int device_index) {
+  const auto* properties = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device_index));
+  return 10 * properties->major + properties->minor;
+}
+
 void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes) {
   at::native::resize_bytes_cuda(storage, bytes);
 }

@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -22,6 +23,7 @@
 #include <torch/version.h>
 
 #include "json_depth.h"
+#include "kernels/packed_attention.h"
 #include "kernels/recompute.h"
 #include "shardtrain/error.h"
 #include "shardtrain/models/hf_weights.h"
@@ -226,14 +228,26 @@ double training_flops_per_token(const LlamaConfig& c, int64_t num_params, int64_
          12.0 * c.num_hidden_layers * c.hidden_size * static_cast<double>(seq_len);
 }
 
-at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {
+namespace {
+
+/// [B,T] bool: a document starts at this token, the row's first or one whose
+/// id differs from the token before. A document is a run of equal ids, for
+/// the positions, the mask and the packed sequences alike.
+at::Tensor document_starts(const at::Tensor& document_ids) {
   ST_CHECK(document_ids.dim() == 2, "document_ids must be [B, T], got ", document_ids.sizes());
   const int64_t T = document_ids.size(1);
-  at::Tensor idx = at::arange(T, document_ids.options().dtype(at::kLong)).expand_as(document_ids);
   at::Tensor is_start = at::ones_like(document_ids, at::kBool);
   if (T > 1) {
     is_start.slice(1, 1).copy_(document_ids.slice(1, 1) != document_ids.slice(1, 0, T - 1));
   }
+  return is_start;
+}
+
+}  // namespace
+
+at::Tensor positions_from_document_ids(const at::Tensor& document_ids) {
+  const at::Tensor is_start = document_starts(document_ids);
+  at::Tensor idx = at::arange(document_ids.size(1), document_ids.options().dtype(at::kLong)).expand_as(document_ids);
   at::Tensor start = std::get<0>(at::cummax(at::where(is_start, idx, at::zeros_like(idx)), 1));
   return idx - start;
 }
@@ -252,13 +266,76 @@ std::string to_string(ActivationCheckpointing mode) {
   return mode == ActivationCheckpointing::kSelective ? "selective" : "none";
 }
 
-at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
-  // SDPA fuses the scores, the mask, the softmax and the product
-  // (FlashAttention-style memory-efficient kernels on GPUs): the T x S scores
-  // are never stored, in forward or backward. `allowed` is SDPA's boolean
-  // mask (true: attend), broadcast over the heads. shardtrain::nn's SDPA is
-  // LibTorch's, widened to fp32 where bf16 GEMMs are (nn/attention.h).
-  return shardtrain::nn::scaled_dot_product_attention(q, k, v, allowed);
+PackedSequences packed_sequences(const at::Tensor& document_ids, int64_t rows, int64_t tokens,
+                                 const at::Device& device, std::optional<int64_t> window) {
+  ST_CHECK(rows > 0 && tokens > 0, "packed_sequences: no tokens (", rows, " rows of ", tokens, ")");
+  ST_CHECK(rows * tokens < (int64_t{1} << 31), "packed_sequences: ", rows * tokens,
+           " tokens do not fit the kernel's int32 offsets");
+  ST_CHECK(!window || *window > 0, "packed_sequences: a window of ", window.value_or(0), " keys");
+  // On the host: the offsets are few (one per sequence), and the longest
+  // length has to reach the host anyway, as the kernel's launch argument.
+  std::vector<int32_t> offsets;
+  if (document_ids.defined()) {
+    ST_CHECK(document_ids.dim() == 2 && document_ids.size(0) == rows && document_ids.size(1) == tokens,
+             "packed_sequences: document_ids ", document_ids.sizes(), " are not [", rows, ", ", tokens, "]");
+    const at::Tensor ids = document_ids.to(at::kCPU, at::kLong).contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows * tokens; ++i) {
+      if (i % tokens == 0 || id[i] != id[i - 1]) offsets.push_back(static_cast<int32_t>(i));
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) offsets.push_back(static_cast<int32_t>(r * tokens));
+  }
+  offsets.push_back(static_cast<int32_t>(rows * tokens));
+  PackedSequences packed;
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+    packed.max_seqlen = std::max<int64_t>(packed.max_seqlen, offsets[s + 1] - offsets[s]);
+  }
+  packed.cu_seqlens = at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(device);
+  packed.window = window;
+  return packed;
+}
+
+AttentionMask::AttentionMask(at::Tensor allowed) : allowed_(std::move(allowed)) {
+  ST_CHECK(allowed_.defined() && allowed_.scalar_type() == at::kBool && allowed_.dim() == 4,
+           "an attention mask is a [B, 1, T, S] bool tensor (true: may attend), got ",
+           allowed_.defined() ? allowed_.toString() + " of shape " + c10::str(allowed_.sizes()) : "an undefined tensor",
+           "; for causal attention without one use AttentionMask::causal()");
+}
+
+AttentionMask AttentionMask::packed(at::Tensor allowed, PackedSequences sequences) {
+  AttentionMask mask(std::move(allowed));
+  ST_CHECK(mask.allowed_.size(-1) == mask.allowed_.size(-2) && sequences.cu_seqlens.defined() &&
+               sequences.cu_seqlens.dim() == 1 && sequences.max_seqlen > 0,
+           "a packed attention mask covers as many keys as queries (no cached keys) and has sequence offsets");
+  mask.packed_ = std::move(sequences);
+  return mask;
+}
+
+void AttentionMask::check_covers(int64_t queries, int64_t keys) const {
+  if (is_causal()) {
+    ST_CHECK(queries == keys, "a causal attention mask covers as many keys as queries, not ", queries,
+             " queries over ", keys, " keys (cached keys need a mask tensor)");
+    return;
+  }
+  ST_CHECK(allowed_.size(-1) == keys && allowed_.size(-2) == queries, "attention mask ", allowed_.sizes(),
+           " does not cover ", queries, " queries over ", keys, " keys");
+}
+
+at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
+  // Fused kernels throughout: the T x S scores are never stored, in forward
+  // or backward. Packed sequences on a GPU: FlashAttention's variable-length
+  // kernel (kernels/packed_attention.h). Otherwise shardtrain::nn's SDPA,
+  // LibTorch's widened to fp32 where bf16 GEMMs are (nn/attention.h): causal
+  // without a mask tensor where the mask is only the order, else with the
+  // boolean mask (true: attend) broadcast over the heads.
+  const PackedSequences* packed = mask.packed_sequences();
+  if (packed != nullptr &&
+      kernels::flash_attention_runs(q, q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    return kernels::packed_attention(q, k, v, packed->cu_seqlens, packed->max_seqlen, packed->window);
+  }
+  if (mask.is_causal()) return shardtrain::nn::causal_scaled_dot_product_attention(q, k, v);
+  return shardtrain::nn::scaled_dot_product_attention(q, k, v, mask.allowed());
 }
 
 namespace {
@@ -269,22 +346,35 @@ struct RecomputeCounter : torch::CustomClassHolder {
   std::shared_ptr<std::atomic<int64_t>> count;
 };
 
+/// Carries the attention mask through the autograd context: it has no
+/// gradient and is never written in place, so it is kept as it is rather than
+/// saved as variables (and a causal mask has no tensor at all).
+struct MaskHolder : torch::CustomClassHolder {
+  explicit MaskHolder(AttentionMask m) : mask(std::move(m)) {}
+  AttentionMask mask;
+};
+
 /// Selective recomputation of the core attention. Forward (which autograd
 /// runs with grad mode off) records no graph, so the [B,heads,T,S] scores and
 /// probabilities die with it; only the inputs are saved. Backward rebuilds the
 /// graph from detached copies of the inputs and differentiates it: the same
 /// kernels on the same values, so the gradients equal those of the plain path.
 struct CoreAttentionFunction : torch::autograd::Function<CoreAttentionFunction> {
+  static const AttentionMask& mask_in(const c10::IValue& holder) {
+    return c10::static_intrusive_pointer_cast<MaskHolder>(holder.toCapsule())->mask;
+  }
+
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& allowed, c10::IValue counter) {
-    ctx->save_for_backward({q, k, v, allowed});
+                            const at::Tensor& v, c10::IValue mask, c10::IValue counter) {
+    ctx->save_for_backward({q, k, v});
+    ctx->saved_data["mask"] = mask;
     ctx->saved_data["counter"] = std::move(counter);
-    return core_attention(q, k, v, allowed);
+    return core_attention(q, k, v, mask_in(mask));
   }
 
   static std::vector<at::Tensor> backward(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor> grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor allowed = saved[3];
+    const AttentionMask& mask = mask_in(ctx->saved_data["mask"]);
     const c10::IValue& counter = ctx->saved_data["counter"];
     std::vector<at::Tensor> result = kernels::recomputed_gradients(
         {saved[0], saved[1], saved[2]},
@@ -292,10 +382,10 @@ struct CoreAttentionFunction : torch::autograd::Function<CoreAttentionFunction> 
           if (counter.isCapsule()) {
             c10::static_intrusive_pointer_cast<RecomputeCounter>(counter.toCapsule())->count->fetch_add(1);
           }
-          return core_attention(qkv[0], qkv[1], qkv[2], allowed);
+          return core_attention(qkv[0], qkv[1], qkv[2], mask);
         },
         grads[0], "selectively checkpointed attention");
-    result.resize(5);  // q, k, v, then allowed and counter: no gradient
+    result.resize(5);  // q, k, v, then the mask and the counter: no gradient
     return result;
   }
 };
@@ -303,13 +393,14 @@ struct CoreAttentionFunction : torch::autograd::Function<CoreAttentionFunction> 
 }  // namespace
 
 at::Tensor checkpointed_core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& allowed,
+                                       const AttentionMask& mask,
                                        std::shared_ptr<std::atomic<int64_t>> recomputations) {
   c10::IValue counter;  // None without a counter
   if (recomputations) {
     counter = c10::IValue::make_capsule(c10::make_intrusive<RecomputeCounter>(std::move(recomputations)));
   }
-  return CoreAttentionFunction::apply(q, k, v, allowed, std::move(counter));
+  return CoreAttentionFunction::apply(q, k, v, c10::IValue::make_capsule(c10::make_intrusive<MaskHolder>(mask)),
+                                      std::move(counter));
 }
 
 // ---- modules --------------------------------------------------------------
@@ -334,12 +425,12 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c) : config(c) {
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                       const at::Tensor& allowed) {
-  return forward_with_past(x, cos, sin, allowed, at::Tensor(), at::Tensor());
+                                       const AttentionMask& mask) {
+  return forward_with_past(x, cos, sin, mask, at::Tensor(), at::Tensor());
 }
 
 at::Tensor LlamaAttentionImpl::forward_with_past(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                                 const at::Tensor& allowed, const at::Tensor& past_k,
+                                                 const AttentionMask& mask, const at::Tensor& past_k,
                                                  const at::Tensor& past_v, at::Tensor* k_all, at::Tensor* v_all) {
   const int64_t B = x.size(0), T = x.size(1), d = config.resolved_head_dim();
   const int64_t nh = config.num_attention_heads, nkv = config.num_key_value_heads;
@@ -362,20 +453,16 @@ at::Tensor LlamaAttentionImpl::forward_with_past(const at::Tensor& x, const at::
   if (k_all != nullptr) *k_all = k;
   if (v_all != nullptr) *v_all = v;
   const int64_t S = k.size(2);  // keys attended to: cached + new
-  ST_CHECK(allowed.size(-1) == S && allowed.size(-2) == T, "attention mask ", allowed.sizes(), " does not cover ",
-           T, " queries over ", S, " keys");
-  if (nh != nkv) {
-    const int64_t rep = nh / nkv;
-    k = k.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
-    v = v.unsqueeze(2).expand({B, nkv, rep, S, d}).reshape({B, nh, S, d});
-  }
+  mask.check_covers(T, S);
+  // k and v keep their nkv heads: the kernel layer repeats them to nh only
+  // where its kernel needs that (kernels/mixed_attention.h).
   // Selective checkpointing only where there is a backward to recompute for:
   // under no-grad (KV-cached decoding, the engine's no-grad first pass with
   // full checkpointing) nothing is saved anyway and the plain path runs.
   const bool selective = checkpointing == ActivationCheckpointing::kSelective && at::GradMode::is_enabled() &&
                          (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  at::Tensor attn = selective ? checkpointed_core_attention(q, k, v, allowed, core_attention_recomputations)
-                              : core_attention(q, k, v, allowed);
+  at::Tensor attn = selective ? checkpointed_core_attention(q, k, v, mask, core_attention_recomputations)
+                              : core_attention(q, k, v, mask);
   at::Tensor out = attn.transpose(1, 2).reshape({B, T, nh * d});
   return o_proj(out);
 }
@@ -398,16 +485,16 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c) : Unit(c.deco
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                                          const at::Tensor& allowed) {
+                                          const AttentionMask& mask) {
   // By value: with activation checkpointing the body runs again in backward.
-  return run_unit(hidden, [this, cos, sin, allowed](const at::Tensor& h) {
-    at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, allowed);
+  return run_unit(hidden, [this, cos, sin, mask](const at::Tensor& h) {
+    at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, mask);
     return x + mlp(post_attention_layernorm(x));
   });
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& hidden, const at::Tensor& cos,
-                                                 const at::Tensor& sin, const at::Tensor& allowed,
+                                                 const at::Tensor& sin, const AttentionMask& mask,
                                                  const at::Tensor& past_k, const at::Tensor& past_v,
                                                  at::Tensor& k_all, at::Tensor& v_all) {
   // The body may run twice (activation checkpointing recomputes it in a
@@ -415,8 +502,8 @@ at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& hidden, const
   // leaves the joined keys/values in `slot`, which a second run overwrites
   // with the same values. The caller commits them to the cache afterwards.
   auto slot = std::make_shared<std::pair<at::Tensor, at::Tensor>>();
-  at::Tensor out = run_unit(hidden, [this, cos, sin, allowed, past_k, past_v, slot](const at::Tensor& h) {
-    at::Tensor x = h + self_attn->forward_with_past(input_layernorm(h), cos, sin, allowed, past_k, past_v,
+  at::Tensor out = run_unit(hidden, [this, cos, sin, mask, past_k, past_v, slot](const at::Tensor& h) {
+    at::Tensor x = h + self_attn->forward_with_past(input_layernorm(h), cos, sin, mask, past_k, past_v,
                                                     &slot->first, &slot->second);
     return x + mlp(post_attention_layernorm(x));
   });
@@ -440,6 +527,45 @@ LlamaLMHeadImpl::LlamaLMHeadImpl(const LlamaConfig& c)
 at::Tensor LlamaLMHeadImpl::forward(const at::Tensor& hidden) {
   return run_unit(hidden, [this](const at::Tensor& h) { return shardtrain::nn::LinearImpl::forward(h); });
 }
+
+namespace {
+
+/// The mask of T new tokens at absolute positions first_query .. first_query
+/// + T - 1 over the keys from position first_key on (cached ones, then the
+/// new ones): key j is allowed to query i when it is not after it, within the
+/// sliding window, and (document_ids [B,T] given, on any device) in the same
+/// document: the same run of equal ids.
+/// Causal, without a tensor, where nothing but the order limits the keys;
+/// with the packed sequences too where FlashAttention's variable-length
+/// kernel will take them (no cached keys, `compute` on a GPU in 16 bits).
+AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first_key, int64_t first_query, int64_t T,
+                             const at::Tensor& document_ids, const at::TensorOptions& long_opts,
+                             const at::Tensor& compute) {
+  const bool window_limits = config.sliding_window && *config.sliding_window < T;
+  const bool no_cached_keys = first_key == first_query;
+  if (no_cached_keys && !window_limits && !document_ids.defined()) return AttentionMask::causal();
+  at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
+  at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
+  at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);  // i - j in positions
+  at::Tensor allowed = diff >= 0;
+  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
+  allowed = allowed.view({1, 1, T, key_pos.size(0)});
+  if (document_ids.defined()) {
+    const at::Tensor doc = document_starts(document_ids.to(long_opts.device())).cumsum(1);  // run number
+    allowed = allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
+  } else {
+    allowed = allowed.expand({B, 1, T, key_pos.size(0)});
+  }
+  if (!no_cached_keys || !kernels::flash_attention_runs(compute.device(), compute.scalar_type(),
+                                                       config.resolved_head_dim(), at::GradMode::is_enabled())) {
+    return AttentionMask(allowed);
+  }
+  const std::optional<int64_t> window =
+      window_limits ? std::optional<int64_t>(*config.sliding_window) : std::nullopt;
+  return AttentionMask::packed(allowed, packed_sequences(document_ids, B, T, compute.device(), window));
+}
+
+}  // namespace
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   c.validate();
@@ -484,21 +610,11 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   }
   auto [cos, sin] = rope_cos_sin(positions, inv_freq);
 
-  // allowed[b,0,i,j]: j <= i, within the sliding window, same document.
-  at::Tensor idx = at::arange(T, long_opts);
-  at::Tensor diff = idx.unsqueeze(1) - idx.unsqueeze(0);  // i - j
-  at::Tensor allowed = diff >= 0;
-  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
-  allowed = allowed.view({1, 1, T, T});
-  if (document_ids.defined()) {
-    at::Tensor doc = document_ids.to(input_ids.device());
-    allowed = allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
-  } else {
-    allowed = allowed.expand({B, 1, T, T});
-  }
-
   at::Tensor h = embed_tokens(input_ids);
-  for (auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed);
+  // document_ids as given: where they are on the host, the packed sequences
+  // are found there without a round trip through the GPU.
+  const AttentionMask mask = attention_mask(config, B, 0, 0, T, document_ids, long_opts, h);
+  for (auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, mask);
   return norm(h);
 }
 
@@ -525,19 +641,12 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& input_ids, KVCache& 
   // Positions continue after the cached tokens.
   at::Tensor query_pos = at::arange(cache.length, cache.length + T, long_opts);
   auto [cos, sin] = rope_cos_sin(query_pos.unsqueeze(0).expand({B, T}), inv_freq);
-  // allowed[b,0,i,j]: key j (absolute position start + j, cached then new) is
-  // not after query i and, with a sliding window, within it.
-  at::Tensor key_pos = at::arange(cache.start, cache.length + T, long_opts);
-  at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);
-  at::Tensor allowed = diff >= 0;
-  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
-  allowed = allowed.view({1, 1, T, S + T}).expand({B, 1, T, S + T});
-
   std::vector<at::Tensor> keys(static_cast<std::size_t>(L)), values(static_cast<std::size_t>(L));
   at::Tensor h = embed_tokens(input_ids);
+  const AttentionMask mask = attention_mask(config, B, cache.start, cache.length, T, at::Tensor(), long_opts, h);
   for (int64_t l = 0; l < L; ++l) {
     const auto i = static_cast<std::size_t>(l);
-    h = (*layers)[i]->as<LlamaDecoderLayerImpl>()->forward_cached(h, cos, sin, allowed, cache.keys[i],
+    h = (*layers)[i]->as<LlamaDecoderLayerImpl>()->forward_cached(h, cos, sin, mask, cache.keys[i],
                                                                    cache.values[i], keys[i], values[i]);
   }
   at::Tensor out = norm(h);

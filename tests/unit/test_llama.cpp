@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -177,6 +178,82 @@ TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
     at::Tensor unpacked = model->forward(ids);
     EXPECT_GT((unpacked.slice(1, 5) - packed.slice(1, 5)).abs().max().item<double>(), 1e-3) << name;
   }
+}
+
+// A forward without packed documents (or with a sliding window no shorter
+// than the sequence) attends causally without a mask tensor
+// (AttentionMask::causal(): the kernels skip the masked half, a GPU may run
+// FlashAttention); the same tokens as one packed document go through the
+// mask tensor. On the CPU the two are the same bits, logits and every
+// parameter gradient, in fp32 and bf16 (the zero tolerance is argued at
+// UnitMixedAttention.CausalAttentionIsTheMaskedCallBitForBit).
+TEST(UnitLlama, TheMasklessCausalPathIsTheOneDocumentMaskBitForBit) {
+  for (const std::string name : {"llama", "mistral_swa"}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      auto model = load_case(name);
+      model->to(dtype);
+      const int64_t T = name == "mistral_swa" ? 4 : 15;  // mistral_swa's window is 4
+      ASSERT_TRUE(!model->config.sliding_window || *model->config.sliding_window >= T);
+      const at::Tensor ids = at::randint(model->config.vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
+      auto logits_and_grads = [&](const at::Tensor& document_ids) {
+        model->zero_grad();
+        const at::Tensor logits = model->forward(ids, {}, document_ids);
+        sm::causal_lm_loss(logits.to(at::kFloat), ids).backward();
+        std::vector<at::Tensor> out{logits.detach()};
+        for (const auto& p : model->named_parameters()) out.push_back(p.value().grad().clone());
+        return out;
+      };
+      const std::vector<at::Tensor> causal = logits_and_grads(at::Tensor());
+      const std::vector<at::Tensor> masked = logits_and_grads(at::zeros_like(ids));
+      ASSERT_EQ(causal.size(), masked.size());
+      for (std::size_t i = 0; i < causal.size(); ++i) {
+        EXPECT_TRUE(at::equal(causal[i], masked[i]))
+            << name << " " << dtype << (i == 0 ? " logits" : " gradient " + std::to_string(i - 1));
+      }
+    }
+  }
+}
+
+// The packed form of a batch, what FlashAttention's variable-length kernel
+// takes on a GPU (the kernel itself is GpuAttention.*): a sequence starts at
+// each row and wherever the document id changes, so a row's padding (a
+// document of its own) is a sequence too.
+TEST(UnitLlama, PackedSequencesStartAtEachRowAndEachNewDocument) {
+  const at::Tensor docs = at::tensor({0, 0, 1, 1, 1, 0, 0, 0, 0, 1}, at::kLong).view({2, 5});
+  const sm::PackedSequences packed = sm::packed_sequences(docs, 2, 5, at::kCPU, 4);
+  EXPECT_TRUE(at::equal(packed.cu_seqlens, at::tensor({0, 2, 5, 9, 10}, at::kInt)));
+  EXPECT_EQ(packed.max_seqlen, 4);
+  EXPECT_EQ(packed.window, std::optional<int64_t>(4));
+  // The same id in the next row is a new sequence: rows never attend to each other.
+  const at::Tensor same = at::zeros({3, 4}, at::kLong);
+  const sm::PackedSequences rows = sm::packed_sequences(same, 3, 4, at::kCPU, std::nullopt);
+  EXPECT_TRUE(at::equal(rows.cu_seqlens, at::tensor({0, 4, 8, 12}, at::kInt)));
+  EXPECT_EQ(rows.max_seqlen, 4);
+  const sm::PackedSequences none = sm::packed_sequences(at::Tensor(), 3, 4, at::kCPU, std::nullopt);
+  EXPECT_TRUE(at::equal(none.cu_seqlens, rows.cu_seqlens));
+  EXPECT_FALSE(none.window.has_value());
+  // A document is a run of equal ids: an id that recurs starts a new one,
+  // for the packed sequences and for the mask (and the positions) alike.
+  const at::Tensor recurring = at::tensor({0, 0, 1, 1, 0, 0}, at::kLong).view({1, 6});
+  const at::Tensor renumbered = at::tensor({0, 0, 1, 1, 2, 2}, at::kLong).view({1, 6});
+  EXPECT_TRUE(at::equal(sm::packed_sequences(recurring, 1, 6, at::kCPU, std::nullopt).cu_seqlens,
+                        at::tensor({0, 2, 4, 6}, at::kInt)));
+  {
+    auto model = load_case("llama");
+    torch::NoGradGuard no_grad;
+    const at::Tensor ids = at::randint(model->config.vocab_size, {1, 6}, at::TensorOptions().dtype(at::kLong));
+    EXPECT_TRUE(at::equal(model->forward(ids, {}, recurring), model->forward(ids, {}, renumbered)));
+  }
+  EXPECT_THROW(sm::packed_sequences(docs, 5, 2, at::kCPU, std::nullopt), shardtrain::Error);
+  EXPECT_THROW(sm::packed_sequences(docs, 2, 5, at::kCPU, 0), shardtrain::Error);
+  // Where the variable-length kernel does not run (the CPU), a packed mask
+  // is its tensor: the same bits as the plain mask.
+  const int64_t T = 5;
+  const at::Tensor allowed = at::ones({2, 1, T, T}, at::kBool).tril();
+  const sm::AttentionMask mask = sm::AttentionMask::packed(allowed, packed);
+  ASSERT_NE(mask.packed_sequences(), nullptr);
+  const at::Tensor q = at::randn({2, 4, T, 8}), k = at::randn({2, 2, T, 8}), v = at::randn({2, 2, T, 8});
+  EXPECT_TRUE(at::equal(sm::core_attention(q, k, v, mask), sm::core_attention(q, k, v, allowed)));
 }
 
 class UnitLlamaLoad : public ::testing::Test {

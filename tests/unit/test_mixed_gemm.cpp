@@ -6,6 +6,8 @@
 // torch::nn::Linear.
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <optional>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -15,6 +17,7 @@
 #include "kernels/mixed_attention.h"
 #include "kernels/mixed_gemm.h"
 #include "kernels/recompute.h"
+#include "shardtrain/error.h"
 #include "shardtrain/nn/attention.h"
 #include "shardtrain/nn/linear.h"
 #include "support/multirank.h"
@@ -328,6 +331,97 @@ TEST(UnitMixedAttention, ThePublicAttentionFollowsThisProcessesGemmChoice) {
   const at::Tensor q32 = in.q.to(at::kFloat), k32 = in.k.to(at::kFloat), v32 = in.v.to(at::kFloat);
   EXPECT_TRUE(at::equal(shardtrain::nn::scaled_dot_product_attention(q32, k32, v32, in.attend),
                         fp32_sdpa(q32, k32, v32, in.attend)));
+}
+
+/// Forward and the q, k, v gradients of `attention` for an upstream gradient g.
+std::vector<at::Tensor> attention_and_grads(
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>& attention,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g) {
+  const at::Tensor q1 = q.detach().requires_grad_(), k1 = k.detach().requires_grad_(),
+                   v1 = v.detach().requires_grad_();
+  const at::Tensor out = attention(q1, k1, v1);
+  std::vector<at::Tensor> result = torch::autograd::grad({out}, {q1, k1, v1}, {g});
+  result.insert(result.begin(), out.detach());
+  return result;
+}
+
+// Causal attention without a mask tensor is the masked call with the causal
+// triangle, bit for bit, grouped key/value heads included, in every dtype and
+// through either path (LibTorch's kernel, the widened one): zero tolerance,
+// because both calls run one kernel over the same blocks of keys in the same
+// order, and a block the causal call skips adds to the masked call's sums
+// only exp(-inf) = 0 and products with it, exact zeros that change no bit.
+// A causal call that attended one key too many or too few moves the output
+// by the weight of that key, far beyond a bit.
+TEST(UnitMixedAttention, CausalAttentionIsTheMaskedCallBitForBit) {
+  torch::manual_seed(16);
+  const int64_t batch = 2, heads = 8, kv_heads = 2, tokens = 80, head_dim = 32;
+  const at::Tensor mask = at::ones({tokens, tokens}, at::kBool).tril().expand({batch, 1, tokens, tokens});
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor q = random_bf16({batch, heads, tokens, head_dim}).to(dtype);
+    const at::Tensor k = random_bf16({batch, kv_heads, tokens, head_dim}).to(dtype);
+    const at::Tensor v = random_bf16({batch, kv_heads, tokens, head_dim}).to(dtype);
+    const at::Tensor g = random_bf16({batch, heads, tokens, head_dim}).to(dtype);
+    const auto causal = attention_and_grads(shardtrain::nn::causal_scaled_dot_product_attention, q, k, v, g);
+    const auto masked = attention_and_grads(
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return shardtrain::nn::scaled_dot_product_attention(a, b, c, mask);
+        },
+        q, k, v, g);
+    const char* names[] = {"output", "q gradient", "k gradient", "v gradient"};
+    for (std::size_t i = 0; i < causal.size(); ++i) {
+      EXPECT_TRUE(at::equal(causal[i], masked[i])) << dtype << " " << names[i] << ": largest difference "
+                                                   << (causal[i] - masked[i]).abs().max().item<double>();
+    }
+    EXPECT_EQ(causal[2].sizes(), k.sizes()) << "the grouped heads' gradient has their shape";
+  }
+}
+
+// Grouped key/value heads serve their query heads as Llama groups them (key
+// head j: query heads j*g .. j*g+g-1), on the CPU by repeating them, which is
+// SDPA's own grouping (enable_gqa, what a GPU's FlashAttention gets) bit for
+// bit in the forward: each query head meets the same key/value values either
+// way, only where they are read from differs.
+TEST(UnitMixedAttention, GroupedHeadsServeTheirQueryHeadsAsSdpaGroupsThem) {
+  torch::manual_seed(17);
+  const int64_t batch = 2, heads = 6, kv_heads = 3, tokens = 24, head_dim = 16, group = heads / kv_heads;
+  const at::Tensor q = at::randn({batch, heads, tokens, head_dim});
+  const at::Tensor k = at::randn({batch, kv_heads, tokens, head_dim});
+  const at::Tensor v = at::randn({batch, kv_heads, tokens, head_dim});
+  EXPECT_FALSE(kernels::attention_takes_grouped_heads(q, k, v, at::Tensor())) << "the CPU repeats the heads";
+  const at::Tensor ours = shardtrain::nn::causal_scaled_dot_product_attention(q, k, v);
+  const at::Tensor sdpa_grouped = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true,
+                                                                   std::nullopt, /*enable_gqa=*/true);
+  EXPECT_TRUE(at::equal(ours, sdpa_grouped));
+  // Query head h alone against its key/value head h / group.
+  for (int64_t h = 0; h < heads; ++h) {
+    const at::Tensor one = at::scaled_dot_product_attention(
+        q.narrow(1, h, 1), k.narrow(1, h / group, 1), v.narrow(1, h / group, 1), std::nullopt, 0.0, true);
+    EXPECT_TRUE(at::equal(ours.narrow(1, h, 1), one)) << "query head " << h;
+  }
+}
+
+TEST(UnitMixedAttention, ShapesThatDoNotFitAreRefusedNamingThem) {
+  const at::Tensor q = at::randn({1, 6, 8, 4}), k = at::randn({1, 4, 8, 4}), v = at::randn({1, 4, 8, 4});
+  const at::Tensor mask = at::ones({1, 1, 8, 8}, at::kBool);
+  auto message_of = [](const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const shardtrain::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string heads = message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k, v, mask); });
+  EXPECT_NE(heads.find("divides"), std::string::npos) << heads;
+  const at::Tensor k2 = at::randn({1, 2, 5, 4}), v2 = at::randn({1, 2, 5, 4});
+  const std::string causal = message_of([&] { shardtrain::nn::causal_scaled_dot_product_attention(q, k2, v2); });
+  EXPECT_NE(causal.find("8 queries over 5 keys"), std::string::npos) << causal;
+  const std::string uncovered = message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, mask); });
+  EXPECT_NE(uncovered.find("does not cover 8 queries over 5 keys"), std::string::npos) << uncovered;
+  const std::string undefined =
+      message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, at::Tensor()); });
+  EXPECT_NE(undefined.find("causal_scaled_dot_product_attention"), std::string::npos) << undefined;
 }
 
 }  // namespace

@@ -47,20 +47,71 @@ ActivationCheckpointing parse_activation_checkpointing(const std::string& name);
 /// "none" or "selective".
 std::string to_string(ActivationCheckpointing mode);
 
+/// Sequences packed one after another into a batch's B rows of T tokens (the
+/// rows laid end to end, B*T tokens), as FlashAttention's variable-length
+/// kernel takes them.
+struct PackedSequences {
+  /// int32 [count + 1] on the batch's device: sequence s holds tokens
+  /// cu_seqlens[s] .. cu_seqlens[s+1]-1.
+  at::Tensor cu_seqlens;
+  int64_t max_seqlen = 0;  ///< the longest sequence's length
+  /// Each query attends at most this many keys, itself included (a sliding
+  /// window); none: every earlier key of its sequence.
+  std::optional<int64_t> window;
+};
+
+/// The sequences of a batch: a new one starts at each row and wherever
+/// document_ids [rows, tokens] changes from the token before (undefined
+/// document_ids: one sequence per row). cu_seqlens lands on `device`; built
+/// on the host, so ids on a GPU cost one synchronisation.
+PackedSequences packed_sequences(const at::Tensor& document_ids, int64_t rows, int64_t tokens,
+                                 const at::Device& device, std::optional<int64_t> window);
+
+/// Which keys each query may attend to; built once per forward by the model
+/// and shared by its layers.
+class AttentionMask {
+ public:
+  /// Query i attends keys 0..i of the same T tokens and nothing else limits
+  /// it (no cached keys, packed documents or sliding window shorter than T).
+  /// The attention then runs without a mask tensor: the kernels skip the
+  /// masked half of the scores, and on a GPU FlashAttention can run.
+  static AttentionMask causal() { return AttentionMask(); }
+  /// allowed [B,1,T,S] bool (true: may attend), broadcast over the heads.
+  AttentionMask(at::Tensor allowed);  // NOLINT(google-explicit-constructor): a mask tensor is an AttentionMask
+  bool is_causal() const { return !allowed_.defined(); }
+  /// The mask tensor; undefined where is_causal().
+  const at::Tensor& allowed() const { return allowed_; }
+  /// Throws shardtrain::Error unless it fits T queries over S keys.
+  void check_covers(int64_t queries, int64_t keys) const;
+
+  /// The same mask as causal attention within packed sequences (documents,
+  /// a sliding window, or both; no cached keys): where FlashAttention's
+  /// variable-length kernel runs (a GPU, 16 bits) the attention takes this
+  /// form and skips the tensor. `allowed` must say the same.
+  static AttentionMask packed(at::Tensor allowed, PackedSequences sequences);
+  /// The packed form, where the mask has one; nullptr otherwise.
+  const PackedSequences* packed_sequences() const { return packed_ ? &*packed_ : nullptr; }
+
+ private:
+  AttentionMask() = default;
+  at::Tensor allowed_;
+  std::optional<PackedSequences> packed_;
+};
+
 /// The core attention: softmax(q k^T / sqrt(d) masked) v, the softmax in fp32
-/// and its result cast back to q's dtype. q/k/v [B,heads,T|S,d] (k and v
-/// after RoPE and the grouped-query repeat: as many heads as q); allowed
-/// [B,1,T,S] bool (true: may attend). Returns [B,heads,T,d].
-at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
+/// and its result cast back to q's dtype. q [B,heads,T,d]; k/v [B,kv_heads,S,d]
+/// after RoPE, kv_heads dividing heads (grouped-query attention; the kernel
+/// layer repeats them where its kernel needs it). Returns [B,heads,T,d].
+at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask);
 
 /// core_attention() as an autograd function that saves only its inputs (q, k,
-/// v, allowed) and recomputes the scores and probabilities in backward, then
+/// v, the mask) and recomputes the scores and probabilities in backward, then
 /// differentiates through them. It has no parameters, so it works unchanged
 /// when a sharding engine gathers and frees them. When `recomputations` is
 /// given it is incremented once per backward recomputation. Double backward
 /// (create_graph) through it is not supported and throws shardtrain::Error.
 at::Tensor checkpointed_core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& allowed,
+                                       const AttentionMask& mask,
                                        std::shared_ptr<std::atomic<int64_t>> recomputations = nullptr);
 
 /// config.json's "rope_scaling".
@@ -124,15 +175,14 @@ TORCH_MODULE(LlamaRMSNorm);
 
 struct LlamaAttentionImpl : torch::nn::Module {
   explicit LlamaAttentionImpl(const LlamaConfig& config);
-  /// x [B,T,H]; cos/sin [B,T,head_dim]; allowed [B,1,T,T] bool (true: may attend).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& allowed);
+  /// x [B,T,H]; cos/sin [B,T,head_dim]; mask over T queries and T keys.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const AttentionMask& mask);
   /// Attention of the new tokens x [B,T,H] over S earlier tokens' keys/values
   /// past_k/past_v [B,num_key_value_heads,S,head_dim] (after RoPE; undefined:
-  /// S = 0) and their own. allowed [B,1,T,S+T]. When k_all/v_all are given they
+  /// S = 0) and their own; mask over T queries and S+T keys. When k_all/v_all are given they
   /// receive past ++ new keys/values [B,num_key_value_heads,S+T,head_dim].
   at::Tensor forward_with_past(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& allowed, const at::Tensor& past_k, const at::Tensor& past_v,
+                               const AttentionMask& mask, const at::Tensor& past_k, const at::Tensor& past_v,
                                at::Tensor* k_all = nullptr, at::Tensor* v_all = nullptr);
   LlamaConfig config;
   shardtrain::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -156,14 +206,14 @@ TORCH_MODULE(LlamaMLP);
 struct LlamaDecoderLayerImpl : torch::nn::Module, shardtrain::Unit {
   explicit LlamaDecoderLayerImpl(const LlamaConfig& config);
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& allowed);
+                     const AttentionMask& mask);
   /// The KV-cached form (see KVCache): hidden [B,T,H] are the new tokens,
-  /// allowed [B,1,T,S+T] covers the S cached keys past_k/past_v (undefined
+  /// the mask covers the S cached keys past_k/past_v (undefined
   /// when S = 0) and the new ones. Sets k_all/v_all to the keys/values of all
   /// S+T tokens. Runs through run_unit() like forward(), so a sharding engine
   /// gathers the layer's parameters around it.
   at::Tensor forward_cached(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& allowed, const at::Tensor& past_k, const at::Tensor& past_v,
+                            const AttentionMask& mask, const at::Tensor& past_k, const at::Tensor& past_v,
                             at::Tensor& k_all, at::Tensor& v_all);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
@@ -260,8 +310,9 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   explicit LlamaForCausalLMImpl(const LlamaConfig& config);
   /// input_ids [B,T] int64 -> logits [B,T,vocab] fp32.
   /// position_ids [B,T] (default: 0..T-1, or restarting at each document when
-  /// document_ids is given). document_ids [B,T] int64: packed sequences; a token
-  /// attends only to earlier tokens with the same document id.
+  /// document_ids is given). document_ids [B,T] int64: packed sequences; a
+  /// document is a run of equal ids (an id that recurs after another starts a
+  /// new document), and a token attends only to earlier tokens of its own.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
                      const at::Tensor& document_ids = {});
   /// Incremental decoding: input_ids [B,T_new] int64 are the tokens after the
@@ -308,7 +359,8 @@ int64_t count_loss_tokens(const at::Tensor& labels, int64_t ignore_index = -100)
 double training_flops_per_token(const LlamaConfig& config, int64_t num_params, int64_t seq_len,
                                 int64_t trained_matmul_params = -1);
 
-/// Positions restarting at 0 at every change of document id along dim 1.
+/// Positions restarting at 0 at every change of document id along dim 1 (a
+/// document is a run of equal ids).
 at::Tensor positions_from_document_ids(const at::Tensor& document_ids);
 
 /// Parameters under their Hugging Face names, in registration order.

@@ -20,11 +20,22 @@
 namespace shardtrain::nn {
 
 /// softmax(q k^T / sqrt(d), masked) v, as at::scaled_dot_product_attention
-/// with `attend` as its boolean mask (true: may attend; broadcast over the
-/// heads), no dropout, not causal beyond the mask. q/k/v [B,heads,T|S,d] of
-/// one dtype (k and v with as many heads as q). Double backward through the
-/// widened path throws shardtrain::Error.
+/// with `attend` as its boolean mask (true: may attend; [B,1,T,S], broadcast
+/// over the heads), no dropout, not causal beyond the mask. q [B,heads,T,d];
+/// k and v [B,kv_heads,S,d] of q's dtype, kv_heads dividing heads
+/// (grouped-query attention: key/value head j serves query heads j*g ..
+/// j*g+g-1, g = heads / kv_heads, as Llama groups them). Double backward
+/// through the widened path throws shardtrain::Error.
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& attend);
+
+/// The same for causal attention without a mask tensor: k and v have as many
+/// tokens as q, and query i attends keys 0..i. Prefer it wherever nothing
+/// else restricts the keys (no cached keys, packed documents or sliding
+/// window shorter than the sequence): the kernels skip the masked half of
+/// the scores, and on a GPU FlashAttention (which takes no mask) can run, on
+/// the grouped key/value heads as they are where it does. On the CPU its
+/// results are the masked call's, bit for bit.
+at::Tensor causal_scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 }  // namespace shardtrain::nn
