@@ -244,14 +244,8 @@ struct NcclState {
 NcclState::~NcclState() {
   // The watchdog calls back into this state: it goes first.
   watchdog.reset();
-  int previous = -1;
-  // At process exit the CUDA runtime may already be unloading; then touching
-  // NCCL or CUDA can crash, and the OS reclaims everything anyway.
-  if (cudaGetDevice(&previous) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;
-  }
-  (void)cudaSetDevice(device);
+  const TeardownDeviceGuard guard(device);
+  if (!guard.usable()) return;
   finish_abort(std::exchange(doomed, nullptr));  // defensive: the watchdog finishes what it marks
   if (comm != nullptr) {
     // Collectives whose Work was dropped without wait() may still be queued;
@@ -283,8 +277,6 @@ NcclState::~NcclState() {
   if (barrier_buffer != nullptr) (void)cudaFree(barrier_buffer);
   if (ready_event != nullptr) (void)cudaEventDestroy(ready_event);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);
-  (void)cudaGetLastError();
-  torch_cuda::restore_cuda_device(previous);
 }
 
 /// What the enqueue step of one collective sees. NCCL/CUDA results go through
@@ -393,19 +385,13 @@ class NcclWork final : public Work {
 
   ~NcclWork() override {
     if (ordered_) return;
-    int previous = -1;
-    if (cudaGetDevice(&previous) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;  // runtime unloading at exit
-    }
-    (void)cudaSetDevice(state_->device);
+    const TeardownDeviceGuard guard(state_->device);
+    if (!guard.usable()) return;
     // Dropped without wait(): the kept tensors go back to the caching
     // allocator now, which may hand their blocks to the next allocation on the
     // issuing stream while the collective still writes them. Making that
     // stream wait for the collective closes the window without blocking here.
     (void)cudaStreamWaitEvent(issue_stream_, pending_->done_event(), 0);
-    (void)cudaGetLastError();
-    torch_cuda::restore_cuda_device(previous);
   }
 
   /// Orders the caller's current stream (and the issuing one) after the

@@ -70,6 +70,39 @@ class CudaDeviceGuard {
   int previous_ = -1;
 };
 
+/// CudaDeviceGuard's form for destructors: it never throws, and tells whether
+/// CUDA may be touched at all. At process exit the CUDA runtime may already
+/// be unloading (cudaGetDevice fails); then a destructor must leave CUDA and
+/// NCCL alone, since touching them can crash, and the OS reclaims everything.
+/// Clears CUDA's sticky last error on the way out, as a destructor's
+/// ignored calls may leave one.
+class TeardownDeviceGuard {
+ public:
+  explicit TeardownDeviceGuard(int device) noexcept : device_(device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    usable_ = true;
+    if (previous_ != device_) (void)cudaSetDevice(device_);
+  }
+  ~TeardownDeviceGuard() {
+    if (!usable_) return;
+    (void)cudaGetLastError();
+    if (previous_ != device_) torch_cuda::restore_cuda_device(previous_);
+  }
+  TeardownDeviceGuard(const TeardownDeviceGuard&) = delete;
+  TeardownDeviceGuard& operator=(const TeardownDeviceGuard&) = delete;
+
+  /// False where the runtime is unloading: touch nothing.
+  bool usable() const { return usable_; }
+
+ private:
+  int device_;
+  int previous_ = -1;
+  bool usable_ = false;
+};
+
 }  // namespace shardtrain::comm::nccl_detail
 
 /// Throws shardtrain::Error naming the call, CUDA's error name and text, and file:line.

@@ -13,15 +13,8 @@
 namespace shardtrain::comm::nccl_detail {
 
 PendingCollective::~PendingCollective() {
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;  // runtime unloading at exit
-  }
-  (void)cudaSetDevice(device_);
-  (void)cudaEventDestroy(done_);
-  (void)cudaGetLastError();
-  torch_cuda::restore_cuda_device(previous);
+  const TeardownDeviceGuard guard(device_);
+  if (guard.usable()) (void)cudaEventDestroy(done_);
 }
 
 std::exception_ptr PendingCollective::failure() const {
