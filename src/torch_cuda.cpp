@@ -57,8 +57,14 @@ void reset_cuda_peak_memory(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
 }
 
-void restore_cuda_device(int device_index) {
-  (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device_index));
+void restore_cuda_device(int device_index) noexcept {
+  // It runs in destructors: c10's device checks throw on a failing runtime
+  // (at process exit, one unloading), and a throw there would terminate.
+  try {
+    (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device_index));
+  } catch (...) {
+    (void)cudaGetLastError();
+  }
 }
 
 

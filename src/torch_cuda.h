@@ -56,6 +56,7 @@ void reset_cuda_peak_memory(int device_index);
 /// exists (c10::cuda::MaybeSetDevice). A thread that never touched a GPU
 /// reports device 0; a plain cudaSetDevice(0) back would create a context
 /// there, some hundreds of MB on GPU 0, for every rank whose GPU is not 0.
-void restore_cuda_device(int device_index);
+/// Never throws: destructors call it.
+void restore_cuda_device(int device_index) noexcept;
 
 }  // namespace shardtrain::torch_cuda

@@ -59,6 +59,9 @@ class ShardStorage {
   /// Optimizer offload: the host copy the step reads the gradient from
   /// (undefined without offload).
   const at::Tensor& host_grad() const { return host_grad_; }
+  /// Whether the optimizer steps on host copies (offload asked for, the
+  /// model on a GPU, an fp32 master to step; nothing moves otherwise).
+  bool offloaded() const { return host_grad_.defined(); }
   /// Where the optimizer's kernel writes the stepped values rounded to
   /// param_dtype: the low-precision partition, its host copy under offload, or
   /// nothing where the stepped tensor is itself what the model reads, or is

@@ -94,9 +94,10 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGro
               s.plan.name, s.units.size(), trainable, s.groups.layout_world(), c10::toString(s.plan.compute_dtype),
               c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
               s.plan.pure_low_precision ? ", pure low precision (no fp32 master)" : "",
-              !s.plan.offload_optimizer                      ? ""
-              : s.storage.fp32_options().device().is_cpu() ? ", optimizer offload asked for (the model is on the CPU already)"
-                                                             : ", optimizer offloaded to CPU");
+              s.storage.offloaded()        ? ", optimizer offloaded to CPU"
+              : s.plan.offload_optimizer ? ", optimizer offload asked for, nothing to move (model on the CPU, or no "
+                                           "fp32 master in pure low precision)"
+                                         : "");
 }
 
 ShardedEngine::~ShardedEngine() {

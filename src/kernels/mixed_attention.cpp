@@ -14,10 +14,10 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/SDPBackend.h>
 #include <torch/autograd.h>
 
 #include "kernels/mixed_gemm.h"
-#include "kernels/packed_attention.h"
 #include "kernels/recompute.h"
 #include "shardtrain/error.h"
 
@@ -103,17 +103,22 @@ at::Tensor widened(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 bool attention_takes_grouped_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& attend) {
-  // FlashAttention reads each key/value head once for its group of query
-  // heads, where repeating them first would copy K and V (and keep the copies
-  // for backward); SDPA picks it for causal attention without a mask where it
-  // runs. Everywhere else the heads are repeated: SDPA's memory-efficient
-  // kernel (masks, or where flash does not run) takes no grouped heads in
-  // torch 2.11, and SDPA would fall back to the math kernel, which stores
-  // every score. The CPU's kernels give the same bits on repeated heads
-  // (measured with this torch) but sum a grouped head's key/value gradients
-  // in another order, so the CPU repeats them too.
-  const bool needs_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  return !attend.defined() && flash_attention_runs(q, needs_grad);
+  // FlashAttention (and cuDNN's attention) read each key/value head once for
+  // its group of query heads, where repeating them first would copy K and V
+  // and keep the copies for backward. Causal attention on a GPU asks SDPA
+  // which kernel it would pick for the grouped heads: any fused one takes
+  // them as they are. Where only the math kernel would (no flash for this
+  // GPU, dtype or head size: the memory-efficient kernel takes no grouped
+  // heads in torch 2.11), or with a mask, the heads are repeated, so the
+  // memory-efficient kernel runs instead of one that stores every score.
+  // The CPU repeats them too: its kernels give the same bits on repeated
+  // heads (measured with this torch) but sum a grouped head's key/value
+  // gradients in another order.
+  if (!q.is_cuda() || attend.defined() || k.size(1) == q.size(1)) return false;
+  const int64_t choice = at::_fused_sdp_choice(q, k, v, std::nullopt, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                               /*scale=*/std::nullopt, /*enable_gqa=*/true);
+  return choice != static_cast<int64_t>(at::SDPBackend::math) &&
+         choice != static_cast<int64_t>(at::SDPBackend::error);
 }
 
 at::Tensor widened_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {

@@ -32,8 +32,7 @@ bool flash_attention_runs(const at::Tensor& q, bool needs_grad) {
 
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens, int64_t max_seqlen, std::optional<int64_t> window) {
-  const bool needs_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  ST_CHECK(flash_attention_runs(q, needs_grad), "packed_attention: FlashAttention does not run for q ", q.sizes(), " ",
+  ST_CHECK(flash_attention_runs(q, attention_needs_grad(q, k, v)), "packed_attention: FlashAttention does not run for q ", q.sizes(), " ",
            q.scalar_type(), " on ", q.device(), " (see flash_attention_runs)");
   ST_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
                k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&

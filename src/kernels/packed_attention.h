@@ -16,15 +16,20 @@
 
 namespace shardtrain::kernels {
 
-/// Whether FlashAttention runs for q [B,heads,T,d] (packed_attention(), and
-/// SDPA's own choice for causal attention without a mask): on a GPU of
+/// Whether FlashAttention's variable-length kernel runs for q [B,heads,T,d]
+/// (packed_attention(); SDPA makes its own choice, which this copies): on a GPU of
 /// compute capability 8.0 or newer, in bf16 or fp16, with a head size that
 /// is a multiple of 8 up to 256 (on sm_86/sm_89 not 193 to 224 where a
 /// backward follows, as torch rules), and not switched off in ATen's
 /// context (torch.backends.cuda.enable_flash_sdp(False) in Python,
 /// at::globalContext().setSDPUseFlash(false) in C++). One decision, here.
-/// needs_grad: a backward will follow (any of q, k, v requires grad).
+/// needs_grad: a backward will follow (attention_needs_grad).
 bool flash_attention_runs(const at::Tensor& q, bool needs_grad);
+
+/// Whether a backward will go through an attention of q, k, v.
+inline bool attention_needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return q.requires_grad() || k.requires_grad() || v.requires_grad();
+}
 /// The same for a q on `device` in `dtype` with heads of `head_size`.
 bool flash_attention_runs(const at::Device& device, at::ScalarType dtype, int64_t head_size, bool needs_grad);
 

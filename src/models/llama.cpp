@@ -8,6 +8,7 @@
 #include "shardtrain/models/llama.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -26,6 +27,7 @@
 #include "kernels/packed_attention.h"
 #include "kernels/recompute.h"
 #include "shardtrain/error.h"
+#include "shardtrain/logging.h"
 #include "shardtrain/models/hf_weights.h"
 #include "shardtrain/nn/attention.h"
 
@@ -274,24 +276,21 @@ PackedSequences packed_sequences(const at::Tensor& document_ids, int64_t rows, i
   ST_CHECK(!window || *window > 0, "packed_sequences: a window of ", window.value_or(0), " keys");
   // On the host: the offsets are few (one per sequence), and the longest
   // length has to reach the host anyway, as the kernel's launch argument.
-  std::vector<int32_t> offsets;
+  at::Tensor starts;  // [rows * tokens] bool: a sequence starts here
   if (document_ids.defined()) {
     ST_CHECK(document_ids.dim() == 2 && document_ids.size(0) == rows && document_ids.size(1) == tokens,
              "packed_sequences: document_ids ", document_ids.sizes(), " are not [", rows, ", ", tokens, "]");
-    const at::Tensor ids = document_ids.to(at::kCPU, at::kLong).contiguous();
-    const int64_t* id = ids.data_ptr<int64_t>();
-    for (int64_t i = 0; i < rows * tokens; ++i) {
-      if (i % tokens == 0 || id[i] != id[i - 1]) offsets.push_back(static_cast<int32_t>(i));
-    }
+    starts = document_starts(document_ids.to(at::kCPU)).reshape({-1});
   } else {
-    for (int64_t r = 0; r < rows; ++r) offsets.push_back(static_cast<int32_t>(r * tokens));
+    starts = at::zeros({rows, tokens}, at::kBool);
+    starts.select(1, 0).fill_(true);
+    starts = starts.reshape({-1});
   }
-  offsets.push_back(static_cast<int32_t>(rows * tokens));
+  const at::Tensor offsets =
+      at::cat({at::nonzero(starts).reshape({-1}), at::full({1}, rows * tokens, at::kLong)}).to(at::kInt);
   PackedSequences packed;
-  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
-    packed.max_seqlen = std::max<int64_t>(packed.max_seqlen, offsets[s + 1] - offsets[s]);
-  }
-  packed.cu_seqlens = at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(device);
+  packed.max_seqlen = (offsets.slice(0, 1) - offsets.slice(0, 0, -1)).max().item<int64_t>();
+  packed.cu_seqlens = offsets.to(device);
   packed.window = window;
   return packed;
 }
@@ -330,9 +329,20 @@ at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // without a mask tensor where the mask is only the order, else with the
   // boolean mask (true: attend) broadcast over the heads.
   const PackedSequences* packed = mask.packed_sequences();
-  if (packed != nullptr &&
-      kernels::flash_attention_runs(q, q.requires_grad() || k.requires_grad() || v.requires_grad())) {
-    return kernels::packed_attention(q, k, v, packed->cu_seqlens, packed->max_seqlen, packed->window);
+  // Set once the variable-length kernel refused a call its rules admitted (a
+  // LibTorch built without it, a rule of a newer torch): from then on the mask.
+  static std::atomic<bool> packed_kernel_refused{false};
+  if (packed != nullptr && !packed_kernel_refused.load(std::memory_order_relaxed) &&
+      kernels::flash_attention_runs(q, kernels::attention_needs_grad(q, k, v))) {
+    try {
+      return kernels::packed_attention(q, k, v, packed->cu_seqlens, packed->max_seqlen, packed->window);
+    } catch (const c10::Error& refused) {
+      if (!packed_kernel_refused.exchange(true)) {
+        ST_LOG_WARN("FlashAttention's variable-length kernel refused the packed batch ({}); the attention uses "
+                    "the packing mask from now on, which is correct but slower",
+                    refused.what_without_backtrace());
+      }
+    }
   }
   if (mask.is_causal()) return shardtrain::nn::causal_scaled_dot_product_attention(q, k, v);
   return shardtrain::nn::scaled_dot_product_attention(q, k, v, mask.allowed());
@@ -535,15 +545,26 @@ namespace {
 /// new ones): key j is allowed to query i when it is not after it, within the
 /// sliding window, and (document_ids [B,T] given, on any device) in the same
 /// document: the same run of equal ids.
-/// Causal, without a tensor, where nothing but the order limits the keys;
-/// with the packed sequences too where FlashAttention's variable-length
-/// kernel will take them (no cached keys, `compute` on a GPU in 16 bits).
+/// Causal, without a tensor, where nothing but the order limits the keys
+/// (on a GPU where flash runs, also rows that each hold one document); with
+/// the packed sequences too where FlashAttention's variable-length kernel
+/// will take them (no cached keys, `compute` on a GPU in 16 bits).
 AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first_key, int64_t first_query, int64_t T,
                              const at::Tensor& document_ids, const at::TensorOptions& long_opts,
                              const at::Tensor& compute) {
   const bool window_limits = config.sliding_window && *config.sliding_window < T;
   const bool no_cached_keys = first_key == first_query;
   if (no_cached_keys && !window_limits && !document_ids.defined()) return AttentionMask::causal();
+  std::optional<PackedSequences> packed;
+  if (no_cached_keys && kernels::flash_attention_runs(compute.device(), compute.scalar_type(),
+                                                      config.resolved_head_dim(), at::GradMode::is_enabled())) {
+    const std::optional<int64_t> window =
+        window_limits ? std::optional<int64_t>(*config.sliding_window) : std::nullopt;
+    packed = packed_sequences(document_ids, B, T, compute.device(), window);
+    // One document filling each row, no window: plain causal attention, which
+    // SDPA's FlashAttention runs without offsets or a mask tensor.
+    if (!window_limits && packed->cu_seqlens.size(0) == B + 1) return AttentionMask::causal();
+  }
   at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
   at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
   at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);  // i - j in positions
@@ -556,13 +577,8 @@ AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first
   } else {
     allowed = allowed.expand({B, 1, T, key_pos.size(0)});
   }
-  if (!no_cached_keys || !kernels::flash_attention_runs(compute.device(), compute.scalar_type(),
-                                                       config.resolved_head_dim(), at::GradMode::is_enabled())) {
-    return AttentionMask(allowed);
-  }
-  const std::optional<int64_t> window =
-      window_limits ? std::optional<int64_t>(*config.sliding_window) : std::nullopt;
-  return AttentionMask::packed(allowed, packed_sequences(document_ids, B, T, compute.device(), window));
+  if (!packed) return AttentionMask(allowed);
+  return AttentionMask::packed(allowed, std::move(*packed));
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 // kernels/packed_attention.h) against the attention under the packing mask
 // computed in fp64, output and gradients, within what bf16 rounding allows;
 // with packed documents and with a sliding window, over grouped key/value
-// heads. In the dry run the CPU's masked bf16 attention stands in for the
-// kernel, so the reference and the bounds run before they meet a GPU.
+// heads; and the causal attention without a mask (SDPA's fused kernels on
+// the grouped heads as they are) against the same reference. In the dry run
+// the CPU's bf16 attention stands in for the GPU's, so the reference and the
+// bounds run before they meet a GPU.
 
 #include <cmath>
 #include <optional>
@@ -30,11 +32,15 @@ struct PackingCase {
   const char* name;
   std::vector<std::vector<int64_t>> document_lengths;  ///< per row, summing to kTokens
   std::optional<int64_t> window;
+  /// Not packed: plain causal attention through SDPA (no mask tensor, the
+  /// grouped heads as they are where a fused kernel takes them).
+  bool causal_sdpa = false;
 };
 
 const PackingCase kPackings[] = {
     {"documents", {{40, 30, 26}, {96}}, std::nullopt},
     {"window_and_documents", {{96}, {50, 46}}, 24},
+    {"causal_sdpa", {{96}, {96}}, std::nullopt, true},
 };
 
 at::Tensor document_ids_of(const PackingCase& c) {
@@ -150,7 +156,9 @@ TEST_P(GpuPackedAttention, IsTheMaskedAttentionWithinBf16Rounding) {
   const at::Tensor g = at::randn({kRows, kHeads, kTokens, kHeadDim}).to(bf16);
 
   at::Tensor out;
-  if (test_device().is_cuda()) {
+  if (c.causal_sdpa) {
+    out = shardtrain::nn::causal_scaled_dot_product_attention(q, k, v);
+  } else if (test_device().is_cuda()) {
     ASSERT_TRUE(shardtrain::kernels::flash_attention_runs(q, true)) << "FlashAttention should run on this GPU in bf16";
     const shardtrain::models::PackedSequences packed =
         shardtrain::models::packed_sequences(document_ids, kRows, kTokens, test_device(), c.window);

@@ -248,7 +248,9 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
 // bit, in fp32 (where the parameters are the master itself on the GPU, and
 // the host master is uploaded after each step) and in bf16 (where the step
 // writes a rounded host copy). The run ends by gathering the full state
-// dict, which reads the host master.
+// dict, which reads the host master. In the dry run, with the model on the
+// CPU, the offload has nothing to move, so the two runs are the same run:
+// only the GPU run tests the offload.
 TEST(GpuTrainingOffload, OptimizerOffloadTrainsAsTheRunWithoutIt) {
   shardtrain::testing::ScratchDir scratch;
   REQUIRE_TEST_DEVICE();

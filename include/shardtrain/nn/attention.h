@@ -24,8 +24,10 @@ namespace shardtrain::nn {
 /// over the heads), no dropout, not causal beyond the mask. q [B,heads,T,d];
 /// k and v [B,kv_heads,S,d] of q's dtype, kv_heads dividing heads
 /// (grouped-query attention: key/value head j serves query heads j*g ..
-/// j*g+g-1, g = heads / kv_heads, as Llama groups them). Double backward
-/// through the widened path throws shardtrain::Error.
+/// j*g+g-1, g = heads / kv_heads, as Llama groups them). `attend` must be
+/// defined (an undefined one throws shardtrain::Error naming
+/// causal_scaled_dot_product_attention); so must shapes that fit. Double
+/// backward through the widened path throws shardtrain::Error.
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& attend);
 

@@ -244,7 +244,7 @@ struct NcclState {
 NcclState::~NcclState() {
   // The watchdog calls back into this state: it goes first.
   watchdog.reset();
-  const TeardownDeviceGuard guard(device);
+  TeardownDeviceGuard guard(device);
   if (!guard.usable()) return;
   finish_abort(std::exchange(doomed, nullptr));  // defensive: the watchdog finishes what it marks
   if (comm != nullptr) {
@@ -257,7 +257,10 @@ NcclState::~NcclState() {
       backoff.sleep();
       drained = cudaStreamQuery(stream);
     }
-    if (drained == cudaErrorCudartUnloading) return;
+    if (drained == cudaErrorCudartUnloading) {
+      guard.abandon();
+      return;
+    }
     (void)cudaGetLastError();
     bool clean = false;
     if (drained == cudaSuccess) {

@@ -96,6 +96,8 @@ class TeardownDeviceGuard {
 
   /// False where the runtime is unloading: touch nothing.
   bool usable() const { return usable_; }
+  /// The runtime turned out to be unloading after all: leave the device as it is.
+  void abandon() noexcept { usable_ = false; }
 
  private:
   int device_;
