@@ -32,7 +32,10 @@ struct StepInfo {
 };
 
 /// Bytes of model state on this rank, by kind (the precision plan's rows;
-/// see PrecisionPlan for the prediction).
+/// see PrecisionPlan for the prediction). With optimizer offload and the
+/// model on a GPU, `grads` and `params` also count their pinned host copies
+/// (the gradient the host step reads, the rounded values it writes), which
+/// PrecisionPlan does not predict.
 struct MemoryReport {
   int64_t params = 0;     ///< low-precision shards / replicated params at rest
   int64_t grads = 0;      ///< gradient partitions / buffers at rest
