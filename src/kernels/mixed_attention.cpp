@@ -52,6 +52,8 @@ at::Tensor repeat_kv_heads(const at::Tensor& kv, int64_t heads) {
   return kv.unsqueeze(2).expand({B, kv_heads, heads / kv_heads, S, d}).reshape({B, heads, S, d});
 }
 
+}  // namespace
+
 void check_attention_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
   ST_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k and v must be [B, heads, tokens, d], got ",
            q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -67,6 +69,13 @@ void check_attention_shapes(const at::Tensor& q, const at::Tensor& k, const at::
              " queries over ", k.size(2), " keys; pass a mask for cached keys");
   }
 }
+
+void check_attention_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* kernel) {
+  ST_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), kernel,
+           ": q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+}
+
+namespace {
 
 struct WidenedAttention : torch::autograd::Function<WidenedAttention> {
   /// `attend` is optional where it is causal: autograd takes an undefined
@@ -123,9 +132,7 @@ bool attention_takes_grouped_heads(const at::Tensor& q, const at::Tensor& k, con
 
 at::Tensor widened_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend) {
   check_attention_shapes(q, k, v, attend);
-  ST_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-           "widened_attention: q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-           ", ", v.scalar_type());
+  check_attention_dtypes(q, k, v, "widened_attention");
   const int64_t heads = q.size(1);
   return widened(q, repeat_kv_heads(k, heads), repeat_kv_heads(v, heads), attend);
 }

@@ -28,6 +28,13 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 /// the arguments as mixed_attention's.
 at::Tensor widened_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend);
 
+/// Throws shardtrain::Error unless q, k, v and `attend` have shapes the
+/// attention functions take (mixed_attention's contract; an undefined
+/// `attend` is causal and needs as many keys as queries).
+void check_attention_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attend);
+/// Throws shardtrain::Error, naming `kernel`, unless q, k and v share one dtype.
+void check_attention_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* kernel);
+
 /// Whether mixed_attention hands q's device kernel the grouped key/value
 /// heads as they are (SDPA's enable_gqa) rather than repeated to q's heads.
 bool attention_takes_grouped_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

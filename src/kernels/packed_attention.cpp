@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
+#include "kernels/mixed_attention.h"
 #include "shardtrain/error.h"
 #include "torch_cuda.h"
 
@@ -32,13 +33,11 @@ bool flash_attention_runs(const at::Tensor& q, bool needs_grad) {
 
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens, int64_t max_seqlen, std::optional<int64_t> window) {
-  ST_CHECK(flash_attention_runs(q, attention_needs_grad(q, k, v)), "packed_attention: FlashAttention does not run for q ", q.sizes(), " ",
-           q.scalar_type(), " on ", q.device(), " (see flash_attention_runs)");
-  ST_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
-               k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
-               k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-           "packed_attention: k ", k.sizes(), " and v ", v.sizes(), " do not fit q ", q.sizes(),
-           " (same batch, tokens, head size and dtype; a number of heads that divides q's)");
+  // The causal shapes: the sequences' keys are their own queries' tokens.
+  check_attention_shapes(q, k, v, at::Tensor());
+  check_attention_dtypes(q, k, v, "packed_attention");
+  ST_CHECK(flash_attention_runs(q, attention_needs_grad(q, k, v)), "packed_attention: FlashAttention does not run ",
+           "for q ", q.sizes(), " ", q.scalar_type(), " on ", q.device(), " (see flash_attention_runs)");
   const int64_t B = q.size(0), T = q.size(2), d = q.size(3);
   ST_CHECK(cu_seqlens.defined() && cu_seqlens.device() == q.device() && cu_seqlens.scalar_type() == at::kInt,
            "packed_attention: the sequence offsets are not int32 on ", q.device());

@@ -311,16 +311,6 @@ AttentionMask AttentionMask::packed(at::Tensor allowed, PackedSequences sequence
   return mask;
 }
 
-void AttentionMask::check_covers(int64_t queries, int64_t keys) const {
-  if (is_causal()) {
-    ST_CHECK(queries == keys, "a causal attention mask covers as many keys as queries, not ", queries,
-             " queries over ", keys, " keys (cached keys need a mask tensor)");
-    return;
-  }
-  ST_CHECK(allowed_.size(-1) == keys && allowed_.size(-2) == queries, "attention mask ", allowed_.sizes(),
-           " does not cover ", queries, " queries over ", keys, " keys");
-}
-
 at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
   // Fused kernels throughout: the T x S scores are never stored, in forward
   // or backward. Packed sequences on a GPU: FlashAttention's variable-length
@@ -462,15 +452,14 @@ at::Tensor LlamaAttentionImpl::forward_with_past(const at::Tensor& x, const at::
   }
   if (k_all != nullptr) *k_all = k;
   if (v_all != nullptr) *v_all = v;
-  const int64_t S = k.size(2);  // keys attended to: cached + new
-  mask.check_covers(T, S);
   // k and v keep their nkv heads: the kernel layer repeats them to nh only
-  // where its kernel needs that (kernels/mixed_attention.h).
+  // where its kernel needs that, and checks that the mask covers the T
+  // queries over the cached and new keys (kernels/mixed_attention.h).
   // Selective checkpointing only where there is a backward to recompute for:
   // under no-grad (KV-cached decoding, the engine's no-grad first pass with
   // full checkpointing) nothing is saved anyway and the plain path runs.
   const bool selective = checkpointing == ActivationCheckpointing::kSelective && at::GradMode::is_enabled() &&
-                         (q.requires_grad() || k.requires_grad() || v.requires_grad());
+                         kernels::attention_needs_grad(q, k, v);
   at::Tensor attn = selective ? checkpointed_core_attention(q, k, v, mask, core_attention_recomputations)
                               : core_attention(q, k, v, mask);
   at::Tensor out = attn.transpose(1, 2).reshape({B, T, nh * d});

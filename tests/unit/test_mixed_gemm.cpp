@@ -20,6 +20,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/nn/attention.h"
 #include "shardtrain/nn/linear.h"
+#include "support/contains.h"
 #include "support/multirank.h"
 
 namespace {
@@ -404,23 +405,17 @@ TEST(UnitMixedAttention, GroupedHeadsServeTheirQueryHeadsAsSdpaGroupsThem) {
 TEST(UnitMixedAttention, ShapesThatDoNotFitAreRefusedNamingThem) {
   const at::Tensor q = at::randn({1, 6, 8, 4}), k = at::randn({1, 4, 8, 4}), v = at::randn({1, 4, 8, 4});
   const at::Tensor mask = at::ones({1, 1, 8, 8}, at::kBool);
-  auto message_of = [](const std::function<void()>& call) {
-    try {
-      call();
-    } catch (const shardtrain::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  const std::string heads = message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k, v, mask); });
+  using shardtrain::testing::error_message_of;
+  const std::string heads = error_message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k, v, mask); });
   EXPECT_NE(heads.find("divides"), std::string::npos) << heads;
   const at::Tensor k2 = at::randn({1, 2, 5, 4}), v2 = at::randn({1, 2, 5, 4});
-  const std::string causal = message_of([&] { shardtrain::nn::causal_scaled_dot_product_attention(q, k2, v2); });
+  const std::string causal = error_message_of([&] { shardtrain::nn::causal_scaled_dot_product_attention(q, k2, v2); });
   EXPECT_NE(causal.find("8 queries over 5 keys"), std::string::npos) << causal;
-  const std::string uncovered = message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, mask); });
+  const std::string uncovered =
+      error_message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, mask); });
   EXPECT_NE(uncovered.find("does not cover 8 queries over 5 keys"), std::string::npos) << uncovered;
   const std::string undefined =
-      message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, at::Tensor()); });
+      error_message_of([&] { shardtrain::nn::scaled_dot_product_attention(q, k2, v2, at::Tensor()); });
   EXPECT_NE(undefined.find("causal_scaled_dot_product_attention"), std::string::npos) << undefined;
 }
 

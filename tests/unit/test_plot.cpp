@@ -13,6 +13,7 @@
 
 #include "shardtrain/error.h"
 #include "shardtrain/metrics_plot.h"
+#include "support/contains.h"
 
 namespace {
 
@@ -94,24 +95,17 @@ TEST(UnitPlot, WhatCannotBeDrawnIsAClearError) {
   write(bad, "{\"step\":1,\"loss\":2}\nnot json\n");
   write(empty, "{\"step\":1,\"skipped\":false}\n");
   write(ok, "{\"step\":1,\"loss\":2}\n");
-  auto message_of = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const shardtrain::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{bad.string(), ""}}, scratch("x.png").string()); })
+  using shardtrain::testing::error_message_of;
+  EXPECT_NE(error_message_of([&] { shardtrain::plot_metrics({{bad.string(), ""}}, scratch("x.png").string()); })
                 .find("line 2 is not JSON"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{empty.string(), ""}}, scratch("x.png").string()); })
+  EXPECT_NE(error_message_of([&] { shardtrain::plot_metrics({{empty.string(), ""}}, scratch("x.png").string()); })
                 .find("none of the files has"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{ok.string(), ""}}, scratch("x.pdf").string()); })
+  EXPECT_NE(error_message_of([&] { shardtrain::plot_metrics({{ok.string(), ""}}, scratch("x.pdf").string()); })
                 .find("must end in .png or .svg"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { shardtrain::plot_metrics({{"/nonexistent.jsonl", ""}}, scratch("x.png").string()); })
+  EXPECT_NE(error_message_of([&] { shardtrain::plot_metrics({{"/nonexistent.jsonl", ""}}, scratch("x.png").string()); })
                 .find("cannot read the metrics file '/nonexistent.jsonl'"),
             std::string::npos);
   fs::remove_all(bad.parent_path());

@@ -81,8 +81,6 @@ class AttentionMask {
   bool is_causal() const { return !allowed_.defined(); }
   /// The mask tensor; undefined where is_causal().
   const at::Tensor& allowed() const { return allowed_; }
-  /// Throws shardtrain::Error unless it fits T queries over S keys.
-  void check_covers(int64_t queries, int64_t keys) const;
 
   /// The same mask as causal attention within packed sequences (documents,
   /// a sliding window, or both; no cached keys): where FlashAttention's
