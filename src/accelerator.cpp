@@ -191,6 +191,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   bool on_cuda = false;
   std::string load_dtype = run.load_dtype;
   bool load_dtype_seen = false;
+  bool frozen_weights_in_fp32 = false;
   for (const auto& p : s.module->parameters()) {
     // uint8 parameters are the NF4 bytes of a quantized base (quantization.h).
     (p.requires_grad() ? num_params : p.scalar_type() == at::kByte ? frozen_nf4_bytes : frozen_params) += p.numel();
@@ -201,6 +202,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
       load_dtype = p.scalar_type() == at::kBFloat16 ? "bf16" : p.scalar_type() == at::kHalf ? "fp16" : "fp32";
       load_dtype_seen = true;
     }
+    frozen_weights_in_fp32 = frozen_weights_in_fp32 || (!p.requires_grad() && p.scalar_type() == at::kFloat);
   }
 
   // ---- every rank must train the same thing: checked before the engine's
@@ -216,6 +218,7 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   plan_context.local_world_size = s.env.local_world_size;
   plan_context.on_cuda = on_cuda;
   plan_context.load_dtype = load_dtype;
+  plan_context.frozen_weights_in_fp32 = frozen_weights_in_fp32;
   plan_context.trains_lora_adapters = !lora_layers(*s.module).empty();
   engine::EnginePlan plan = plan_engine(s.config, plan_context);
   plan.optimizer.custom_factory = optimizer.custom_factory;

@@ -36,6 +36,7 @@ PrecisionPlan plan_precision(const TrainingConfig& config, int64_t num_params, i
   context.local_world_size = local_world_size;
   context.on_cuda = on_cuda;
   context.load_dtype = load_dtype;
+  context.frozen_weights_in_fp32 = load_dtype == "fp32";
   return precision_plan_of(plan_engine(config, context), num_params, context);
 }
 
@@ -100,9 +101,6 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   if (pure) {
     plan.notes += "Pure low precision: no fp32 master; an update smaller than half an ulp of its weight is lost "
                   "(a model with LoRA adapters keeps fp32 masters for them: Accelerator::prepare plans it so). ";
-  } else if (!engine_plan.frozen_fp32_copy) {
-    plan.notes += "Pure low precision with LoRA: the frozen base is held in " + std::string(to_string(low)) +
-                  " only; the trained parameters (adapters) keep fp32 masters and fp32 optimizer state. ";
   }
   return plan;
 }
@@ -165,6 +163,10 @@ std::string PrecisionPlan::to_string() const {
   out << "  optimizer bytes per parameter (master + state, one copy of the model): " << optimizer_bytes_per_param_total()
       << "\n";
   if (!notes.empty()) out << "  note: " << notes << "\n";
+  if (frozen_params > 0 && frozen_copy_bytes == 0 && shard_dtype != "fp32") {
+    out << "  note: the frozen base is held in " << shard_dtype << " only (no fp32 copy): state dicts, checkpoints "
+        << "and exports give its " << shard_dtype << " values\n";
+  }
   return out.str();
 }
 

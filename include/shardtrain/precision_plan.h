@@ -40,8 +40,8 @@ struct PrecisionPlan {
   int64_t frozen_params = 0;
   /// Bytes per frozen parameter per rank of the fp32 copy the engine keeps
   /// beside a low-precision frozen shard (what state dicts and checkpoints
-  /// read); 0 where the shard is fp32 itself, or in fsdp pure low precision,
-  /// which holds the frozen base in the low dtype alone.
+  /// read); 0 where the shard is fp32 itself, or where the frozen base is held
+  /// in the low dtype alone (zero, fsdp pure, fsdp with a 16-bit-loaded base).
   double frozen_copy_bytes = 0;
   /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
   /// row of their own, their shard at rest and what stages 1/2 keep gathered.

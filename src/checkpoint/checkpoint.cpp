@@ -473,8 +473,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
                "); nothing was loaded");
     }
   }
-  bool warned_rounding = false;
-  engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
+  const std::optional<at::ScalarType> rounded_to = engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
     const ParamEntry* param = index.param(name);
     ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name, "'");
     at::Tensor result;
@@ -498,15 +497,14 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     }
     ST_CHECK(covered == length, "checkpoint ", ckpt.string(), ": parameter '", name, "' elements [", begin, ", ",
              begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
-    const std::optional<at::ScalarType> pure_dtype = engine.pure_low_precision_dtype();
-    if (kind == "master" && !warned_rounding && result.scalar_type() == at::kFloat && comm.rank() == 0 && pure_dtype) {
-      ST_LOG_WARN("checkpoint: loading fp32 values into a pure low-precision run rounds those it holds in {} "
-                  "alone (every parameter, or with LoRA the frozen base) to that dtype",
-                  c10::toString(*pure_dtype));
-      warned_rounding = true;
-    }
     return result;
   });
+  if (rounded_to && comm.rank() == 0) {
+    ST_LOG_WARN("checkpoint {}: its fp32 values of parameters this run holds in {} alone (pure low precision, or "
+                "frozen weights without an fp32 copy) were rounded to {}; the run trains on the values it would have "
+                "computed with, but saving now writes the rounded ones",
+                ckpt.string(), c10::toString(*rounded_to), c10::toString(*rounded_to));
+  }
   for (auto& [generator, state] : streams_to_restore) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(state);

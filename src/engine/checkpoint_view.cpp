@@ -39,8 +39,9 @@ std::vector<CheckpointSlice> CheckpointView::slices() const {
   return slices;
 }
 
-void CheckpointView::load(const SliceSource& source) {
+std::optional<at::ScalarType> CheckpointView::load(const SliceSource& source) {
   const at::Tensor& momentum = storage_.momentum();
+  std::optional<at::ScalarType> rounded_to;
   for (int i = 0; i < units_.size(); ++i) {
     const UnitEntry& u = units_[i];
     const UnitShard& shard = storage_.unit(i);
@@ -52,6 +53,8 @@ void CheckpointView::load(const SliceSource& source) {
         at::Tensor value = source(name, kind, seg.param_offset, seg.length);
         ST_CHECK(value.numel() == seg.length, "checkpoint: '", name, "' ", kind, " [", seg.param_offset, ", +",
                  seg.length, ") came back with ", value.numel(), " elements");
+        // A value held in a 16-bit dtype alone (no fp32 master or copy) rounds what an fp32 checkpoint gives it.
+        if (value.scalar_type() == at::kFloat && dst.scalar_type() != at::kFloat) rounded_to = dst.scalar_type();
         dst.copy_(value.reshape({-1}));
       };
       fill(shard.value(), "master");
@@ -65,6 +68,7 @@ void CheckpointView::load(const SliceSource& source) {
     }
     if (shard.master.defined() && !shard.lp.is_same(shard.master)) shard.lp.copy_(shard.master);
   }
+  return rounded_to;
 }
 
 std::vector<OwnedRange> CheckpointView::owned_ranges() const {

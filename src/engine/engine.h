@@ -103,15 +103,15 @@ class Engine : public UnitHooks {
   virtual std::vector<CheckpointSlice> checkpoint_slices() const = 0;
   /// Overwrites every owned slice with `source(name, kind, begin, length)`,
   /// then refreshes the low-precision shards and the gathered parameters.
-  virtual void load_slices(const SliceSource& source) = 0;
+  /// Returns the 16-bit dtype that fp32 values were rounded to on this rank,
+  /// where a parameter is held in that dtype alone (pure low precision, a
+  /// frozen weight without an fp32 copy); nullopt where every value was kept.
+  virtual std::optional<at::ScalarType> load_slices(const SliceSource& source) = 0;
   virtual int64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(int64_t steps) = 0;
   /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.
   virtual std::vector<double> loss_scaler_state() const = 0;
   virtual void load_loss_scaler_state(const std::vector<double>& state) = 0;
-  /// The dtype pure low precision holds parameters in (all of them, or with
-  /// LoRA the frozen base), else nullopt: loading fp32 values there rounds them.
-  virtual std::optional<at::ScalarType> pure_low_precision_dtype() const = 0;
 };
 
 }  // namespace shardtrain::engine

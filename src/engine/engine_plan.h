@@ -58,11 +58,10 @@ struct EnginePlan {
   bool pure_low_precision = false;
   /// Frozen entries keep an fp32 copy of their shard beside the param_dtype
   /// one they are gathered from: what state dicts, exports and checkpoints
-  /// read, so a frozen fp32-loaded weight is saved as it was loaded. Off in
-  /// fsdp pure low precision, where the loaded low-precision values are the
-  /// only copy (with LoRA too: there pure_low_precision is off for the
-  /// trained adapters, which keep fp32 masters, while the frozen base stays
-  /// in param_dtype alone).
+  /// read, so a frozen fp32-loaded weight is saved as it was loaded. Each
+  /// backend keeps one where its peer holds frozen weights in fp32 (fsdp
+  /// standard with frozen weights that arrive in fp32); elsewhere the frozen
+  /// weights are held in param_dtype alone, rounded once at prepare().
   bool frozen_fp32_copy = true;
   /// fsdp keep_low_precision_grads: the sharded gradient the optimizer reads
   /// stays in param_dtype (the kernels widen it to fp32 as they read it)
@@ -149,6 +148,9 @@ struct PlanContext {
   /// Compute happens on a GPU (fp16 then computes in fp16; on a CPU in fp32).
   bool on_cuda = false;
   std::string load_dtype = "fp32";
+  /// Some frozen floating parameter (a LoRA base) arrives in fp32: a frozen
+  /// fp32 copy would hold more than its low-precision shard.
+  bool frozen_weights_in_fp32 = true;
   /// The model trains LoRA adapters (lora.h), which keep fp32 masters under
   /// every backend: fsdp pure low precision then holds only the frozen base
   /// in the low dtype.

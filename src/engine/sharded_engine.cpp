@@ -246,12 +246,6 @@ void ShardedEngine::load_loss_scaler_state(const std::vector<double>& v) {
   state_->optimizer.load_scaler_state(st);
 }
 
-std::optional<at::ScalarType> ShardedEngine::pure_low_precision_dtype() const {
-  // Pure low precision holds the parameters (with LoRA: the frozen base) in param_dtype alone.
-  if (!state_->plan.pure_low_precision && state_->plan.frozen_fp32_copy) return std::nullopt;
-  return state_->plan.param_dtype;
-}
-
 // ---- state dicts, checkpoints, memory -----------------------------------------------
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ShardedEngine::parameter_shapes() const {
@@ -293,10 +287,11 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
 
 std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const { return state_->checkpoint.slices(); }
 
-void ShardedEngine::load_slices(const SliceSource& source) {
-  state_->checkpoint.load(source);
+std::optional<at::ScalarType> ShardedEngine::load_slices(const SliceSource& source) {
+  const std::optional<at::ScalarType> rounded_to = state_->checkpoint.load(source);
   // The gathered parameters held the old values: free them, regather what stays gathered.
   state_->gather.refresh_all();
+  return rounded_to;
 }
 
 MemoryReport ShardedEngine::memory() const {

@@ -77,12 +77,11 @@ class ShardedEngine : public Engine {
 
   // ---- checkpoints (the Engine interface)
   std::vector<CheckpointSlice> checkpoint_slices() const override;
-  void load_slices(const SliceSource& source) override;
+  std::optional<at::ScalarType> load_slices(const SliceSource& source) override;
   int64_t optimizer_steps() const override;
   void set_optimizer_steps(int64_t steps) override;
   std::vector<double> loss_scaler_state() const override;
   void load_loss_scaler_state(const std::vector<double>& state) override;
-  std::optional<at::ScalarType> pure_low_precision_dtype() const override;
 
  private:
   /// The parts the engine composes (sharded_engine.cpp): the unit table, the

@@ -25,6 +25,7 @@
 #include "shardtrain/precision_plan.h"
 #include "shardtrain/safetensors.h"
 #include "support/llama_golden.h"
+#include "support/log_capture.h"
 #include "support/multirank.h"
 #include "support/peer_python.h"
 #include "support/tiny_compare.h"
@@ -218,6 +219,8 @@ struct AdapterRun {
   std::map<std::string, at::Tensor> state;
   shardtrain::MemoryReport memory;
   shardtrain::PrecisionPlan plan;
+  /// What the logger said while the run's checkpoint was saved and loaded back.
+  std::string round_trip_log;
 };
 
 /// LoRA r 8 on q/k/v/o of the golden Llama, kAdapterSteps AdamW steps at
@@ -225,13 +228,18 @@ struct AdapterRun {
 /// from_pretrained(torch_dtype=bfloat16)) before the adapters are added, which
 /// then are fp32 (PEFT's autocast_adapter_dtype).
 constexpr int kAdapterSteps = 4;
-AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& config, bool bf16_base,
-                          const fs::path& save_dir) {
+LlamaForCausalLM adapted_golden_llama(bool bf16_base) {
   LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
   if (bf16_base) model->to(torch::kBFloat16);
   torch::manual_seed(7);  // the same adapter initialisation in every run
   shardtrain::apply_lora(*model, attention_lora_r8());
   model->train();
+  return model;
+}
+
+AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& config, bool bf16_base,
+                          const fs::path& save_dir) {
+  LlamaForCausalLM model = adapted_golden_llama(bf16_base);
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
   AdapterRun run;
@@ -251,8 +259,10 @@ AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& co
     // The adapter saves in fp32, and a checkpoint of the run (the bf16 base
     // and the adapters' fp32 masters and moments) loads back unchanged.
     accelerator->save_lora_adapter((save_dir / "adapter").string(), attention_lora_r8());
+    shardtrain::testing::LogCapture log;
     accelerator->save_state((save_dir / "checkpoint").string());
     accelerator->load_state((save_dir / "checkpoint").string());
+    run.round_trip_log = log.text();
     for (const auto& [name, value] : accelerator->full_state_dict()) {
       EXPECT_TRUE(at::equal(value, run.state.at(name))) << name << " changed in a checkpoint round trip";
     }
@@ -332,6 +342,88 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
   const st::Reader adapter((dir / "adapter" / "adapter_model.safetensors").string());
   for (const auto& name : adapter.names()) EXPECT_EQ(adapter.read(name).scalar_type(), at::kFloat) << name;
   fs::remove_all(dir);
+}
+
+// Where a backend's peer holds a frozen base in 16 bits alone, so does
+// shardtrain: ZeRO at every stage (DeepSpeed casts the whole module to bf16
+// and gives only the trained partitions fp32 masters) and FSDP standard on a
+// base that arrives in bf16 (FSDP keeps a frozen flat parameter in the dtype
+// it arrives in; Accelerate upcasts only the trained ones). FSDP standard on
+// an fp32 base keeps an fp32 copy, so that the base is saved as it was
+// loaded. Every run computes with the same bf16 base (the fp32 weights
+// rounded once), the same bf16 views of the same fp32 adapters, and steps the
+// same fp32 masters; at world 2 ZeRO's fp32 sum and one division by 2 round
+// to FSDP's bf16 reduction and division by 2 exactly (a division by 2 is
+// exact in binary). So losses and adapters are equal bit for bit, and the
+// memory differs by exactly the fp32 copy.
+TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAnFp32Copy) {
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("shardtrain-lora-frozen-" + std::to_string(::getpid()));
+  shardtrain::testing::MultiRankOptions harness;
+  harness.env["LORA_DIR"] = dir.string();
+  harness.timeout = std::chrono::seconds(300);
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    const fs::path out = std::getenv("LORA_DIR");
+    auto bf16_adamw = [](bool fsdp) {
+      shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
+      config.optimizer.type = "AdamW";
+      config.optimizer.lr = 1e-3;
+      config.optimizer.weight_decay = 0.0;
+      config.mixed_precision = shardtrain::MixedPrecision::kBf16;
+      return config;
+    };
+    const shardtrain::TrainingConfig fsdp = bf16_adamw(true);
+    const shardtrain::TrainingConfig zero3 = bf16_adamw(false);
+    shardtrain::TrainingConfig zero2 = zero3;
+    zero2.zero.stage = 2;
+
+    const AdapterRun reference = train_adapters(ctx, fsdp, false, out / "fsdp");
+    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kWorld);
+    const int64_t frozen_bf16_bytes = reference.memory.params - reference.memory.optimizer / 4;
+    EXPECT_GT(frozen_bf16_bytes, 0);
+    // AdamW holds 8 B per trained element and the master 4, the copy 4 per frozen one (twice its bf16 shard).
+    EXPECT_EQ(reference.memory.master, reference.memory.optimizer / 2 + 2 * frozen_bf16_bytes);
+
+    const std::vector<std::pair<std::string, AdapterRun>> runs = {
+        {"zero-3, fp32 base", train_adapters(ctx, zero3, false, out / "zero3")},
+        {"zero-2, fp32 base", train_adapters(ctx, zero2, false, {})},
+        {"fsdp standard, bf16 base", train_adapters(ctx, fsdp, true, {})},
+    };
+    for (const auto& [what, run] : runs) {
+      SCOPED_TRACE(what);
+      EXPECT_EQ(run.plan.frozen_copy_bytes, 0.0);
+      EXPECT_NE(run.plan.to_string().find("frozen base is held in bf16 only"), std::string::npos)
+          << run.plan.to_string();
+      EXPECT_EQ(run.memory.master * 2, run.memory.optimizer) << "a frozen fp32 copy is still held";
+      ASSERT_EQ(run.losses.size(), reference.losses.size());
+      for (std::size_t k = 0; k < run.losses.size(); ++k) {
+        EXPECT_EQ(run.losses[k], reference.losses[k]) << "step " << k + 1;
+      }
+      for (const auto& [name, value] : reference.state) {
+        // full_state_dict widens every value to fp32: the base held in bf16 gives the fp32 weights' rounding.
+        const bool adapter = name.find("lora_") != std::string::npos;
+        EXPECT_TRUE(at::equal(run.state.at(name), adapter ? value : value.to(at::kBFloat16).to(at::kFloat)))
+            << name;
+      }
+    }
+    EXPECT_EQ(runs[0].second.round_trip_log.find("rounded"), std::string::npos) << runs[0].second.round_trip_log;
+    EXPECT_EQ(reference.round_trip_log.find("rounded"), std::string::npos) << reference.round_trip_log;
+
+    // FSDP's checkpoint holds the fp32 base: ZeRO resumes from it on the
+    // base's rounding, and says so.
+    LlamaForCausalLM model = adapted_golden_llama(false);
+    auto accelerator = shardtrain::testing::accelerator_for(zero3, ctx);
+    accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+    shardtrain::testing::LogCapture log;
+    accelerator->load_state((out / "fsdp" / "checkpoint").string());
+    if (ctx.rank() == 0) {
+      EXPECT_NE(log.text().find("were rounded to BFloat16"), std::string::npos) << log.text();
+    }
+    for (const auto& [name, value] : accelerator->full_state_dict()) {
+      EXPECT_TRUE(at::equal(value, runs[0].second.state.at(name))) << name;
+    }
+  }, harness);
+  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
 // Under FULL_SHARD each adapted layer is freed once its backward is done,

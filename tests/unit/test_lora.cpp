@@ -387,6 +387,21 @@ TEST(UnitLora, ThePlanListsTheFrozenBaseAndTheFlopsCountNoWeightGradientForIt) {
   EXPECT_NE(text.find("57344 parameters trained, 3098880 frozen"), std::string::npos) << text;
   // A frozen parameter is its bf16 shard at rest: 2 bytes over 2 ranks.
   EXPECT_NE(text.find("frozen (shard)           1.000 B/param/rank  = 3.10 MB per rank"), std::string::npos) << text;
+  // ZeRO holds it in bf16 alone, as DeepSpeed does; FSDP standard keeps an
+  // fp32 copy of an fp32-loaded base (2 of its 4 bytes per rank), none of a bf16 one.
+  EXPECT_EQ(text.find("frozen fp32 copy"), std::string::npos) << text;
+  EXPECT_NE(text.find("the frozen base is held in bf16 only"), std::string::npos) << text;
+  const shardtrain::TrainingConfig fsdp = shardtrain::load_config(std::string(SHARDTRAIN_SOURCE_DIR) +
+                                                                  "/configs/llama/fsdp_standard_bf16.yaml");
+  for (const std::string load : {"fp32", "bf16"}) {
+    shardtrain::PrecisionPlan fsdp_plan = shardtrain::plan_precision(fsdp, 57344, 2, /*on_cuda=*/false, load);
+    fsdp_plan.frozen_params = 3098880;
+    const std::string fsdp_text = fsdp_plan.to_string();
+    EXPECT_EQ(fsdp_text.find("frozen fp32 copy         2.000 B/param/rank  = 6.20 MB per rank") != std::string::npos,
+              load == "fp32") << fsdp_text;
+    EXPECT_EQ(fsdp_text.find("the frozen base is held in bf16 only") != std::string::npos, load == "bf16")
+        << fsdp_text;
+  }
 
   const auto c = shardtrain::models::LlamaConfig::from_json_file(shardtrain::testing::golden_dir("llama") +
                                                                   "/config.json");

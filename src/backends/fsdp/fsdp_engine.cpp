@@ -49,7 +49,10 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   // bf16 base, and only the frozen base is held in the low dtype alone.
   const bool pure_adapters = pure && context.trains_lora_adapters;
   o.pure_low_precision = pure && !pure_adapters;
-  o.frozen_fp32_copy = !pure;
+  // FSDP keeps a frozen flat parameter in the dtype it arrives in (Accelerate
+  // upcasts only the ones that train): an fp32 copy only of fp32-loaded frozen
+  // weights, and none in pure mode, where the loaded 16-bit values are all.
+  o.frozen_fp32_copy = !pure && context.frozen_weights_in_fp32;
   // Pure mode's gradients are low precision already; with an fp32 param_dtype there is nothing to keep low.
   o.keep_low_precision_grads = c.keep_low_precision_grads && !o.pure_low_precision && o.param_dtype != at::kFloat;
   if (c.buffer_dtype) o.buffer_dtype = engine::scalar_type(*c.buffer_dtype);
