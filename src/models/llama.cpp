@@ -12,9 +12,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <type_traits>
@@ -302,13 +304,38 @@ AttentionMask::AttentionMask(at::Tensor allowed) : allowed_(std::move(allowed)) 
            "; for causal attention without one use AttentionMask::causal()");
 }
 
-AttentionMask AttentionMask::packed(at::Tensor allowed, PackedSequences sequences) {
-  AttentionMask mask(std::move(allowed));
-  ST_CHECK(mask.allowed_.size(-1) == mask.allowed_.size(-2) && sequences.cu_seqlens.defined() &&
-               sequences.cu_seqlens.dim() == 1 && sequences.max_seqlen > 0,
-           "a packed attention mask covers as many keys as queries (no cached keys) and has sequence offsets");
-  mask.packed_ = std::move(sequences);
+struct AttentionMask::Packed {
+  PackedSequences sequences;
+  std::function<at::Tensor()> build_allowed;
+  std::once_flag built;
+  at::Tensor allowed;
+};
+
+AttentionMask AttentionMask::packed(PackedSequences sequences, std::function<at::Tensor()> build_allowed) {
+  ST_CHECK(sequences.cu_seqlens.defined() && sequences.cu_seqlens.dim() == 1 && sequences.max_seqlen > 0 &&
+               build_allowed,
+           "a packed attention mask has sequence offsets and a way to build its mask tensor");
+  AttentionMask mask;
+  mask.packed_ = std::make_shared<Packed>();
+  mask.packed_->sequences = std::move(sequences);
+  mask.packed_->build_allowed = std::move(build_allowed);
   return mask;
+}
+
+const PackedSequences* AttentionMask::packed_sequences() const { return packed_ ? &packed_->sequences : nullptr; }
+
+const at::Tensor& AttentionMask::allowed() const {
+  if (!packed_) return allowed_;
+  Packed& p = *packed_;
+  std::call_once(p.built, [&p] {
+    AttentionMask built(p.build_allowed());
+    ST_CHECK(built.allowed_.size(-1) == built.allowed_.size(-2),
+             "a packed attention mask covers as many keys as queries (no cached keys), got ",
+             built.allowed_.sizes());
+    p.allowed = std::move(built.allowed_);
+    p.build_allowed = nullptr;  // what it held (the document ids) is no longer needed
+  });
+  return p.allowed;
 }
 
 at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
@@ -535,9 +562,10 @@ namespace {
 /// sliding window, and (document_ids [B,T] given, on any device) in the same
 /// document: the same run of equal ids.
 /// Causal, without a tensor, where nothing but the order limits the keys
-/// (on a GPU where flash runs, also rows that each hold one document); with
-/// the packed sequences too where FlashAttention's variable-length kernel
-/// will take them (no cached keys, `compute` on a GPU in 16 bits).
+/// (on a GPU where flash runs, also rows that each hold one document); as
+/// packed sequences, whose tensor is built only if a kernel asks for it,
+/// where FlashAttention's variable-length kernel will take them (no cached
+/// keys, `compute` on a GPU in 16 bits).
 AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first_key, int64_t first_query, int64_t T,
                              const at::Tensor& document_ids, const at::TensorOptions& long_opts,
                              const at::Tensor& compute) {
@@ -554,20 +582,19 @@ AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first
     // SDPA's FlashAttention runs without offsets or a mask tensor.
     if (!window_limits && packed->cu_seqlens.size(0) == B + 1) return AttentionMask::causal();
   }
-  at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
-  at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
-  at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);  // i - j in positions
-  at::Tensor allowed = diff >= 0;
-  if (config.sliding_window) allowed = allowed & (diff < *config.sliding_window);
-  allowed = allowed.view({1, 1, T, key_pos.size(0)});
-  if (document_ids.defined()) {
+  auto build_allowed = [window = config.sliding_window, B, first_key, first_query, T, document_ids, long_opts] {
+    const at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
+    const at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
+    const at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);  // i - j in positions
+    at::Tensor allowed = diff >= 0;
+    if (window) allowed = allowed & (diff < *window);
+    allowed = allowed.view({1, 1, T, key_pos.size(0)});
+    if (!document_ids.defined()) return allowed.expand({B, 1, T, key_pos.size(0)});
     const at::Tensor doc = document_starts(document_ids.to(long_opts.device())).cumsum(1);  // run number
-    allowed = allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
-  } else {
-    allowed = allowed.expand({B, 1, T, key_pos.size(0)});
-  }
-  if (!packed) return AttentionMask(allowed);
-  return AttentionMask::packed(allowed, std::move(*packed));
+    return allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
+  };
+  if (!packed) return AttentionMask(build_allowed());
+  return AttentionMask::packed(std::move(*packed), std::move(build_allowed));
 }
 
 }  // namespace

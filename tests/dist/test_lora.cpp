@@ -345,7 +345,7 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
 }
 
 // Where a backend's peer holds a frozen base in 16 bits alone, so does
-// shardtrain: ZeRO at every stage (DeepSpeed casts the whole module to bf16
+// shardtrain: ZeRO at every stage, 0 to 3 (DeepSpeed casts the whole module to bf16
 // and gives only the trained partitions fp32 masters) and FSDP standard on a
 // base that arrives in bf16 (FSDP keeps a frozen flat parameter in the dtype
 // it arrives in; Accelerate upcasts only the trained ones). FSDP standard on
@@ -374,8 +374,11 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
     };
     const shardtrain::TrainingConfig fsdp = bf16_adamw(true);
     const shardtrain::TrainingConfig zero3 = bf16_adamw(false);
-    shardtrain::TrainingConfig zero2 = zero3;
-    zero2.zero.stage = 2;
+    auto zero_stage = [&](int stage) {
+      shardtrain::TrainingConfig config = zero3;
+      config.zero.stage = stage;
+      return config;
+    };
 
     const AdapterRun reference = train_adapters(ctx, fsdp, false, out / "fsdp");
     EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kWorld);
@@ -386,7 +389,9 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
 
     const std::vector<std::pair<std::string, AdapterRun>> runs = {
         {"zero-3, fp32 base", train_adapters(ctx, zero3, false, out / "zero3")},
-        {"zero-2, fp32 base", train_adapters(ctx, zero2, false, {})},
+        {"zero-2, fp32 base", train_adapters(ctx, zero_stage(2), false, {})},
+        {"zero-1, fp32 base", train_adapters(ctx, zero_stage(1), false, {})},
+        {"zero-0 (ddp), fp32 base", train_adapters(ctx, zero_stage(0), false, {})},
         {"fsdp standard, bf16 base", train_adapters(ctx, fsdp, true, {})},
     };
     for (const auto& [what, run] : runs) {

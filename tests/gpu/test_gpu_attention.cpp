@@ -4,9 +4,11 @@
 // computed in fp64, output and gradients, within what bf16 rounding allows;
 // with packed documents and with a sliding window, over grouped key/value
 // heads; and the causal attention without a mask (SDPA's fused kernels on
-// the grouped heads as they are) against the same reference. In the dry run
-// the CPU's bf16 attention stands in for the GPU's, so the reference and the
-// bounds run before they meet a GPU.
+// the grouped heads as they are) against the same reference. The packed
+// cases go through the model's core_attention, which on a GPU must never
+// build the packing mask's tensor. In the dry run the CPU's bf16 attention
+// stands in for the GPU's, so the reference and the bounds run before they
+// meet a GPU.
 
 #include <cmath>
 #include <optional>
@@ -158,13 +160,20 @@ TEST_P(GpuPackedAttention, IsTheMaskedAttentionWithinBf16Rounding) {
   at::Tensor out;
   if (c.causal_sdpa) {
     out = shardtrain::nn::causal_scaled_dot_product_attention(q, k, v);
-  } else if (test_device().is_cuda()) {
-    ASSERT_TRUE(shardtrain::kernels::flash_attention_runs(q, true)) << "FlashAttention should run on this GPU in bf16";
-    const shardtrain::models::PackedSequences packed =
-        shardtrain::models::packed_sequences(document_ids, kRows, kTokens, test_device(), c.window);
-    out = shardtrain::kernels::packed_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, packed.window);
-  } else {  // the dry run: the CPU's masked attention in its place
-    out = shardtrain::nn::scaled_dot_product_attention(q, k, v, allowed.expand({kRows, 1, kTokens, kTokens}));
+  } else {
+    // The model's call. On a GPU: FlashAttention's variable-length kernel,
+    // and the mask tensor is never built. In the dry run the CPU's masked
+    // attention stands in, on the tensor built once.
+    const bool flash = shardtrain::kernels::flash_attention_runs(q, true);
+    if (test_device().is_cuda()) ASSERT_TRUE(flash) << "FlashAttention should run on this GPU in bf16";
+    int builds = 0;
+    const shardtrain::models::AttentionMask mask = shardtrain::models::AttentionMask::packed(
+        shardtrain::models::packed_sequences(document_ids, kRows, kTokens, test_device(), c.window), [&] {
+          ++builds;
+          return allowed.expand({kRows, 1, kTokens, kTokens}).to(test_device());
+        });
+    out = shardtrain::models::core_attention(q, k, v, mask);
+    EXPECT_EQ(builds, flash ? 0 : 1) << "the packed mask's tensor was built " << builds << " times";
   }
   const std::vector<at::Tensor> grads = torch::autograd::grad({out}, {q, k, v}, {g});
   const Reference ref = fp64_reference(q.detach(), k.detach(), v.detach(), g, allowed);

@@ -247,13 +247,24 @@ TEST(UnitLlama, PackedSequencesStartAtEachRowAndEachNewDocument) {
   EXPECT_THROW(sm::packed_sequences(docs, 5, 2, at::kCPU, std::nullopt), shardtrain::Error);
   EXPECT_THROW(sm::packed_sequences(docs, 2, 5, at::kCPU, 0), shardtrain::Error);
   // Where the variable-length kernel does not run (the CPU), a packed mask
-  // is its tensor: the same bits as the plain mask.
+  // is its tensor: the same bits as the plain mask. The tensor is built on
+  // first use, once for every copy of the mask (every layer's).
   const int64_t T = 5;
   const at::Tensor allowed = at::ones({2, 1, T, T}, at::kBool).tril();
-  const sm::AttentionMask mask = sm::AttentionMask::packed(allowed, packed);
+  int builds = 0;
+  const sm::AttentionMask mask = sm::AttentionMask::packed(packed, [&] {
+    ++builds;
+    return allowed;
+  });
   ASSERT_NE(mask.packed_sequences(), nullptr);
+  EXPECT_FALSE(mask.is_causal());
+  EXPECT_EQ(builds, 0);
+  const sm::AttentionMask copy = mask;
   const at::Tensor q = at::randn({2, 4, T, 8}), k = at::randn({2, 2, T, 8}), v = at::randn({2, 2, T, 8});
   EXPECT_TRUE(at::equal(sm::core_attention(q, k, v, mask), sm::core_attention(q, k, v, allowed)));
+  EXPECT_TRUE(at::equal(sm::core_attention(q, k, v, copy), sm::core_attention(q, k, v, allowed)));
+  EXPECT_EQ(builds, 1);
+  EXPECT_TRUE(copy.allowed().is_same(mask.allowed()));
 }
 
 class UnitLlamaLoad : public ::testing::Test {

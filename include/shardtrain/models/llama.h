@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,22 +79,28 @@ class AttentionMask {
   static AttentionMask causal() { return AttentionMask(); }
   /// allowed [B,1,T,S] bool (true: may attend), broadcast over the heads.
   AttentionMask(at::Tensor allowed);  // NOLINT(google-explicit-constructor): a mask tensor is an AttentionMask
-  bool is_causal() const { return !allowed_.defined(); }
-  /// The mask tensor; undefined where is_causal().
-  const at::Tensor& allowed() const { return allowed_; }
+  bool is_causal() const { return !allowed_.defined() && !packed_; }
+  /// The mask tensor (a packed mask's is built on the first call, once for
+  /// every copy of it); undefined where is_causal().
+  const at::Tensor& allowed() const;
 
-  /// The same mask as causal attention within packed sequences (documents,
-  /// a sliding window, or both; no cached keys): where FlashAttention's
-  /// variable-length kernel runs (a GPU, 16 bits) the attention takes this
-  /// form and skips the tensor. `allowed` must say the same.
-  static AttentionMask packed(at::Tensor allowed, PackedSequences sequences);
+  /// Causal attention within packed sequences (documents, a sliding window,
+  /// or both; no cached keys). Where FlashAttention's variable-length kernel
+  /// runs (a GPU, 16 bits) the attention takes this form and no mask tensor
+  /// is ever made: it would take B*T*T bytes (1 GiB for one row of 32768
+  /// tokens), for nothing.
+  /// Elsewhere `build_allowed` makes the [B,1,T,T] tensor that says the same.
+  static AttentionMask packed(PackedSequences sequences, std::function<at::Tensor()> build_allowed);
   /// The packed form, where the mask has one; nullptr otherwise.
-  const PackedSequences* packed_sequences() const { return packed_ ? &*packed_ : nullptr; }
+  const PackedSequences* packed_sequences() const;
 
  private:
+  /// A packed mask's sequences and its tensor, made on first use; shared by
+  /// the copies of the mask (every layer's, autograd's), so it is made once.
+  struct Packed;
   AttentionMask() = default;
   at::Tensor allowed_;
-  std::optional<PackedSequences> packed_;
+  std::shared_ptr<Packed> packed_;
 };
 
 /// The core attention: softmax(q k^T / sqrt(d) masked) v, the softmax in fp32
