@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The peer that shardtrain's ZeRO-3 and FSDP engines are held against in
-DistPeerFsdp2 (tests/dist/test_peer_fsdp2.cpp): PyTorch's own FSDP2
-(`fully_shard`, each decoder layer then the root) training Hugging Face
-transformers' LlamaForCausalLM over Gloo, fp32, on this machine's torch.
+"""The peers that shardtrain's ZeRO-3 and FSDP engines are held against in
+DistPeerFsdp2 and DistPeerDeepSpeed (tests/dist/test_peer_training.cpp):
+PyTorch's own FSDP2 (`fully_shard`, each decoder layer then the root), or
+DeepSpeed's ZeRO-3 (--engine deepspeed), training Hugging Face transformers'
+LlamaForCausalLM over Gloo, fp32, on this machine's torch.
 
 Writes OUT_DIR/batches.safetensors (input_ids [steps, world, micro_batch,
 seq_len] int64, drawn here from a seeded generator so both sides train on the
@@ -36,8 +37,15 @@ weights and batch under FSDP2 and under DistributedDataParallel must give the
 same gradients (relative 1e-5: two fp32 reductions of one sum, each within a
 few ulps), else this script stops naming the mismatch.
 
-Usage: scripts/peer_fsdp2.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
+With --engine deepspeed the same training runs under DeepSpeed's ZeRO-3
+instead (DS_ACCELERATOR=cpu, over the same Gloo group; DistPeerDeepSpeed):
+torch's optimizer as DeepSpeed's client optimizer, stepping its flat fp32
+partitions, with DeepSpeed's own gradient clipping and averaging over the
+ranks. The full model only (no --lora).
+
+Usage: scripts/peer_train.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
        [--micro-batch 2] [--seq-len 16] [--seed 5] [--lora R [--qlora]] [--make-base CONFIG]
+       [--engine fsdp2|deepspeed]
 Offline: nothing is downloaded. Threads: 1 per rank.
 """
 import argparse
@@ -131,13 +139,15 @@ def check_against_ddp(args, rank, batch):
         ratio = (grad.norm() / reference[name].norm()).item()
         error = ((grad - reference[name]).norm() / reference[name].norm()).item()
         if error > 1e-5:
-            raise SystemExit(f"peer_fsdp2: FSDP2's gradient of {name} differs from DDP's (relative {error:.3g}, "
+            raise SystemExit(f"peer_train: FSDP2's gradient of {name} differs from DDP's (relative {error:.3g}, "
                              f"norm ratio {ratio:.6f}; a ratio of {args.world} is pytorch#162338's sum instead "
                              "of average): the peer cannot be trusted on this torch")
 
 
 def train(args, rank, batches, optimizer_name):
     spec = OPTIMIZERS[optimizer_name]
+    if args.engine == "deepspeed":
+        return train_deepspeed(args, rank, batches, spec)
     model = shard(training_model(args))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = spec["make"](trainable)
@@ -149,9 +159,35 @@ def train(args, rank, batches, optimizer_name):
             torch.nn.utils.clip_grad_norm_(trainable, spec["clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean / args.world).item())
+        losses.append(global_mean(loss, args.world))
+    return losses
+
+
+def global_mean(loss, world):
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return (mean / world).item()
+
+
+def train_deepspeed(args, rank, batches, spec):
+    """DeepSpeed ZeRO-3 in fp32 with torch's optimizer as the client
+    optimizer (DeepSpeed's own CPU Adam is another kernel), stepping its
+    flat fp32 partitions; DeepSpeed clips (gradient_clipping) and averages
+    the gradients over the ranks itself."""
+    import deepspeed
+    model = training_model(args)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": spec["clip"], "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=spec["make"](trainable), config=config)
+    losses = []
+    for step in range(args.steps):
+        loss = next_token_loss(engine, batches[step, rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(global_mean(loss, args.world))
+    engine.destroy()
     return losses
 
 
@@ -159,9 +195,15 @@ def run(rank, args, store_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=args.world)
     batches = torch.load(os.path.join(args.out_dir, "batches.pt"))
-    check_against_ddp(args, rank, batches[0, rank])
-    result = {"world": args.world, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-              "torch": torch.__version__}
+    if args.engine == "deepspeed":
+        import deepspeed
+        # What a launcher would set; DeepSpeed reads it and finds the process group already up.
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(args.world))
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        check_against_ddp(args, rank, batches[0, rank])
+    result = {"engine": args.engine, "world": args.world, "micro_batch": args.micro_batch,
+              "seq_len": args.seq_len, "torch": torch.__version__}
     for name in (["adamw"] if args.lora else OPTIMIZERS):
         result[name] = train(args, rank, batches, name)
     if rank == 0:
@@ -182,7 +224,12 @@ def main():
     parser.add_argument("--lora", type=int, default=0)
     parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--make-base")
+    parser.add_argument("--engine", choices=["fsdp2", "deepspeed"], default="fsdp2")
     args = parser.parse_args()
+    if args.engine == "deepspeed":
+        if args.lora:
+            parser.error("--engine deepspeed trains the full model (no --lora)")
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
     if args.qlora and not args.lora:
         parser.error("--qlora trains LoRA adapters on the 4-bit base: give --lora R too")
     os.makedirs(args.out_dir, exist_ok=True)
@@ -207,7 +254,7 @@ def main():
         mp.spawn(run, args=(args, os.path.join(tmp, "store")), nprocs=args.world, join=True)
     os.remove(os.path.join(args.out_dir, "batches.pt"))
     if not os.path.exists(os.path.join(args.out_dir, "peer.json")):
-        sys.exit("peer_fsdp2: no peer.json written")
+        sys.exit("peer_train: no peer.json written")
 
 
 if __name__ == "__main__":
