@@ -170,7 +170,7 @@ def global_mean(loss, world):
 
 
 def train_deepspeed(args, rank, batches, spec):
-    """DeepSpeed ZeRO-3 in fp32 with torch's optimizer as the client
+    """DeepSpeed ZeRO (--zero-stage) in fp32 with torch's optimizer as the client
     optimizer (DeepSpeed's own CPU Adam is another kernel), stepping its
     flat fp32 partitions; DeepSpeed clips (gradient_clipping) and averages
     the gradients over the ranks itself."""
@@ -178,7 +178,7 @@ def train_deepspeed(args, rank, batches, spec):
     model = training_model(args)
     trainable = [p for p in model.parameters() if p.requires_grad]
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": spec["clip"], "zero_optimization": {"stage": 3},
+              "gradient_clipping": spec["clip"], "zero_optimization": {"stage": args.zero_stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=spec["make"](trainable), config=config)
     losses = []
@@ -225,6 +225,7 @@ def main():
     parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--make-base")
     parser.add_argument("--engine", choices=["fsdp2", "deepspeed"], default="fsdp2")
+    parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3, help="with --engine deepspeed")
     args = parser.parse_args()
     if args.engine == "deepspeed":
         if args.lora:

@@ -56,8 +56,10 @@ void run_peer(const fs::path& dir, const std::string& extra = "") {
   ASSERT_EQ(status, 0) << "the peer failed: " << command << "\n" << output;
 }
 
-shardtrain::TrainingConfig engine_config(bool fsdp, const std::string& optimizer) {
+/// `zero_stage`: the ZeRO stage where not `fsdp`.
+shardtrain::TrainingConfig engine_config(bool fsdp, const std::string& optimizer, int zero_stage = 3) {
   shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
+  if (!fsdp) config.zero.stage = zero_stage;
   // The peer's settings (scripts/peer_train.py OPTIMIZERS).
   if (optimizer == "adamw") {
     config.optimizer.type = "AdamW";
@@ -76,6 +78,7 @@ shardtrain::TrainingConfig engine_config(bool fsdp, const std::string& optimizer
 struct PeerCase {
   bool fsdp;
   const char* optimizer;
+  int zero_stage = 3;  ///< where not fsdp
 };
 
 class DistPeerFsdp2 : public ::testing::TestWithParam<PeerCase> {};
@@ -142,7 +145,7 @@ void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const s
         shardtrain::safetensors::Reader((peer_dir / "batches.safetensors").string()).read("input_ids");
     ASSERT_EQ(batches.sizes().vec(), (std::vector<int64_t>{kSteps, kWorld, 2, 16}));
 
-    auto accelerator = shardtrain::testing::accelerator_for(engine_config(c.fsdp, c.optimizer), ctx);
+    auto accelerator = shardtrain::testing::accelerator_for(engine_config(c.fsdp, c.optimizer, c.zero_stage), ctx);
     LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
     model->train();
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
@@ -176,19 +179,22 @@ void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const s
 
 TEST_P(DistPeerFsdp2, TwentyFp32StepsMatchPyTorchFsdp2Losses) { expect_peer_losses(GetParam(), "FSDP2", ""); }
 
-// DeepSpeed's ZeRO-3 (deepspeed from PyPI, DS_ACCELERATOR=cpu) in fp32, with
-// torch's AdamW or SGD as its client optimizer stepping its flat fp32
-// partitions, and its own clipping (gradient_clipping) and averaging over
-// the ranks. The same bound as above: the same kernels, composed around a
-// flat partition as shardtrain's are. Measured (Intel Xeon with AMX, 2
-// cores): DeepSpeed's losses are 0 or 1 ulp from FSDP2's at every step, in
+// DeepSpeed's ZeRO at stages 3, 2 and 1 against shardtrain's same stage
+// (deepspeed from PyPI, DS_ACCELERATOR=cpu), fp32, with torch's AdamW or SGD
+// as its client optimizer stepping its flat fp32 partitions, and its own
+// clipping (gradient_clipping) and averaging over the ranks. The same bound
+// as above: the same kernels, composed around a flat partition as
+// shardtrain's are. Measured (Intel Xeon with AMX, 2 cores): DeepSpeed's
+// losses are 0 or 1 ulp from FSDP2's at every step, at every stage and in
 // both optimizers.
-TEST_P(DistPeerDeepSpeed, TwentyFp32StepsMatchDeepSpeedZero3Losses) {
-  expect_peer_losses(GetParam(), "DeepSpeed", "--engine deepspeed");
+TEST_P(DistPeerDeepSpeed, TwentyFp32StepsMatchDeepSpeedZeroLosses) {
+  const PeerCase c = GetParam();
+  expect_peer_losses(c, "DeepSpeed", "--engine deepspeed --zero-stage " + std::to_string(c.zero_stage));
 }
 
 std::string peer_case_name(const ::testing::TestParamInfo<PeerCase>& info) {
-  return std::string(info.param.fsdp ? "fsdp_standard" : "zero3") + "_" + info.param.optimizer;
+  return (info.param.fsdp ? std::string("fsdp_standard") : "zero" + std::to_string(info.param.zero_stage)) + "_" +
+         info.param.optimizer;
 }
 
 INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerFsdp2,
@@ -196,7 +202,9 @@ INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerFsdp2,
                                            PeerCase{false, "sgd"}, PeerCase{true, "sgd"}),
                          peer_case_name);
 INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerDeepSpeed,
-                         ::testing::Values(PeerCase{false, "adamw"}, PeerCase{false, "sgd"}), peer_case_name);
+                         ::testing::Values(PeerCase{false, "adamw"}, PeerCase{false, "sgd"},
+                                           PeerCase{false, "adamw", 2}, PeerCase{false, "adamw", 1}),
+                         peer_case_name);
 
 // LoRA against PEFT: r 8 on q/k/v/o of the 58M Llama (bench/models/llama_58m.json,
 // random weights the peer makes and saves), fp32, world 2, 20 AdamW steps;
