@@ -197,8 +197,14 @@ def run(rank, args, store_file):
     batches = torch.load(os.path.join(args.out_dir, "batches.pt"))
     if args.engine == "deepspeed":
         import deepspeed
+        import deepspeed.comm.torch  # noqa: F401 (sys.modules: the package's `torch` attribute is torch itself)
         # What a launcher would set; DeepSpeed reads it and finds the process group already up.
         os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(args.world))
+        # DeepSpeed compiles a shared-memory all-reduce at init (a C++
+        # extension built against Python's headers into ~/.cache, under a
+        # lock a killed build leaves behind); only its inference_all_reduce
+        # uses it, never training, so the peer does without it.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         check_against_ddp(args, rank, batches[0, rank])

@@ -499,11 +499,17 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
              begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
     return result;
   });
-  if (rounded_to && comm.rank() == 0) {
-    ST_LOG_WARN("checkpoint {}: its fp32 values of parameters this run holds in {} alone (pure low precision, or "
-                "frozen weights without an fp32 copy) were rounded to {}; the run trains on the values it would have "
-                "computed with, but saving now writes the rounded ones",
-                ckpt.string(), c10::toString(*rounded_to), c10::toString(*rounded_to));
+  // Every rank's slices count, so the ranks agree on the dtype (+1: 0 is "none").
+  at::Tensor rounded = at::full({1}, rounded_to ? static_cast<int64_t>(*rounded_to) + 1 : 0,
+                                at::TensorOptions().dtype(at::kLong).device(comm.device()));
+  comm.all_reduce(rounded, comm::ReduceOp::kMax);
+  const int64_t rounded_code = rounded.item<int64_t>();
+  if (rounded_code > 0 && comm.rank() == 0) {
+    const auto dtype = static_cast<at::ScalarType>(rounded_code - 1);
+    ST_LOG_WARN("checkpoint {}: values this run holds in {} alone (pure low precision's parameters and optimizer "
+                "state, frozen weights without an fp32 copy) were rounded to {} as they loaded; saving now writes "
+                "the rounded values",
+                ckpt.string(), c10::toString(dtype), c10::toString(dtype));
   }
   for (auto& [generator, state] : streams_to_restore) {
     std::lock_guard<std::mutex> lock(generator.mutex());

@@ -53,9 +53,18 @@ std::optional<at::ScalarType> CheckpointView::load(const SliceSource& source) {
         at::Tensor value = source(name, kind, seg.param_offset, seg.length);
         ST_CHECK(value.numel() == seg.length, "checkpoint: '", name, "' ", kind, " [", seg.param_offset, ", +",
                  seg.length, ") came back with ", value.numel(), " elements");
-        // A value held in a 16-bit dtype alone (no fp32 master or copy) rounds what an fp32 checkpoint gives it.
-        if (value.scalar_type() == at::kFloat && dst.scalar_type() != at::kFloat) rounded_to = dst.scalar_type();
-        dst.copy_(value.reshape({-1}));
+        const at::Tensor flat = value.reshape({-1});
+        // A value held in a 16-bit dtype alone (no fp32 master or copy) rounds
+        // what a wider (or another 16-bit) checkpoint gives it, where it is not
+        // already representable there (an fp32 save of bf16 values is).
+        if (flat.scalar_type() != dst.scalar_type() &&
+            c10::elementSize(dst.scalar_type()) <= c10::elementSize(flat.scalar_type())) {
+          const at::Tensor held = flat.to(dst.scalar_type());
+          if (!rounded_to && !at::equal(held.to(flat.scalar_type()), flat)) rounded_to = dst.scalar_type();
+          dst.copy_(held);
+        } else {
+          dst.copy_(flat);
+        }
       };
       fill(shard.value(), "master");
       if (u.trainable && shard.exp_avg.defined()) {

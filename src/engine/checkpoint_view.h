@@ -33,7 +33,7 @@ class CheckpointView {
   /// Overwrites every owned slice with the source's values and refreshes the
   /// low-precision shards from the masters. The gathered parameters still
   /// hold the old values: the caller regathers.
-  /// Returns the dtype fp32 values were rounded to (Engine::load_slices).
+  /// Returns the dtype values were rounded to (Engine::load_slices).
   std::optional<at::ScalarType> load(const SliceSource& source);
   /// Trainable parameter ranges this rank owns.
   std::vector<OwnedRange> owned_ranges() const;

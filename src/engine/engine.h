@@ -103,9 +103,10 @@ class Engine : public UnitHooks {
   virtual std::vector<CheckpointSlice> checkpoint_slices() const = 0;
   /// Overwrites every owned slice with `source(name, kind, begin, length)`,
   /// then refreshes the low-precision shards and the gathered parameters.
-  /// Returns the 16-bit dtype that fp32 values were rounded to on this rank,
-  /// where a parameter is held in that dtype alone (pure low precision, a
-  /// frozen weight without an fp32 copy); nullopt where every value was kept.
+  /// Returns the 16-bit dtype that values were rounded to on this rank, where
+  /// the run holds them in that dtype alone (pure low precision's parameters
+  /// and optimizer state, a frozen weight without an fp32 copy) and the
+  /// checkpoint's were not representable in it; nullopt where every value was kept.
   virtual std::optional<at::ScalarType> load_slices(const SliceSource& source) = 0;
   virtual int64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(int64_t steps) = 0;

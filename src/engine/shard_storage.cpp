@@ -6,6 +6,7 @@
 
 #include "engine/shard_storage.h"
 
+#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -80,7 +81,13 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
   // With the model on the CPU every partition already lives on the host, so
   // the offload has nothing to move: a host copy of the gradient and of the
   // low-precision partition would only cost memory and two copies a step.
-  if (plan.offload_optimizer && !pure && !device_.is_cpu()) {
+  // SHARDTRAIN_OFFLOAD_ON_CPU=1 makes them all the same, so that tests run the
+  // offload's copies and its step on a machine without a GPU.
+  static const bool offload_on_cpu = [] {
+    const char* value = std::getenv("SHARDTRAIN_OFFLOAD_ON_CPU");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  if (plan.offload_optimizer && (!device_.is_cpu() || offload_on_cpu)) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
     // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
     // memory and the device run at full bus speed and can overlap.
@@ -93,8 +100,10 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
     to_host(exp_avg_sq_);
     to_host(momentum_);
     host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    // fp32 parameters need no rounded copy: the host master is uploaded as it is.
-    if (plan.param_dtype != at::kFloat) host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    // Pure low precision steps this host copy of its partition in place; a
+    // 16-bit param_dtype otherwise rounds the fp32 master into it; fp32
+    // parameters need none: the host master is uploaded as it is.
+    if (pure || plan.param_dtype != at::kFloat) host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
   }
 
   shards_.resize(static_cast<std::size_t>(units.size()));
@@ -125,8 +134,19 @@ at::Tensor ShardStorage::low_precision_out() const {
   return lp_.scalar_type() == at::kFloat ? at::Tensor() : lp_;
 }
 
+const at::Tensor& ShardStorage::download_for_step() {
+  if (!host_grad_.defined()) return grad_;
+  host_grad_.copy_(grad_);
+  if (plan_.pure_low_precision) host_lp_.copy_(lp_);
+  return host_grad_;
+}
+
 void ShardStorage::upload_low_precision() {
-  if (plan_.pure_low_precision || lp_.is_same(master_)) return;
+  if (lp_.is_same(master_)) return;
+  if (plan_.pure_low_precision) {
+    if (host_lp_.defined()) lp_.copy_(host_lp_);
+    return;
+  }
   if (host_lp_.defined()) {
     lp_.copy_(host_lp_);
   } else if (lp_.scalar_type() == at::kFloat) {

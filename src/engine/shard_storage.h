@@ -22,7 +22,8 @@ inline int64_t bytes_of(const at::Tensor& t) {
 
 /// A unit entry's pieces of the model states: views into the flat partitions
 /// (trainable entries) or its own tensors (frozen ones: a shard to gather
-/// from and an fp32 copy for state dicts, no optimizer state).
+/// from and, where the plan keeps one, an fp32 copy for state dicts; no
+/// optimizer state).
 struct UnitShard {
   at::Tensor master;                 ///< fp32; undefined in pure low precision
   at::Tensor lp;                     ///< param_dtype: what the all-gather sends
@@ -50,26 +51,32 @@ class ShardStorage {
   const at::Tensor& master() const { return master_; }
   /// The low-precision partition (aliases the master when param_dtype is fp32).
   const at::Tensor& low_precision() const { return lp_; }
-  /// What the optimizer steps: the master, or in pure low precision the low-precision partition.
-  const at::Tensor& stepped() const { return plan_.pure_low_precision ? lp_ : master_; }
+  /// What the optimizer steps: the master, or in pure low precision the
+  /// low-precision partition (under offload its host copy, download_stepped()).
+  const at::Tensor& stepped() const {
+    return !plan_.pure_low_precision ? master_ : host_lp_.defined() ? host_lp_ : lp_;
+  }
   const at::Tensor& grad() const { return grad_; }
   const at::Tensor& exp_avg() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
   const at::Tensor& momentum() const { return momentum_; }
-  /// Optimizer offload: the host copy the step reads the gradient from
-  /// (undefined without offload).
-  const at::Tensor& host_grad() const { return host_grad_; }
-  /// Whether the optimizer steps on host copies (offload asked for, the
-  /// model on a GPU, an fp32 master to step; nothing moves otherwise).
+  /// Whether the optimizer steps on host copies (offload asked for and the
+  /// model on a GPU; nothing moves otherwise).
   bool offloaded() const { return host_grad_.defined(); }
+  /// Before an offloaded step: the gradient down to its host copy, and in pure
+  /// low precision the partition the step updates (the model's own, which a
+  /// checkpoint load or a state dict may have written since the last step).
+  /// Returns the gradient the step reads.
+  const at::Tensor& download_for_step();
   /// Where the optimizer's kernel writes the stepped values rounded to
   /// param_dtype: the low-precision partition, its host copy under offload, or
   /// nothing where the stepped tensor is itself what the model reads, or is
   /// fp32 and copied to the model's device after the step (upload_low_precision).
   at::Tensor low_precision_out() const;
   /// After a step, brings the model's partition up to date where the kernel
-  /// could not write it: from the host copy, or, for fp32 parameters whose
-  /// master was offloaded off the GPU, from the master itself.
+  /// could not write it: from the host copy (the rounded one, or pure low
+  /// precision's stepped one), or, for fp32 parameters whose master was
+  /// offloaded off the GPU, from the master itself.
   void upload_low_precision();
 
   /// Something wrote into the gradient partition.

@@ -95,8 +95,7 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGro
               c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
               s.plan.pure_low_precision ? ", pure low precision (no fp32 master)" : "",
               s.storage.offloaded()        ? ", optimizer offloaded to CPU"
-              : s.plan.offload_optimizer ? ", optimizer offload asked for, nothing to move (model on the CPU, or no "
-                                           "fp32 master in pure low precision)"
+              : s.plan.offload_optimizer ? ", optimizer offload asked for, nothing to move (the model is on the CPU)"
                                          : "");
 }
 

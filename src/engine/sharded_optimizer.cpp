@@ -101,11 +101,7 @@ StepInfo ShardedOptimizer::step(double lr) {
     return result;
   }
   const double grad_scale = clip_coefficient_ / scaler_.scale();
-  at::Tensor grad = storage_.grad();
-  if (storage_.host_grad().defined()) {
-    storage_.host_grad().copy_(storage_.grad());
-    grad = storage_.host_grad();
-  }
+  const at::Tensor grad = storage_.download_for_step();
   const at::Tensor lp_out = storage_.low_precision_out();
   ++steps_;
 

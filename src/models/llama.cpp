@@ -353,6 +353,8 @@ at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       kernels::flash_attention_runs(q, kernels::attention_needs_grad(q, k, v))) {
     try {
       return kernels::packed_attention(q, k, v, packed->cu_seqlens, packed->max_seqlen, packed->window);
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // not a refusal: the mask path would need more memory still
     } catch (const c10::Error& refused) {
       if (!packed_kernel_refused.exchange(true)) {
         ST_LOG_WARN("FlashAttention's variable-length kernel refused the packed batch ({}); the attention uses "
@@ -582,16 +584,19 @@ AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first
     // SDPA's FlashAttention runs without offsets or a mask tensor.
     if (!window_limits && packed->cu_seqlens.size(0) == B + 1) return AttentionMask::causal();
   }
-  auto build_allowed = [window = config.sliding_window, B, first_key, first_query, T, document_ids, long_opts] {
+  // The documents' run numbers now (B x T, cheap): the mask may be built after
+  // the caller has reused its ids buffer, and must agree with the offsets.
+  const at::Tensor runs =
+      document_ids.defined() ? document_starts(document_ids.to(long_opts.device())).cumsum(1) : at::Tensor();
+  auto build_allowed = [window = config.sliding_window, B, first_key, first_query, T, runs, long_opts] {
     const at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
     const at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
     const at::Tensor diff = query_pos.unsqueeze(1) - key_pos.unsqueeze(0);  // i - j in positions
     at::Tensor allowed = diff >= 0;
     if (window) allowed = allowed & (diff < *window);
     allowed = allowed.view({1, 1, T, key_pos.size(0)});
-    if (!document_ids.defined()) return allowed.expand({B, 1, T, key_pos.size(0)});
-    const at::Tensor doc = document_starts(document_ids.to(long_opts.device())).cumsum(1);  // run number
-    return allowed & (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1);
+    if (!runs.defined()) return allowed.expand({B, 1, T, key_pos.size(0)});
+    return allowed & (runs.unsqueeze(2) == runs.unsqueeze(1)).unsqueeze(1);
   };
   if (!packed) return AttentionMask(build_allowed());
   return AttentionMask::packed(std::move(*packed), std::move(build_allowed));

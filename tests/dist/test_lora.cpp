@@ -228,9 +228,11 @@ struct AdapterRun {
 /// from_pretrained(torch_dtype=bfloat16)) before the adapters are added, which
 /// then are fp32 (PEFT's autocast_adapter_dtype).
 constexpr int kAdapterSteps = 4;
-LlamaForCausalLM adapted_golden_llama(bool bf16_base) {
+/// `bf16_values_in_fp32`: a bf16 base widened back to fp32 (values a bf16 copy holds exactly).
+LlamaForCausalLM adapted_golden_llama(bool bf16_base, bool bf16_values_in_fp32 = false) {
   LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
-  if (bf16_base) model->to(torch::kBFloat16);
+  if (bf16_base || bf16_values_in_fp32) model->to(torch::kBFloat16);
+  if (bf16_values_in_fp32) model->to(torch::kFloat);
   torch::manual_seed(7);  // the same adapter initialisation in every run
   shardtrain::apply_lora(*model, attention_lora_r8());
   model->train();
@@ -345,12 +347,12 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
 }
 
 // Where a backend's peer holds a frozen base in 16 bits alone, so does
-// shardtrain: ZeRO at every stage, 0 to 3 (DeepSpeed casts the whole module to bf16
-// and gives only the trained partitions fp32 masters) and FSDP standard on a
-// base that arrives in bf16 (FSDP keeps a frozen flat parameter in the dtype
-// it arrives in; Accelerate upcasts only the trained ones). FSDP standard on
-// an fp32 base keeps an fp32 copy, so that the base is saved as it was
-// loaded. Every run computes with the same bf16 base (the fp32 weights
+// shardtrain: DeepSpeed's ZeRO at every stage, 0 to 3 (DeepSpeed casts the
+// whole module to bf16 and gives only the trained partitions fp32 masters)
+// and FSDP standard on a base that arrives in bf16 (FSDP keeps a frozen flat
+// parameter in the dtype it arrives in; Accelerate upcasts only the trained
+// ones). FSDP standard and Accelerate's DDP (MULTI_CPU) on an fp32 base keep
+// an fp32 copy, so that the base is saved as it was loaded. Every run computes with the same bf16 base (the fp32 weights
 // rounded once), the same bf16 views of the same fp32 adapters, and steps the
 // same fp32 masters; at world 2 ZeRO's fp32 sum and one division by 2 round
 // to FSDP's bf16 reduction and division by 2 exactly (a division by 2 is
@@ -414,19 +416,43 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
     EXPECT_EQ(runs[0].second.round_trip_log.find("rounded"), std::string::npos) << runs[0].second.round_trip_log;
     EXPECT_EQ(reference.round_trip_log.find("rounded"), std::string::npos) << reference.round_trip_log;
 
+    // Accelerate's DDP leaves the module as loaded: the fp32 copy stays (4 B a
+    // frozen parameter, unsharded), and the state dict gives the fp32 base.
+    shardtrain::TrainingConfig ddp = zero3;
+    ddp.distributed_type = shardtrain::DistributedType::kMultiCpu;
+    const AdapterRun accelerate_ddp = train_adapters(ctx, ddp, false, {});
+    EXPECT_EQ(accelerate_ddp.plan.frozen_copy_bytes, 4.0);
+    EXPECT_EQ(accelerate_ddp.losses, reference.losses);
+    for (const auto& [name, value] : reference.state) {
+      EXPECT_TRUE(at::equal(accelerate_ddp.state.at(name), value)) << "ddp: " << name;
+    }
+
     // FSDP's checkpoint holds the fp32 base: ZeRO resumes from it on the
     // base's rounding, and says so.
-    LlamaForCausalLM model = adapted_golden_llama(false);
-    auto accelerator = shardtrain::testing::accelerator_for(zero3, ctx);
-    accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
-    shardtrain::testing::LogCapture log;
-    accelerator->load_state((out / "fsdp" / "checkpoint").string());
-    if (ctx.rank() == 0) {
-      EXPECT_NE(log.text().find("were rounded to BFloat16"), std::string::npos) << log.text();
-    }
-    for (const auto& [name, value] : accelerator->full_state_dict()) {
+    auto zero3_loading = [&](const fs::path& checkpoint, std::string& said) {
+      LlamaForCausalLM model = adapted_golden_llama(false);
+      auto accelerator = shardtrain::testing::accelerator_for(zero3, ctx);
+      accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      shardtrain::testing::LogCapture log;
+      accelerator->load_state(checkpoint.string());
+      said = log.text();
+      return accelerator->full_state_dict();
+    };
+    std::string said;
+    for (const auto& [name, value] : zero3_loading(out / "fsdp" / "checkpoint", said)) {
       EXPECT_TRUE(at::equal(value, runs[0].second.state.at(name))) << name;
     }
+    if (ctx.rank() == 0) EXPECT_NE(said.find("were rounded to BFloat16"), std::string::npos) << said;
+    // An fp32 checkpoint whose base values bf16 holds exactly loads without a word.
+    {
+      LlamaForCausalLM model = adapted_golden_llama(false, true);
+      auto accelerator = shardtrain::testing::accelerator_for(fsdp, ctx);
+      accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      EXPECT_GT(accelerator->precision_plan().frozen_copy_bytes, 0.0);
+      accelerator->save_state((out / "fsdp_bf16_values").string());
+    }
+    zero3_loading(out / "fsdp_bf16_values", said);
+    EXPECT_EQ(said.find("rounded"), std::string::npos) << said;
   }, harness);
   if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }

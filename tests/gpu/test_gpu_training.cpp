@@ -7,6 +7,8 @@
 // (gpu_test_device.h) runs it too, and records its numbers.
 
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -247,13 +249,37 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
 // as the GPU's do: the same run with and without offload is the same to the
 // bit, in fp32 (where the parameters are the master itself on the GPU, and
 // the host master is uploaded after each step) and in bf16 (where the step
-// writes a rounded host copy). The run ends by gathering the full state
-// dict, which reads the host master. In the dry run, with the model on the
-// CPU, the offload has nothing to move, so the two runs are the same run:
-// only the GPU run tests the offload.
+// writes a rounded host copy). FSDP pure bf16 with fsdp_offload_params steps
+// a host copy of its bf16 partition with its bf16 moments (brought down
+// before each step, uploaded after). The run ends by gathering the full
+// state dict, which reads the host master. In the dry run, with the model on
+// the CPU, the offload has nothing to move, so the two runs are the same run:
+// only the GPU run tests the offload here (DistOffload.* forces its copies on
+// the CPU).
 TEST(GpuTrainingOffload, OptimizerOffloadTrainsAsTheRunWithoutIt) {
   shardtrain::testing::ScratchDir scratch;
   REQUIRE_TEST_DEVICE();
+  {
+    SCOPED_TRACE("fsdp pure bf16");
+    const EngineCase& pure = kCases[3];
+    std::ifstream file(data_path(pure.tiny_config));
+    const std::string yaml((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    const std::string off = "fsdp_offload_params: false";
+    const std::size_t at_key = yaml.find(off);
+    ASSERT_NE(at_key, std::string::npos) << pure.tiny_config << " no longer says " << off;
+    const std::string offload_yaml = std::string(yaml).replace(at_key, off.size(), "fsdp_offload_params: true");
+    tiny::TinyRunOptions options = tiny_options(pure, test_device_name());
+    options.steps = 5;
+    const tiny::TinyRunResult on_device = tiny::run_tiny(options);
+    options.config_path = scratch.write("pure_offload.yaml", offload_yaml);
+    const tiny::TinyRunResult offloaded = tiny::run_tiny(options);
+    EXPECT_EQ(offloaded.losses, on_device.losses);
+    ASSERT_EQ(offloaded.final_params.size(), on_device.final_params.size());
+    for (std::size_t k = 0; k < on_device.final_params.size(); ++k) {
+      EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), on_device.final_params[k].second.cpu()))
+          << on_device.final_params[k].first;
+    }
+  }
   for (const bool bf16 : {false, true}) {
     SCOPED_TRACE(bf16 ? "bf16" : "fp32");
     auto config = [&](bool offload) {

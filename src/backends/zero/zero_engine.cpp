@@ -45,8 +45,10 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   }
   // DeepSpeed casts the whole module to the 16-bit dtype and gives only the
   // trained partitions fp32 masters: a frozen base (LoRA) is held in bf16 or
-  // fp16 alone, 2 B/param instead of 6 with an fp32 copy.
-  o.frozen_fp32_copy = false;
+  // fp16 alone, 2 B/param instead of 6 with an fp32 copy. Accelerate's DDP
+  // and single-process runs (NO, MULTI_CPU, MULTI_GPU: stage 0 here) leave
+  // the module as it was loaded: an fp32 copy of an fp32-loaded frozen base.
+  o.frozen_fp32_copy = config.distributed_type != DistributedType::kDeepSpeed && context.frozen_weights_in_fp32;
   o.activation_checkpointing = config.gradient_checkpointing;
   o.sync_module_states = true;
   o.loss_scale = config.fp16;
