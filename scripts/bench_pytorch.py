@@ -12,7 +12,7 @@ ids, as bench_train_step does), the next-token cross entropy.
   fsdp2      FSDP2 fully_shard (each decoder layer, then the root) over Gloo;
   deepspeed  DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu) over Gloo, torch's AdamW
              as the client optimizer (DeepSpeed's own CPU Adam would be a
-             different optimizer kernel).
+             different optimizer kernel); with --bf16 DeepSpeed's bf16 mode.
 --lora R: PEFT's get_peft_model with LoraConfig(r=R, lora_alpha=2R,
 target_modules q/k/v/o_proj, dropout 0) on the model before wrapping, the
 optimizer over the adapters only (what PEFT users run; bench_train_step's
@@ -28,7 +28,7 @@ Offline: nothing is downloaded.
 
 Usage: .venv/bin/python scripts/bench_pytorch.py --mode plain|ddp|fsdp2|deepspeed
        [--world 2] [--model-config F] [--seq-len 256] [--micro-batch 4]
-       [--steps 3] [--skip 1] [--threads 1] [--port 29611] [--lora 8]
+       [--steps 3] [--skip 1] [--threads 1] [--port 29611] [--lora 8] [--bf16]
 """
 import argparse
 import json
@@ -86,10 +86,11 @@ def wrap(args, model):
         fully_shard(model)
     elif args.mode == "deepspeed":
         import deepspeed
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.01)
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 1 << 30}
+                  "bf16": {"enabled": args.bf16}, "steps_per_print": 1 << 30}
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, optimizer
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -151,7 +152,11 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--port", type=int, default=29611)
     parser.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on q/k/v/o_proj (0: none)")
+    parser.add_argument("--bf16", action="store_true", help="--mode deepspeed: DeepSpeed's bf16 (the module in "
+                        "bf16, fp32 masters of the trained partitions)")
     args = parser.parse_args()
+    if args.bf16 and args.mode != "deepspeed":
+        parser.error("--bf16 is DeepSpeed's (--mode deepspeed); the other peers train in fp32")
     if args.mode == "deepspeed":
         os.environ["DS_ACCELERATOR"] = "cpu"
     if args.mode == "plain":

@@ -14,7 +14,8 @@ With --lora, the LoRA table instead (r --lora-r, alpha 2r, q/k/v/o_proj):
   world 1: PEFT + PyTorch plain loop | PyTorch full fine-tune | shardtrain
            zero-0 LoRA | zero-0 full
   world 2: PEFT + FSDP2 | shardtrain zero-3 LoRA, fsdp LoRA, zero-3 full,
-           and fsdp pure LoRA (bf16-only base) and fsdp pure QLoRA (NF4 base)
+           and fsdp pure LoRA (bf16-only base) and fsdp pure QLoRA (NF4 base);
+           PEFT + DeepSpeed ZeRO-3 bf16 | shardtrain zero-3 LoRA bf16
 with issue 27's targets: a LoRA step <= 0.5x the full fine-tune's, <= 1.00x
 PEFT's, and QLoRA's model states (at rest plus the gathered peak) <= 0.35x
 the bf16-base LoRA's.
@@ -47,15 +48,18 @@ RATIOS = [("zero0_w1", "python_plain", 1.00), ("cpp_plain", "python_plain", None
 
 # "MODE:full": the peer's full fine-tune of the same model (no --lora), for
 # PEFT's own LoRA / full ratio beside shardtrain's.
-LORA_PEERS = [("peft_plain", 1, "plain"), ("peft_fsdp2", 2, "fsdp2"), ("torch_full_plain", 1, "plain:full")]
+# "MODE:bf16": DeepSpeed's bf16 mode (the module in bf16, fp32 masters of the adapters).
+LORA_PEERS = [("peft_plain", 1, "plain"), ("peft_fsdp2", 2, "fsdp2"), ("torch_full_plain", 1, "plain:full"),
+              ("peft_deepspeed_bf16", 2, "deepspeed:bf16")]
 # (name, world, bench_train_step configuration, dtype)
 LORA_SHARDTRAIN = [("lora_zero0_w1", 1, "ddp_lora", "fp32"), ("full_zero0_w1", 1, "ddp", "fp32"),
                    ("lora_zero3", 2, "zero3_lora", "fp32"), ("lora_fsdp", 2, "fsdp_full_shard_lora", "fp32"),
                    ("full_zero3", 2, "zero3", "fp32"), ("lora_pure_bf16", 2, "fsdp_pure_lora", "bf16"),
-                   ("qlora_pure_bf16", 2, "fsdp_pure_qlora", "bf16")]
+                   ("qlora_pure_bf16", 2, "fsdp_pure_qlora", "bf16"), ("lora_zero3_bf16", 2, "zero3_lora", "bf16")]
 LORA_RATIOS = [("lora_zero0_w1", "full_zero0_w1", 0.5), ("lora_zero3", "full_zero3", 0.5),
                ("lora_zero0_w1", "peft_plain", 1.00), ("lora_zero3", "peft_fsdp2", 1.00),
-               ("lora_fsdp", "peft_fsdp2", 1.00), ("peft_plain", "torch_full_plain", None)]
+               ("lora_fsdp", "peft_fsdp2", 1.00), ("lora_zero3_bf16", "peft_deepspeed_bf16", 1.00),
+               ("peft_plain", "torch_full_plain", None)]
 # (run, reference, target) on model states per rank, not time
 # A bf16-base LoRA holds its base in bf16 alone: FSDP pure low precision (the
 # adapters keep fp32 masters there); QLoRA the same with the base in NF4.
@@ -68,6 +72,8 @@ def run_peer(args, mode, world):
                "--world", str(world), "--steps", str(args.steps), "--skip", str(args.skip)]
     if args.lora and variant != "full":
         command += ["--lora", str(args.lora_r)]
+    if variant == "bf16":
+        command.append("--bf16")
     out = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -137,12 +143,13 @@ def main():
     median = {name: statistics.median(values) for name, values in times.items()}
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
     lora = f", LoRA r {args.lora_r} on q/k/v/o_proj" if args.lora else ""
-    print(f"\nLlama 58M fp32{lora}, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
+    print(f"\nLlama 58M (fp32 where the dtype column does not say bf16){lora}, seq 256 x micro-batch 4 per rank, {threads} per rank, median of {args.rounds} "
           f"interleaved rounds ({args.steps} timed steps after {args.skip} warm-up each)")
     print("| run | world | dtype | step (s) | peak RSS/rank (MiB) | model states/rank, peak (MB) |\n"
           "|---|---:|---|---:|---:|---:|")
-    for name, world, *rest in [(p[0], p[1], p[2]) for p in peers] + shardtrain_runs:
-        dtype = rest[1] if len(rest) > 1 else "fp32"
+    for name, world, *rest in [(p[0], p[1], p[2], "bf16" if p[2].endswith(":bf16") else "fp32")
+                               for p in peers] + shardtrain_runs:
+        dtype = rest[1]
         # bench_train_step's fsdp_pure configurations train in bf16 whatever --dtype says.
         dtype = "bf16" if rest and rest[0].startswith("fsdp_pure") else dtype
         state = f"{states[name]:.2f}" if name in states else "-"
