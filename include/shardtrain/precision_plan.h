@@ -41,7 +41,7 @@ struct PrecisionPlan {
   /// Bytes per frozen parameter per rank of the fp32 copy the engine keeps
   /// beside a low-precision frozen shard (what state dicts and checkpoints
   /// read); 0 where the shard is fp32 itself, or where the frozen base is held
-  /// in the low dtype alone (zero, fsdp pure, fsdp with a 16-bit-loaded base).
+  /// in the low dtype alone (DeepSpeed's ZeRO, fsdp pure, a base loaded in 16 bits).
   double frozen_copy_bytes = 0;
   /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
   /// row of their own, their shard at rest and what stages 1/2 keep gathered.

@@ -60,7 +60,8 @@ struct EnginePlan {
   /// one they are gathered from: what state dicts, exports and checkpoints
   /// read, so a frozen fp32-loaded weight is saved as it was loaded. Each
   /// backend keeps one where its peer holds frozen weights in fp32 (fsdp
-  /// standard with frozen weights that arrive in fp32); elsewhere the frozen
+  /// standard, Accelerate's DDP or a single process, with frozen weights that
+  /// arrive in fp32); elsewhere (DeepSpeed's ZeRO, fsdp pure) the frozen
   /// weights are held in param_dtype alone, rounded once at prepare().
   bool frozen_fp32_copy = true;
   /// fsdp keep_low_precision_grads: the sharded gradient the optimizer reads

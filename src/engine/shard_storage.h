@@ -52,7 +52,7 @@ class ShardStorage {
   /// The low-precision partition (aliases the master when param_dtype is fp32).
   const at::Tensor& low_precision() const { return lp_; }
   /// What the optimizer steps: the master, or in pure low precision the
-  /// low-precision partition (under offload its host copy, download_stepped()).
+  /// low-precision partition (under offload its host copy, download_for_step()).
   const at::Tensor& stepped() const {
     return !plan_.pure_low_precision ? master_ : host_lp_.defined() ? host_lp_ : lp_;
   }
