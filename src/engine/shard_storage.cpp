@@ -143,13 +143,9 @@ const at::Tensor& ShardStorage::download_for_step() {
 
 void ShardStorage::upload_low_precision() {
   if (lp_.is_same(master_)) return;
-  if (plan_.pure_low_precision) {
-    if (host_lp_.defined()) lp_.copy_(host_lp_);
-    return;
-  }
   if (host_lp_.defined()) {
-    lp_.copy_(host_lp_);
-  } else if (lp_.scalar_type() == at::kFloat) {
+    lp_.copy_(host_lp_);  // the rounded copy, or pure low precision's stepped one
+  } else if (!plan_.pure_low_precision && lp_.scalar_type() == at::kFloat) {
     lp_.copy_(master_);
   }
 }

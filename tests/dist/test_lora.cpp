@@ -239,6 +239,17 @@ LlamaForCausalLM adapted_golden_llama(bool bf16_base, bool bf16_values_in_fp32 =
   return model;
 }
 
+/// bf16 mixed precision, AdamW lr 1e-3 without weight decay: the adapter
+/// runs' settings, under fsdp FULL_SHARD or else DeepSpeed ZeRO-3.
+shardtrain::TrainingConfig bf16_adapter_config(bool fsdp) {
+  shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
+  config.optimizer.type = "AdamW";
+  config.optimizer.lr = 1e-3;
+  config.optimizer.weight_decay = 0.0;
+  config.mixed_precision = shardtrain::MixedPrecision::kBf16;
+  return config;
+}
+
 AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& config, bool bf16_base,
                           const fs::path& save_dir) {
   LlamaForCausalLM model = adapted_golden_llama(bf16_base);
@@ -289,11 +300,7 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
   harness.env["LORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
   shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    shardtrain::TrainingConfig standard = shardtrain::testing::fp32_llama_engine_config(true);
-    standard.optimizer.type = "AdamW";
-    standard.optimizer.lr = 1e-3;
-    standard.optimizer.weight_decay = 0.0;
-    standard.mixed_precision = shardtrain::MixedPrecision::kBf16;
+    const shardtrain::TrainingConfig standard = bf16_adapter_config(true);
     // Accelerate's rule: mixed_precision no with a bf16 model is pure low precision.
     shardtrain::TrainingConfig pure = standard;
     pure.mixed_precision = shardtrain::MixedPrecision::kNo;
@@ -366,16 +373,8 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
   harness.timeout = std::chrono::seconds(300);
   shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
     const fs::path out = std::getenv("LORA_DIR");
-    auto bf16_adamw = [](bool fsdp) {
-      shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
-      config.optimizer.type = "AdamW";
-      config.optimizer.lr = 1e-3;
-      config.optimizer.weight_decay = 0.0;
-      config.mixed_precision = shardtrain::MixedPrecision::kBf16;
-      return config;
-    };
-    const shardtrain::TrainingConfig fsdp = bf16_adamw(true);
-    const shardtrain::TrainingConfig zero3 = bf16_adamw(false);
+    const shardtrain::TrainingConfig fsdp = bf16_adapter_config(true);
+    const shardtrain::TrainingConfig zero3 = bf16_adapter_config(false);
     auto zero_stage = [&](int stage) {
       shardtrain::TrainingConfig config = zero3;
       config.zero.stage = stage;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,45 @@ double norm_of(const std::vector<std::pair<std::string, at::Tensor>>& state, con
   return std::sqrt(sum);
 }
 
+/// Trains kSteps steps of `forward` on this rank's micro-batches of `batches`
+/// (clipping at `max_norm`; 0 only measures the norm) and expects each step's
+/// global loss within loss_tolerance of the peer's `expected`, the weight
+/// norm taken over the state whose names contain `weights_filter`. Rank 0
+/// writes the differences to peer_dir/differences.txt; the parent prints
+/// them with print_differences.
+void train_and_expect_peer_losses(shardtrain::Accelerator& accelerator,
+                                  const std::function<at::Tensor(const at::Tensor&)>& forward,
+                                  const at::Tensor& batches, int rank, double max_norm,
+                                  const std::string& weights_filter, const std::vector<double>& expected,
+                                  const std::string& peer_name, const fs::path& peer_dir) {
+  std::vector<double> losses, tolerances;
+  for (int step = 0; step < kSteps; ++step) {
+    const double weight_norm = norm_of(accelerator.full_state_dict(), weights_filter);
+    const at::Tensor ids = batches[step][rank];
+    at::Tensor loss = shardtrain::models::causal_lm_loss(forward(ids), ids);
+    accelerator.backward(loss);
+    const double grad_norm = accelerator.clip_grad_norm(max_norm);
+    accelerator.step();
+    accelerator.zero_grad();
+    losses.push_back(accelerator.reduce(loss.detach().reshape({1}), "mean").item<double>());
+    tolerances.push_back(loss_tolerance(losses.back(), step, grad_norm, weight_norm));
+  }
+  if (rank != 0) return;
+  std::ofstream table(peer_dir / "differences.txt");
+  for (int step = 0; step < kSteps; ++step) {
+    EXPECT_NEAR(losses[step], expected[step], tolerances[step]) << "step " << step + 1;
+    table << "step " << step + 1 << "  shardtrain " << losses[step] << "  " << peer_name << " " << expected[step]
+          << "  diff " << losses[step] - expected[step] << "  tolerance " << tolerances[step] << "\n";
+  }
+}
+
+/// In the parent: prints the ranks' measured differences, for the record, and removes `dir`.
+void print_differences(const fs::path& dir) {
+  std::ifstream table(dir / "differences.txt");
+  std::cout << table.rdbuf();
+  fs::remove_all(dir);
+}
+
 /// Trains `c` for kSteps steps at world 2 beside the peer that `peer_args`
 /// selects (`peer_name` in the printed table) and compares the losses.
 void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const std::string& peer_args) {
@@ -151,30 +191,10 @@ void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const s
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
     // AdamW clips to 1.0 as the peer does; for SGD a max_norm of 0 only measures the norm.
     const double max_norm = std::string(c.optimizer) == "adamw" ? 1.0 : 0.0;
-    std::vector<double> losses, tolerances;
-    for (int step = 0; step < kSteps; ++step) {
-      const double weight_norm = norm_of(accelerator->full_state_dict());
-      const at::Tensor ids = batches[step][ctx.rank()];
-      at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
-      accelerator->backward(loss);
-      const double grad_norm = accelerator->clip_grad_norm(max_norm);
-      accelerator->step();
-      accelerator->zero_grad();
-      losses.push_back(accelerator->reduce(loss.detach().reshape({1}), "mean").item<double>());
-      tolerances.push_back(loss_tolerance(losses.back(), step, grad_norm, weight_norm));
-    }
-    if (ctx.rank() != 0) return;
-    std::ofstream table(peer_dir / "differences.txt");
-    for (int step = 0; step < kSteps; ++step) {
-      EXPECT_NEAR(losses[step], expected[step], tolerances[step]) << "step " << step + 1;
-      table << "step " << step + 1 << "  shardtrain " << losses[step] << "  " << peer_name << " " << expected[step]
-            << "  diff " << losses[step] - expected[step] << "  tolerance " << tolerances[step] << "\n";
-    }
+    train_and_expect_peer_losses(*accelerator, prepared, batches, ctx.rank(), max_norm, "", expected, peer_name,
+                                 peer_dir);
   }, harness);
-  if (shardtrain::testing::is_rank_process()) return;
-  std::ifstream table(dir / "differences.txt");
-  std::cout << table.rdbuf();  // the measured differences, for the record
-  fs::remove_all(dir);
+  if (!shardtrain::testing::is_rank_process()) print_differences(dir);
 }
 
 TEST_P(DistPeerFsdp2, TwentyFp32StepsMatchPyTorchFsdp2Losses) { expect_peer_losses(GetParam(), "FSDP2", ""); }
@@ -266,31 +286,10 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
     }
     model->train();
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
-    std::vector<double> losses, tolerances;
-    for (int step = 0; step < kSteps; ++step) {
-      const double weight_norm = norm_of(accelerator->full_state_dict(), ".lora_");
-      const at::Tensor ids = batches[step][ctx.rank()];
-      at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
-      accelerator->backward(loss);
-      const double grad_norm = accelerator->clip_grad_norm(1.0);
-      accelerator->step();
-      accelerator->zero_grad();
-      losses.push_back(accelerator->reduce(loss.detach().reshape({1}), "mean").item<double>());
-      tolerances.push_back(loss_tolerance(losses.back(), step, grad_norm, weight_norm));
-    }
-    if (ctx.rank() != 0) return;
-    std::ofstream table(peer_dir / "differences.txt");
-    for (int step = 0; step < kSteps; ++step) {
-      EXPECT_NEAR(losses[step], expected[step], tolerances[step]) << "step " << step + 1;
-      table << "step " << step + 1 << "  shardtrain " << losses[step] << (c.qlora ? "  PEFT+bnb " : "  PEFT ")
-            << expected[step] << "  diff "
-            << losses[step] - expected[step] << "  tolerance " << tolerances[step] << "\n";
-    }
+    train_and_expect_peer_losses(*accelerator, prepared, batches, ctx.rank(), 1.0, ".lora_", expected,
+                                 c.qlora ? "PEFT+bnb" : "PEFT", peer_dir);
   }, harness);
-  if (shardtrain::testing::is_rank_process()) return;
-  std::ifstream table(dir / "differences.txt");
-  std::cout << table.rdbuf();  // the measured differences, for the record
-  fs::remove_all(dir);
+  if (!shardtrain::testing::is_rank_process()) print_differences(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerPeft,
