@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import deepspeed_peer  # noqa: E402  (this directory's; imports deepspeed only when called)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -88,9 +89,7 @@ def wrap(args, model):
         import deepspeed
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.01)
-        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-                  "bf16": {"enabled": args.bf16}, "steps_per_print": 1 << 30}
+        config = deepspeed_peer.zero_config(args.micro_batch, 3, bf16=args.bf16)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, optimizer
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -104,8 +103,7 @@ def run(rank, args):
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         if args.mode == "deepspeed":
-            import deepspeed
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed_peer.init_on_gloo(rank, world)  # starts the Gloo group from MASTER_ADDR / MASTER_PORT
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world)
     from transformers import LlamaConfig
@@ -158,7 +156,7 @@ def main():
     if args.bf16 and args.mode != "deepspeed":
         parser.error("--bf16 is DeepSpeed's (--mode deepspeed); the other peers train in fp32")
     if args.mode == "deepspeed":
-        os.environ["DS_ACCELERATOR"] = "cpu"
+        deepspeed_peer.use_cpu_accelerator()
     if args.mode == "plain":
         run(0, args)
     else:

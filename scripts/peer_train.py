@@ -57,6 +57,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import deepspeed_peer  # noqa: E402  (this directory's; imports deepspeed only when called)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -177,9 +178,7 @@ def train_deepspeed(args, rank, batches, spec):
     import deepspeed
     model = training_model(args)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": spec["clip"], "zero_optimization": {"stage": args.zero_stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    config = deepspeed_peer.zero_config(args.micro_batch, args.zero_stage, clip=spec["clip"])
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=spec["make"](trainable), config=config)
     losses = []
     for step in range(args.steps):
@@ -196,16 +195,7 @@ def run(rank, args, store_file):
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=args.world)
     batches = torch.load(os.path.join(args.out_dir, "batches.pt"))
     if args.engine == "deepspeed":
-        import deepspeed
-        import deepspeed.comm.torch  # noqa: F401 (sys.modules: the package's `torch` attribute is torch itself)
-        # What a launcher would set; DeepSpeed reads it and finds the process group already up.
-        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(args.world))
-        # DeepSpeed compiles a shared-memory all-reduce at init (a C++
-        # extension built against Python's headers into ~/.cache, under a
-        # lock a killed build leaves behind); only its inference_all_reduce
-        # uses it, never training, so the peer does without it.
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed_peer.init_on_gloo(rank, args.world)  # adopts the group above
     else:
         check_against_ddp(args, rank, batches[0, rank])
     result = {"engine": args.engine, "world": args.world, "micro_batch": args.micro_batch,
@@ -236,7 +226,7 @@ def main():
     if args.engine == "deepspeed":
         if args.lora:
             parser.error("--engine deepspeed trains the full model (no --lora)")
-        os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
+        deepspeed_peer.use_cpu_accelerator()
     if args.qlora and not args.lora:
         parser.error("--qlora trains LoRA adapters on the 4-bit base: give --lora R too")
     os.makedirs(args.out_dir, exist_ok=True)

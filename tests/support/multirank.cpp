@@ -7,10 +7,15 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -173,19 +178,68 @@ std::string listening_ipv4_address(int port) {
   return "";
 }
 
+namespace {
+
+/// The lowest port the kernel hands out by itself (bind to port 0, or the
+/// source port of a connect), from /proc/sys/net/ipv4/ip_local_port_range.
+int ephemeral_port_floor() {
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  range >> low;
+  return low > 0 ? low : 32768;
+}
+
+/// Whether nothing holds `port` on 127.0.0.1 right now. Without SO_REUSEADDR,
+/// so a port that still has connections in TIME_WAIT counts as taken too.
+bool port_is_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ST_CHECK(fd >= 0, "socket() failed: ", std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  ::close(fd);
+  return free;
+}
+
+}  // namespace
+
+// Why not bind to port 0 and close, as before: the kernel may hand that port
+// out again, before this test's rank 0 listens on it, to the next test's
+// bind(0) or as the source port of any connection (the gloo pairs of a test
+// running beside this one open hundreds). A port below the ephemeral range is
+// never handed out by the kernel, and a lock file per port, held until this
+// process exits, keeps two test processes of this suite off the same port.
 int pick_free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  ST_CHECK(fd >= 0, "socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ST_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "bind() failed");
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
+  static std::vector<int> held_locks;  // open until exit: closing one releases its port
+  const std::string lock_dir = "/tmp/shardtrain-test-ports";
+  ::mkdir(lock_dir.c_str(), 0777);  // EEXIST is the usual case
+  const int top = ephemeral_port_floor();
+  const int bottom = std::max(1024, top - 10000);
+  const int span = top - bottom;
+  ST_CHECK(span > 0, "no ports below the ephemeral range (", top, ") to pick from");
+  // Different processes start at different places, so they rarely contend for a lock.
+  const int start = static_cast<int>((static_cast<unsigned>(::getpid()) * 2654435761u +
+                                      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count())) %
+                                     static_cast<unsigned>(span));
+  for (int i = 0; i < span; ++i) {
+    const int port = bottom + (start + i) % span;
+    const std::string lock_path = lock_dir + "/" + std::to_string(port) + ".lock";
+    const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);
+      continue;
+    }
+    if (!port_is_free(port)) {
+      ::close(fd);
+      continue;
+    }
+    held_locks.push_back(fd);
+    return port;
+  }
+  ST_THROW(Error, "no free port in [", bottom, ", ", top, ") on 127.0.0.1 for a test job");
 }
 
 void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
@@ -217,7 +271,7 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     env["MASTER_PORT"] = std::to_string(port);
     env["OMP_NUM_THREADS"] = "1";
     // Every job authenticates, as under `shardtrain launch`; a test may set its own.
-    env.emplace("SHARDTRAIN_RDZV_TOKEN", "multirank-test-token-" + std::to_string(port));
+    env.emplace("SHARDTRAIN_RDZV_TOKEN", "multirank-test-token-" + std::to_string(port) + "-" + std::to_string(::getpid()));
     logs[r] = dir + "/rank" + std::to_string(r) + ".log";
     env["SHARDTRAIN_TEST_RAN_MARKER"] = dir + "/rank" + std::to_string(r) + ".ran";
     pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_brief=1"}, env, logs[r]);

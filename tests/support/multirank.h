@@ -58,7 +58,9 @@ void mark_rank_body_ran();
 /// True inside a rank process.
 bool is_rank_process();
 
-/// A TCP port that was free a moment ago on 127.0.0.1.
+/// A TCP port on 127.0.0.1 that is free now and stays this process's until it
+/// exits: below the kernel's ephemeral range (so no connection or bind(0)
+/// takes it meanwhile) and locked against every other test process.
 int pick_free_port();
 
 /// A plain TCP connection to 127.0.0.1:`port`, as any process on the machine
