@@ -211,10 +211,11 @@ bool port_is_free(int port) {
 // running beside this one open hundreds). A port below the ephemeral range is
 // never handed out by the kernel, and a lock file per port, held until this
 // process exits, keeps two test processes of this suite off the same port.
+std::string test_port_lock_path(int port) { return "/tmp/shardtrain-test-ports/" + std::to_string(port) + ".lock"; }
+
 int pick_free_port() {
   static std::vector<int> held_locks;  // open until exit: closing one releases its port
-  const std::string lock_dir = "/tmp/shardtrain-test-ports";
-  ::mkdir(lock_dir.c_str(), 0777);  // EEXIST is the usual case
+  ::mkdir("/tmp/shardtrain-test-ports", 0777);  // EEXIST is the usual case
   const int top = ephemeral_port_floor();
   const int bottom = std::max(1024, top - 10000);
   const int span = top - bottom;
@@ -225,8 +226,7 @@ int pick_free_port() {
                                      static_cast<unsigned>(span));
   for (int i = 0; i < span; ++i) {
     const int port = bottom + (start + i) % span;
-    const std::string lock_path = lock_dir + "/" + std::to_string(port) + ".lock";
-    const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    const int fd = ::open(test_port_lock_path(port).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0) continue;
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       ::close(fd);

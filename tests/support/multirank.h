@@ -63,6 +63,9 @@ bool is_rank_process();
 /// takes it meanwhile) and locked against every other test process.
 int pick_free_port();
 
+/// The file whose flock() reserves `port` for the test process that holds it.
+std::string test_port_lock_path(int port);
+
 /// A plain TCP connection to 127.0.0.1:`port`, as any process on the machine
 /// could open (a stranger, a flood); -1 when the connect fails.
 int try_loopback_connection(int port);
