@@ -211,11 +211,16 @@ bool port_is_free(int port) {
 // running beside this one open hundreds). A port below the ephemeral range is
 // never handed out by the kernel, and a lock file per port, held until this
 // process exits, keeps two test processes of this suite off the same port.
-std::string test_port_lock_path(int port) { return "/tmp/shardtrain-test-ports/" + std::to_string(port) + ".lock"; }
+namespace {
+/// One directory per user: another user's directory may not be writable.
+std::string test_port_lock_dir() { return "/tmp/shardtrain-test-ports-" + std::to_string(::getuid()); }
+}  // namespace
+
+std::string test_port_lock_path(int port) { return test_port_lock_dir() + "/" + std::to_string(port) + ".lock"; }
 
 int pick_free_port() {
   static std::vector<int> held_locks;  // open until exit: closing one releases its port
-  ::mkdir("/tmp/shardtrain-test-ports", 0777);  // EEXIST is the usual case
+  ::mkdir(test_port_lock_dir().c_str(), 0700);  // EEXIST is the usual case
   const int top = ephemeral_port_floor();
   const int bottom = std::max(1024, top - 10000);
   const int span = top - bottom;
