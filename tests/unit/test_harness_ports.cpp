@@ -18,7 +18,7 @@
 namespace shardtrain::testing {
 namespace {
 
-TEST(HarnessPorts, APickedPortIsBelowTheEphemeralRangeFreeAndLockedAgainstOtherTestProcesses) {
+TEST(UnitHarnessPorts, APickedPortIsBelowTheEphemeralRangeFreeAndLockedAgainstOtherTestProcesses) {
   // The kernel hands out ports from this range by itself (bind to port 0, a
   // connection's source port), so a port in it may be taken before rank 0
   // listens on it.
