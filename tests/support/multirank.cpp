@@ -203,7 +203,12 @@ bool port_is_free(int port) {
   return free;
 }
 
+/// One directory per user: another user's directory may not be writable.
+std::string test_port_lock_dir() { return "/tmp/shardtrain-test-ports-" + std::to_string(::getuid()); }
+
 }  // namespace
+
+std::string test_port_lock_path(int port) { return test_port_lock_dir() + "/" + std::to_string(port) + ".lock"; }
 
 // Why not bind to port 0 and close, as before: the kernel may hand that port
 // out again, before this test's rank 0 listens on it, to the next test's
@@ -211,13 +216,6 @@ bool port_is_free(int port) {
 // running beside this one open hundreds). A port below the ephemeral range is
 // never handed out by the kernel, and a lock file per port, held until this
 // process exits, keeps two test processes of this suite off the same port.
-namespace {
-/// One directory per user: another user's directory may not be writable.
-std::string test_port_lock_dir() { return "/tmp/shardtrain-test-ports-" + std::to_string(::getuid()); }
-}  // namespace
-
-std::string test_port_lock_path(int port) { return test_port_lock_dir() + "/" + std::to_string(port) + ".lock"; }
-
 int pick_free_port() {
   static std::vector<int> held_locks;  // open until exit: closing one releases its port
   ::mkdir(test_port_lock_dir().c_str(), 0700);  // EEXIST is the usual case
