@@ -4,6 +4,7 @@
 
 #include <iomanip>
 #include <sstream>
+#include <string>
 
 #include "engine_factory.h"
 #include "precision_plan_of.h"
@@ -92,6 +93,19 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   // compute dtype: the parameters view the shard, nothing is kept gathered.
   if ((context.world_size == 1 || shards == 1) && !fp16_on_cpu) gathered_at_rest = 0;
   plan.gathered_at_rest_bytes = gathered_at_rest * compute_size;
+  if (engine_plan.offload_optimizer && engine::offload_moves_states(context.on_cuda)) {
+    const bool params_moved = engine_plan.offload_params;
+    plan.offload = std::string(params_moved ? "parameter shards, " : "") + (pure ? "" : "fp32 master, ") +
+                   "optimizer state; the step runs on the CPU";
+    const double grad_partition = (low_grads ? shard : 4.0) / shards;
+    // The host holds the 16-bit partition in every case: the one the step
+    // writes (a copy, or the partition itself), or in fp32 the master.
+    plan.host_bytes = plan.master_bytes + plan.optimizer_bytes + grad_partition + plan.params_bytes;
+    plan.moved_bytes = plan.master_bytes + plan.optimizer_bytes + (params_moved ? plan.params_bytes : 0.0);
+    plan.offloads_params = params_moved;
+  } else if (engine_plan.offload_optimizer) {
+    plan.offload = "asked for, nothing to move: the model is on the CPU";
+  }
   if (fp16_on_cpu) plan.notes += "fp16 on CPU: parameters, gradients and communication are fp16, compute is fp32. ";
   if (low == DType::kFp16) plan.notes += "Dynamic loss scaling (fp16). ";
   if (low_grads && !pure) {
@@ -122,6 +136,19 @@ double PrecisionPlan::total_bytes_per_rank() const {
   return trained_bytes_per_param() * static_cast<double>(num_params) +
          (params_bytes + gathered_at_rest_bytes + frozen_copy_bytes) * static_cast<double>(frozen_params) +
          frozen_nf4_bytes_per_rank();
+}
+
+double PrecisionPlan::frozen_host_bytes_per_rank() const {
+  if (!offloads_params) return 0.0;
+  return (params_bytes + frozen_copy_bytes) * static_cast<double>(frozen_params) + frozen_nf4_bytes_per_rank();
+}
+
+double PrecisionPlan::device_bytes_per_rank() const {
+  return total_bytes_per_rank() - moved_bytes * static_cast<double>(num_params) - frozen_host_bytes_per_rank();
+}
+
+double PrecisionPlan::host_bytes_per_rank() const {
+  return host_bytes * static_cast<double>(num_params) + frozen_host_bytes_per_rank();
 }
 
 std::string PrecisionPlan::to_string() const {
@@ -162,6 +189,14 @@ std::string PrecisionPlan::to_string() const {
   }
   out << "  optimizer bytes per parameter (master + state, one copy of the model): " << optimizer_bytes_per_param_total()
       << "\n";
+  if (!offload.empty()) {
+    out << "  offload: " << offload << "\n";
+  }
+  if (host_bytes > 0) {
+    out << "    " << std::left << std::setw(23) << "on the device" << human(device_bytes_per_rank()) << " per rank\n";
+    out << "    " << std::setw(23) << "in pinned host memory" << human(host_bytes_per_rank())
+        << " per rank (with a copy of the gradient partition, and of the 16-bit partition unless it moved)\n";
+  }
   if (!notes.empty()) out << "  note: " << notes << "\n";
   if (frozen_params > 0 && frozen_copy_bytes == 0 && shard_dtype != "fp32") {
     out << "  note: the frozen base is held in " << shard_dtype << " only (no fp32 copy): state dicts, checkpoints "

@@ -46,6 +46,21 @@ struct PrecisionPlan {
   /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
   /// row of their own, their shard at rest and what stages 1/2 keep gathered.
   int64_t frozen_nf4_bytes = 0;
+  /// What the offload keeps in pinned host memory, in words (or that it has
+  /// nothing to move, with the model on the CPU); empty without offload.
+  std::string offload;
+  /// Bytes per trainable parameter per rank that the offload keeps in host
+  /// memory: the master, the optimizer state, a host copy of the gradient
+  /// partition, and the 16-bit partition (a host copy the step writes, or
+  /// under the parameter offload the partition itself). 0 without offload.
+  double host_bytes = 0;
+  /// Of the rows above, the bytes per trainable parameter per rank the
+  /// offload takes off the device (master and optimizer state, and the
+  /// partition under the parameter offload).
+  double moved_bytes = 0;
+  /// The parameter offload moves the frozen weights' shards (a LoRA base,
+  /// its fp32 copy, NF4 bytes) to host memory too.
+  bool offloads_params = false;
   int world_size = 1;
   /// Ranks one copy of the model states is sharded over (1 for NO_SHARD / zero-0,
   /// the machine size for HYBRID_SHARD, else world_size).
@@ -62,6 +77,12 @@ struct PrecisionPlan {
   double trained_bytes_per_param() const;
   /// Every row together: the model states one rank holds at rest.
   double total_bytes_per_rank() const;
+  /// Of those, what one rank keeps on its device at rest (all of it without offload).
+  double device_bytes_per_rank() const;
+  /// What one rank keeps in host memory under the offload (the copies included).
+  double host_bytes_per_rank() const;
+  /// The frozen weights' bytes on one rank that the parameter offload keeps in host memory.
+  double frozen_host_bytes_per_rank() const;
   /// The table rank 0 prints.
   std::string to_string() const;
 };

@@ -41,6 +41,9 @@ struct MemoryReport {
   int64_t grads = 0;      ///< gradient partitions / buffers at rest
   int64_t master = 0;     ///< fp32 master copies that are not the params themselves
   int64_t optimizer = 0;  ///< optimizer state (m, v, momentum)
+  /// The part of params, grads, master and optimizer that the offload keeps in
+  /// host memory; the rest is on the model's device.
+  int64_t offloaded = 0;
   int64_t gathered = 0;   ///< currently gathered (unsharded) parameter buffers
   int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
   /// The most bytes of unsharded parameter values this rank held at once

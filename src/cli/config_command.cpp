@@ -23,6 +23,7 @@ struct CheckFlags {
   int64_t steps = 0;
   int64_t warmup_steps = 0;
   int64_t num_params = 7000000000;  // a 7B model, the seeds' size, unless told
+  std::string device = "cpu";
 };
 
 struct ConvertFlags {
@@ -94,6 +95,10 @@ void register_check(CLI::App& config, int& exit_code) {
                                         "The model's hidden size H (\"auto\" buckets: H*H, 0.9*H*H, 10*H)");
   check->add_option("--num-params", flags->num_params, "Trainable parameters of the model (precision-plan totals)")
       ->capture_default_str();
+  check->add_option("--device", flags->device,
+                    "Where the run computes (precision plan: the GEMMs, fp16's compute dtype, what an offload moves)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   auto* steps = check->add_option("--steps", flags->steps, "Optimizer steps of the run (\"auto\" total_num_steps)");
   auto* warmup = check->add_option("--warmup-steps", flags->warmup_steps,
                                    "Warmup steps of the run (\"auto\" warmup_num_steps; default 0)");
@@ -118,7 +123,7 @@ void register_check(CLI::App& config, int& exit_code) {
       // The precision plan as comments, so the output stays loadable YAML.
       // Per-parameter rows hold for any model; totals need --num-params.
       const PrecisionPlan plan = plan_precision(resolved, flags->num_params, context.world_size,
-                                                /*on_cuda=*/false);
+                                                /*on_cuda=*/flags->device == "cuda");
       std::istringstream plan_lines(plan.to_string());
       for (std::string line; std::getline(plan_lines, line);) std::cout << "# " << line << "\n";
       std::cout << to_yaml(resolved);

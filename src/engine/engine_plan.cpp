@@ -1,9 +1,12 @@
 // What the engine plan takes from the config outside any backend's section:
-// the optimizer and the dtype mapping (see engine_plan.h).
+// the optimizer, the dtype mapping and where the offloads have work (see
+// engine_plan.h).
 
 #include "engine/engine_plan.h"
 
 #include <array>
+#include <cstdlib>
+#include <string>
 
 namespace shardtrain::engine {
 
@@ -22,6 +25,14 @@ DType dtype_of(at::ScalarType type) {
 
 at::ScalarType compute_dtype(DType low, const PlanContext& context) {
   return low == DType::kFp16 && !context.on_cuda ? at::kFloat : scalar_type(low);
+}
+
+bool offload_moves_states(bool on_cuda) {
+  static const bool forced_on_cpu = [] {
+    const char* value = std::getenv("SHARDTRAIN_OFFLOAD_ON_CPU");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return on_cuda || forced_on_cpu;
 }
 
 OptimizerSpec optimizer_spec(const TrainingConfig& config) {

@@ -109,6 +109,12 @@ struct EnginePlan {
   int64_t allgather_bucket_size = 1;
   int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
   bool offload_optimizer = false;
+  /// The parameter shards (the low-precision partition and the frozen
+  /// entries' shards) live in host memory as well, and each gather uploads
+  /// its shard first: ZeRO-3's offload_param, FSDP's offload_params. Needs
+  /// shard_params and offload_optimizer (the host step writes the partition
+  /// where it lives); ShardStorage checks both.
+  bool offload_params = false;
   /// Unit selection among the model's shardtrain::Unit modules (outermost wins):
   /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
   bool wrap_units = true;
@@ -169,6 +175,12 @@ struct EngineGroups {
 /// config's dtypes and the tensors'.
 at::ScalarType scalar_type(DType dtype);
 DType dtype_of(at::ScalarType type);
+
+/// Whether an offload moves anything for a model on this device: on a GPU;
+/// on the CPU every state is in host memory already, unless
+/// SHARDTRAIN_OFFLOAD_ON_CPU=1 makes the host copies anyway (so that tests
+/// run the offload's copies and host step on a machine without a GPU).
+bool offload_moves_states(bool on_cuda);
 
 /// The dtype a module computes in when its parameters are held in `low`:
 /// `low` itself, except fp16 off a GPU, which computes in fp32 on fp16-rounded

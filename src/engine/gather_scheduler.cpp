@@ -84,14 +84,25 @@ void GatherScheduler::start(int i) {
   const int64_t wire_bytes = u.layout->full_numel() * static_cast<int64_t>(lp.element_size());
   traffic_.param_gather_bytes += wire_bytes;
   if (!u.trainable) traffic_.frozen_gather_bytes += wire_bytes;
+  const at::TensorOptions wire_options = slot.full.options().dtype(lp.scalar_type());
+  at::Tensor sent = lp;
+  if (storage_.params_offloaded()) {
+    // The shard lives in host memory: up to the device first. From pinned
+    // memory the copy is queued on the current stream, which the collective
+    // waits for; the host values are next written by the optimizer step,
+    // after the gradients' download has drained that stream.
+    slot.upload = at::empty({lp.numel()}, wire_options).copy_(lp, /*non_blocking=*/true);
+    add_live(bytes_of(slot.upload));
+    sent = slot.upload;
+  }
   at::Tensor target = slot.full;
   if (lp.scalar_type() != full_dtype(i)) {
     // fp16 on a CPU computes in fp32: gathered in fp16, then widened.
-    slot.staging = at::empty({u.layout->full_numel()}, lp.options());
+    slot.staging = at::empty({u.layout->full_numel()}, wire_options);
     add_live(bytes_of(slot.staging));
     target = slot.staging;
   }
-  slot.work = gather_pieces(*u.layout, lp, target);
+  slot.work = gather_pieces(*u.layout, sent, target);
 }
 
 void GatherScheduler::finish(int i) {
@@ -100,6 +111,10 @@ void GatherScheduler::finish(int i) {
   if (!slot.work) start(i);
   slot.work->wait();
   slot.work.reset();
+  if (slot.upload.defined()) {
+    add_live(-bytes_of(slot.upload));
+    slot.upload = at::Tensor();
+  }
   if (slot.staging.defined()) {
     slot.full.copy_(slot.staging);  // the same layout, the compute dtype
     if (plan_.shard_params) add_live(-bytes_of(slot.staging));
@@ -218,8 +233,12 @@ void GatherScheduler::regather_after_step() {
   gather_bucket(bucket);
 }
 
-void GatherScheduler::refresh_all() {
+void GatherScheduler::release_all() {
   for (int i = 0; i < units_.size(); ++i) release(i);
+}
+
+void GatherScheduler::refresh_all() {
+  release_all();
   for (int i = 0; i < units_.size(); ++i) {
     if (stays_gathered(i)) start(i);
   }

@@ -76,6 +76,8 @@ class GatherScheduler {
   /// After the optimizer step: frees the stepped entries' stale values and
   /// regathers the ones kept gathered, bucketed by allgather_bucket_size.
   void regather_after_step();
+  /// Frees every entry, waiting first for its gather in flight.
+  void release_all();
   /// After the shards were overwritten (a checkpoint load): frees every
   /// entry, then regathers the ones kept gathered.
   void refresh_all();
@@ -101,6 +103,7 @@ class GatherScheduler {
     bool views_shard = false;
     comm::WorkPtr work;    ///< the gather in flight
     at::Tensor staging;    ///< param-dtype landing buffer when the compute dtype differs (fp16 on a CPU)
+    at::Tensor upload;     ///< the shard's device copy under the parameter offload, until the gather is done
   };
   bool gathered_or_pending(const Unit& unit) const;
   void gather_bucket(const std::vector<int>& bucket);

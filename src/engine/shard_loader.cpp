@@ -196,8 +196,9 @@ void ShardLoader::load() {
     // The module's parameters become views into one compute-dtype buffer:
     // when the shard is the whole unit (one rank, or no sharding) and holds
     // that dtype, the shard itself, so the optimizer's writes are the next
-    // forward's values and nothing is ever gathered or copied.
-    const bool views_shard = groups_.layout_world() == 1 && !released &&
+    // forward's values and nothing is ever gathered or copied. Not a shard in
+    // host memory (the parameter offload): the model computes on its device.
+    const bool views_shard = groups_.layout_world() == 1 && !released && !storage_.params_offloaded() &&
                              unit_shard.lp.scalar_type() == gather_.full_dtype(i) &&
                              unit_shard.lp.numel() == u.layout->full_numel();
     if (views_shard) {

@@ -1,12 +1,11 @@
 // Where the shards live: the model's device (checked against the
 // communicators'), the flat partitions (master, low-precision copy,
-// gradient, optimizer state) and each unit entry's views into them, the
-// optimizer offload's host copies, and unit buffers that own no memory until
-// gathered.
+// gradient, optimizer state) and each unit entry's views into them, what the
+// optimizer and parameter offloads keep in host memory, and unit buffers
+// that own no memory until gathered.
 
 #include "engine/shard_storage.h"
 
-#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -78,20 +77,18 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
   }
+  ST_CHECK(!plan.offload_params || (plan.offload_optimizer && plan.shard_params), plan.name,
+           ": the parameter offload needs the optimizer offload and sharded parameters (the backend's plan)");
   // With the model on the CPU every partition already lives on the host, so
   // the offload has nothing to move: a host copy of the gradient and of the
   // low-precision partition would only cost memory and two copies a step.
-  // SHARDTRAIN_OFFLOAD_ON_CPU=1 makes them all the same, so that tests run the
-  // offload's copies and its step on a machine without a GPU.
-  static const bool offload_on_cpu = [] {
-    const char* value = std::getenv("SHARDTRAIN_OFFLOAD_ON_CPU");
-    return value != nullptr && std::string(value) == "1";
-  }();
-  if (plan.offload_optimizer && (!device_.is_cpu() || offload_on_cpu)) {
+  const bool offload = plan.offload_optimizer && offload_moves_states(!device_.is_cpu());
+  // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
+  // memory and the device run at full bus speed and can overlap.
+  const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
+  params_offloaded_ = offload && plan.offload_params;
+  if (offload) {
     // The step runs on the host: gradients come down, the low-precision copy goes back up.
-    // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
-    // memory and the device run at full bus speed and can overlap.
-    const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
     auto to_host = [&](at::Tensor& t) {
       if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
     };
@@ -100,11 +97,19 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
     to_host(exp_avg_sq_);
     to_host(momentum_);
     host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    // Pure low precision steps this host copy of its partition in place; a
-    // 16-bit param_dtype otherwise rounds the fp32 master into it; fp32
-    // parameters need none: the host master is uploaded as it is.
-    if (pure || plan.param_dtype != at::kFloat) host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    if (params_offloaded_) {
+      // The partition itself lives on the host, where the step writes it and
+      // each gather uploads it from: the device holds none of it at rest.
+      lp_ = (!pure && plan.param_dtype == at::kFloat) ? master_ : at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    } else if (pure || plan.param_dtype != at::kFloat) {
+      // Pure low precision steps this host copy of its partition in place; a
+      // 16-bit param_dtype otherwise rounds the fp32 master into it; fp32
+      // parameters need none: the host master is uploaded as it is.
+      host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    }
   }
+  // Where a frozen entry's shard lives: with the partition under the parameter offload.
+  const at::TensorOptions frozen = params_offloaded_ ? host : fp32;
 
   shards_.resize(static_cast<std::size_t>(units.size()));
   for (int i = 0; i < units.size(); ++i) {
@@ -120,10 +125,10 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
         shard.exp_avg_sq = exp_avg_sq_.narrow(0, u.shard_offset, S);
       }
     } else if (u.packed) {
-      shard.lp = at::zeros({S}, fp32.dtype(at::kByte));
+      shard.lp = at::zeros({S}, frozen.dtype(at::kByte));
     } else {
-      shard.lp = at::zeros({S}, low);
-      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, fp32);
+      shard.lp = at::zeros({S}, frozen.dtype(plan.param_dtype));
+      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, frozen);
     }
   }
 }
@@ -137,7 +142,7 @@ at::Tensor ShardStorage::low_precision_out() const {
 const at::Tensor& ShardStorage::download_for_step() {
   if (!host_grad_.defined()) return grad_;
   host_grad_.copy_(grad_);
-  if (plan_.pure_low_precision) host_lp_.copy_(lp_);
+  if (plan_.pure_low_precision && host_lp_.defined()) host_lp_.copy_(lp_);
   return host_grad_;
 }
 
@@ -164,15 +169,23 @@ void ShardStorage::clear_grads() {
 
 void ShardStorage::add_memory(MemoryReport& stats) const {
   const bool master_is_lp = lp_.is_same(master_);
+  const int64_t master_bytes = master_is_lp ? 0 : bytes_of(master_);
+  const int64_t optimizer_bytes = bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
   stats.params += bytes_of(lp_) + bytes_of(host_lp_);
-  stats.master += master_is_lp ? 0 : bytes_of(master_);
+  stats.master += master_bytes;
   stats.grads += bytes_of(grad_) + bytes_of(host_grad_);
-  stats.optimizer += bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
+  stats.optimizer += optimizer_bytes;
+  if (offloaded()) {
+    stats.offloaded += master_bytes + optimizer_bytes + bytes_of(host_grad_) + bytes_of(host_lp_) +
+                       (params_offloaded_ ? bytes_of(lp_) : 0);
+  }
   for (const UnitShard& shard : shards_) {
     if (shard.grad.defined()) continue;
     // A frozen entry's own shard, and its fp32 copy where it keeps one.
+    const int64_t frozen_master = shard.master.is_same(shard.lp) ? 0 : bytes_of(shard.master);
     stats.params += bytes_of(shard.lp);
-    if (!shard.master.is_same(shard.lp)) stats.master += bytes_of(shard.master);
+    stats.master += frozen_master;
+    if (params_offloaded_) stats.offloaded += bytes_of(shard.lp) + frozen_master;
   }
 }
 

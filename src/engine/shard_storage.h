@@ -2,7 +2,7 @@
 // The shard storage: where this rank's part of the model states lives. The
 // flat partitions (fp32 master, low-precision copy, gradient, optimizer
 // moments), every unit entry's views into them, the frozen entries' own
-// shards, the optimizer offload's host copies, and the model's device.
+// shards, what the offloads keep in host memory, and the model's device.
 
 #include <cstdint>
 #include <vector>
@@ -63,6 +63,9 @@ class ShardStorage {
   /// Whether the optimizer steps on host copies (offload asked for and the
   /// model on a GPU; nothing moves otherwise).
   bool offloaded() const { return host_grad_.defined(); }
+  /// Whether the parameter shards (the low-precision partition, the frozen
+  /// entries' shards) live in host memory: a gather uploads its shard first.
+  bool params_offloaded() const { return params_offloaded_; }
   /// Before an offloaded step: the gradient down to its host copy, and in pure
   /// low precision the partition the step updates (the model's own, which a
   /// checkpoint load or a state dict may have written since the last step).
@@ -104,6 +107,7 @@ class ShardStorage {
   at::Device device_{at::kCPU};
   at::Tensor master_, lp_, grad_, exp_avg_, exp_avg_sq_, momentum_;
   at::Tensor host_grad_, host_lp_;
+  bool params_offloaded_ = false;
   std::vector<UnitShard> shards_;
   bool grads_zero_ = true;
 };

@@ -94,8 +94,9 @@ ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGro
               s.plan.name, s.units.size(), trainable, s.groups.layout_world(), c10::toString(s.plan.compute_dtype),
               c10::toString(s.plan.param_dtype), c10::toString(s.plan.reduce_dtype),
               s.plan.pure_low_precision ? ", pure low precision (no fp32 master)" : "",
-              s.storage.offloaded()        ? ", optimizer offloaded to CPU"
-              : s.plan.offload_optimizer ? ", optimizer offload asked for, nothing to move (the model is on the CPU)"
+              s.storage.params_offloaded() ? ", parameters and optimizer offloaded to CPU"
+              : s.storage.offloaded()      ? ", optimizer offloaded to CPU"
+              : s.plan.offload_optimizer ? ", offload asked for, nothing to move (the model is on the CPU)"
                                          : "");
 }
 
@@ -261,10 +262,10 @@ void ShardedEngine::visit_full_parameters(const std::function<void(const std::st
     const UnitEntry& u = s.units[i];
     const UnitShard& shard = s.storage.unit(i);
     // The master, or the widened shard; a quantized weight's bytes as they are.
-    // On the model's device: under optimizer offload the master lives on the
-    // host, and a GPU communicator gathers device tensors only.
-    const at::Tensor source =
-        u.packed ? shard.lp : shard.value().to(s.storage.fp32_options()).contiguous();
+    // On the model's device: under the offloads the master and the shards live
+    // on the host, and a GPU communicator gathers device tensors only.
+    const at::TensorOptions fp32 = s.storage.fp32_options();
+    const at::Tensor source = u.packed ? shard.lp.to(fp32.device()) : shard.value().to(fp32).contiguous();
     at::Tensor full = source;  // without sharding the shard is the full buffer
     if (s.plan.shard_params) {
       full = at::empty({u.layout->full_numel()}, source.options());
@@ -287,8 +288,11 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
 std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const { return state_->checkpoint.slices(); }
 
 std::optional<at::ScalarType> ShardedEngine::load_slices(const SliceSource& source) {
+  // A gather still in flight reads the shards the load overwrites (under the
+  // parameter offload, host memory an upload may still be copying from).
+  state_->gather.release_all();
   const std::optional<at::ScalarType> rounded_to = state_->checkpoint.load(source);
-  // The gathered parameters held the old values: free them, regather what stays gathered.
+  // The gathered parameters held the old values: regather what stays gathered.
   state_->gather.refresh_all();
   return rounded_to;
 }

@@ -1,7 +1,8 @@
 // The Accelerator end to end: every shipped config runs, fp16 loss scaling
-// skips overflowing steps, optimizer offload changes nothing numerically, the
-// stage-3 prefetch trace is rebuilt when the unit order changes, an unmarked
-// model runs as one unit, the custom-optimizer escape hatch, metric collectives.
+// skips overflowing steps, the optimizer and parameter offloads change
+// nothing numerically, the stage-3 prefetch trace is rebuilt when the unit
+// order changes, an unmarked model runs as one unit, the custom-optimizer
+// escape hatch, metric collectives.
 #include <filesystem>
 #include <mutex>
 
@@ -130,40 +131,50 @@ TEST(DistFp16, TinyRunTrainsWithDynamicLossScaling) {
 
 // With the model on the CPU the offload has nothing to move: the same losses,
 // and no host copy of the gradient or the bf16 partition beside the ones the
-// step already reads (6 bytes a trainable element would be waste).
-TEST(DistOffload, OptimizerOffloadOnTheCpuGivesBitIdenticalLossesAndHoldsNoExtraCopies) {
+// step already reads (6 bytes a trainable element would be waste), nothing
+// counted as offloaded, whether the parameters are offloaded too or not.
+TEST(DistOffload, OffloadOnTheCpuGivesBitIdenticalLossesAndHoldsNoExtraCopies) {
   run_on_ranks(2, [](RankContext& ctx) {
-    std::vector<double> losses[2];
-    shardtrain::MemoryReport memory[2];
-    for (int offload = 0; offload < 2; ++offload) {
+    auto run = [&](bool offload_optimizer, bool offload_param) {
       auto config = deepspeed(3, shardtrain::MixedPrecision::kBf16);
-      config.zero.offload_optimizer = offload ? shardtrain::OffloadDevice::kCpu : shardtrain::OffloadDevice::kNone;
+      if (offload_optimizer) config.zero.offload_optimizer = shardtrain::OffloadDevice::kCpu;
+      if (offload_param) config.zero.offload_param = shardtrain::OffloadDevice::kCpu;
       tiny::TinyRunOptions options;
       options.config = config;
       options.steps = 5;
       options.communicator = ctx.comm;
       options.quiet = true;
-      tiny::TinyRunResult run = tiny::run_tiny(options);
-      losses[offload] = run.losses;
-      memory[offload] = run.memory;
+      return tiny::run_tiny(options);
+    };
+    const tiny::TinyRunResult on_device = run(false, false);
+    for (const bool params_too : {false, true}) {
+      SCOPED_TRACE(params_too ? "offload_param and offload_optimizer" : "offload_optimizer");
+      const tiny::TinyRunResult offloaded = run(true, params_too);
+      EXPECT_EQ(offloaded.losses, on_device.losses);
+      EXPECT_EQ(offloaded.memory.grads, on_device.memory.grads);
+      EXPECT_EQ(offloaded.memory.params, on_device.memory.params);
+      EXPECT_EQ(offloaded.memory.master, on_device.memory.master);
+      EXPECT_EQ(offloaded.memory.optimizer, on_device.memory.optimizer);
+      EXPECT_EQ(offloaded.memory.offloaded, 0);
     }
-    EXPECT_EQ(losses[0], losses[1]);
-    EXPECT_EQ(memory[0].grads, memory[1].grads);
-    EXPECT_EQ(memory[0].params, memory[1].params);
-    EXPECT_EQ(memory[0].master, memory[1].master);
-    EXPECT_EQ(memory[0].optimizer, memory[1].optimizer);
   });
 }
 
 // SHARDTRAIN_OFFLOAD_ON_CPU=1 gives the offload its host copies on the CPU
 // too, so that its copies and its host step run without a GPU. The step is
-// the same kernel on copies of the same values, so ZeRO-3 bf16, FSDP standard
-// bf16 and FSDP pure bf16 train bit for bit as without offload, also across a
-// save and a resume mid-run (the moments saved from and loaded into their
-// host copies). Pure low precision steps a host copy of the model's own
-// partition, brought down before each step: without that the pure case fails.
-// And each holds exactly one host copy of its gradient and of its 16-bit
-// partition more.
+// the same kernel on copies of the same values, so every case trains bit for
+// bit as without offload, also across a save and a resume mid-run (the
+// moments saved from and loaded into their host copies):
+// - ZeRO-3 bf16 with offload_optimizer: the step writes a host copy of the
+//   bf16 partition, uploaded after it;
+// - ZeRO-3 bf16 with offload_param as well, FSDP standard and pure bf16 with
+//   fsdp_offload_params: the partition itself lives on the host, the step
+//   writes it there, each gather uploads its shard first;
+// - FSDP pure under NO_SHARD (optimizer only): the step updates a host copy
+//   of the model's own partition, brought down before each step; without
+//   that the case fails.
+// The memory report counts what moved: the device keeps the gradient
+// partition, and the 16-bit partition unless the parameters are offloaded.
 TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWithoutIt) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
                                     ("shardtrain-offload-" + std::to_string(::getpid()));
@@ -177,14 +188,23 @@ TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWith
       std::string name;
       shardtrain::TrainingConfig config;
       std::string load_dtype;
+      bool params_offloaded;
     };
     auto zero3 = deepspeed(3, shardtrain::MixedPrecision::kBf16);
     zero3.zero.offload_optimizer = shardtrain::OffloadDevice::kCpu;
+    auto zero3_params = zero3;
+    zero3_params.zero.offload_param = shardtrain::OffloadDevice::kCpu;
     auto fsdp = shardtrain::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/fsdp_full_shard_bf16.yaml");
     fsdp.fsdp.offload_params = true;
     auto pure = shardtrain::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/fsdp_pure_bf16.yaml");
     pure.fsdp.offload_params = true;
-    const std::vector<Case> cases = {{"zero3", zero3, "fp32"}, {"fsdp", fsdp, "fp32"}, {"fsdp_pure", pure, "bf16"}};
+    auto pure_no_shard = pure;
+    pure_no_shard.fsdp.sharding_strategy = shardtrain::ShardingStrategy::kNoShard;
+    const std::vector<Case> cases = {{"zero3", zero3, "fp32", false},
+                                     {"zero3_params", zero3_params, "fp32", true},
+                                     {"fsdp", fsdp, "fp32", true},
+                                     {"fsdp_pure", pure, "bf16", true},
+                                     {"fsdp_pure_no_shard", pure_no_shard, "bf16", false}};
     for (const Case& c : cases) {
       SCOPED_TRACE(c.name);
       auto run = [&](bool offload, const std::string& save, const std::string& resume, int stop_after) {
@@ -192,6 +212,7 @@ TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWith
         options.config = c.config;
         if (!offload) {
           options.config->zero.offload_optimizer = shardtrain::OffloadDevice::kNone;
+          options.config->zero.offload_param = shardtrain::OffloadDevice::kNone;
           options.config->fsdp.offload_params = false;
         }
         options.load_dtype = c.load_dtype;
@@ -221,11 +242,23 @@ TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWith
         EXPECT_TRUE(at::equal(resumed.final_params[k].second, on_host.final_params[k].second))
             << on_host.final_params[k].first;
       }
-      // The tiny model has no frozen weights: params are the 16-bit partition alone.
-      EXPECT_EQ(offloaded.memory.grads, 2 * on_host.memory.grads);
-      EXPECT_EQ(offloaded.memory.params, 2 * on_host.memory.params);
-      EXPECT_EQ(offloaded.memory.master, on_host.memory.master);
-      EXPECT_EQ(offloaded.memory.optimizer, on_host.memory.optimizer);
+      // The tiny model has no frozen weights: params are the 16-bit partition
+      // alone. One host copy of the gradient more; one of the partition more
+      // unless the partition itself moved.
+      const shardtrain::MemoryReport& before = on_host.memory;
+      const shardtrain::MemoryReport& after = offloaded.memory;
+      EXPECT_EQ(after.grads, 2 * before.grads);
+      EXPECT_EQ(after.params, (c.params_offloaded ? 1 : 2) * before.params);
+      EXPECT_EQ(after.master, before.master);
+      EXPECT_EQ(after.optimizer, before.optimizer);
+      EXPECT_EQ(before.offloaded, 0);
+      const int64_t on_device = before.grads + (c.params_offloaded ? 0 : before.params);
+      EXPECT_EQ(after.offloaded, after.params + after.grads + after.master + after.optimizer - on_device);
+      // The precision plan predicts the split from the parameter count; the
+      // shards' padding to a multiple of the world size is all it leaves out.
+      const shardtrain::PrecisionPlan& plan = offloaded.plan;
+      EXPECT_NEAR(static_cast<double>(after.offloaded), plan.host_bytes_per_rank(), 0.05 * plan.host_bytes_per_rank());
+      EXPECT_NEAR(static_cast<double>(on_device), plan.device_bytes_per_rank(), 0.05 * plan.device_bytes_per_rank());
     }
   }, harness);
   if (!shardtrain::testing::is_rank_process()) std::filesystem::remove_all(dir);

@@ -456,6 +456,52 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
   if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
+// Under the parameter offload (its copies forced on the CPU, as in
+// DistOffload.*) the frozen base's shards live in host memory beside the
+// adapters' partition, and each gather uploads them first. ZeRO-3 (the base
+// held in bf16 alone) and FSDP standard (with its fp32 copy of the fp32 base)
+// train bit for bit as without offload, across a checkpoint round trip
+// (train_adapters checks it), and the device keeps only the adapters'
+// gradient partition at rest.
+TEST(DistLoraOffload, TheFrozenBaseMovesToTheHostWithTheAdaptersAndTrainsBitForBitAsWithoutOffload) {
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("shardtrain-lora-offload-" + std::to_string(::getpid()));
+  shardtrain::testing::MultiRankOptions harness;
+  harness.env["LORA_DIR"] = dir.string();
+  harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
+  harness.timeout = std::chrono::seconds(300);
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    const fs::path out = std::getenv("LORA_DIR");
+    for (const bool fsdp : {false, true}) {
+      SCOPED_TRACE(fsdp ? "fsdp standard" : "zero-3");
+      shardtrain::TrainingConfig config = bf16_adapter_config(fsdp);
+      const AdapterRun on_device = train_adapters(ctx, config, false, {});
+      config.fsdp.offload_params = fsdp;
+      if (!fsdp) {
+        config.zero.offload_param = shardtrain::OffloadDevice::kCpu;
+        config.zero.offload_optimizer = shardtrain::OffloadDevice::kCpu;
+      }
+      const AdapterRun offloaded = train_adapters(ctx, config, false, out / (fsdp ? "fsdp" : "zero3"));
+      EXPECT_EQ(offloaded.losses, on_device.losses);
+      expect_same_values(offloaded.state, on_device.state);
+      const shardtrain::MemoryReport& before = on_device.memory;
+      const shardtrain::MemoryReport& after = offloaded.memory;
+      // AdamW's 8 B per trained element against the adapters' 2 B bf16 shard: the rest of params is the base.
+      EXPECT_GT(before.params - before.optimizer / 4, 0) << "no frozen base";
+      EXPECT_EQ(after.params, before.params);
+      EXPECT_EQ(after.master, before.master);
+      EXPECT_EQ(after.optimizer, before.optimizer);
+      EXPECT_EQ(after.grads, 2 * before.grads);  // the device partition and its host copy
+      EXPECT_EQ(after.offloaded, after.params + after.master + after.optimizer + before.grads);
+      // The precision plan's split, the frozen base included, up to the shards' padding.
+      const shardtrain::PrecisionPlan& plan = offloaded.plan;
+      EXPECT_NEAR(static_cast<double>(after.offloaded), plan.host_bytes_per_rank(), 0.05 * plan.host_bytes_per_rank());
+      EXPECT_NEAR(static_cast<double>(before.grads), plan.device_bytes_per_rank(), 0.05 * plan.device_bytes_per_rank());
+    }
+  }, harness);
+  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
+}
+
 // Under FULL_SHARD each adapted layer is freed once its backward is done,
 // though its frozen base weights give backward no gradient to signal it: the
 // gradient of the layer's input does (FSDP2's post-backward hook). Without

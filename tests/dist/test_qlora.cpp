@@ -56,6 +56,7 @@ std::vector<double> train_steps(RankContext& ctx, shardtrain::Accelerator& accel
 }
 
 struct RunResult {
+  std::vector<double> losses;
   shardtrain::TrafficReport traffic;  // over kSteps steps
   shardtrain::MemoryReport memory;
   int64_t quantized_weights = 0, nf4_bytes = 0;
@@ -87,7 +88,8 @@ RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quanti
   auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
   auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
   accelerator->reset_traffic();
-  for (const double loss : train_steps(ctx, *accelerator, prepared)) EXPECT_TRUE(std::isfinite(loss));
+  result.losses = train_steps(ctx, *accelerator, prepared);
+  for (const double loss : result.losses) EXPECT_TRUE(std::isfinite(loss));
   result.traffic = accelerator->traffic();
   result.memory = accelerator->memory();
   if (!quantize) return result;
@@ -172,6 +174,37 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsdp_standard", "fsdp_pure"),
                          [](const auto& info) { return info.param; });
+
+// Under ZeRO-3's parameter offload (its copies forced on the CPU, as in
+// DistOffload.*) the NF4 base's shards live in host memory with the
+// adapters' partition and each gather uploads them as bytes: the same
+// losses, the same traffic, the base unchanged through a checkpoint round
+// trip (train() checks it), and only the adapters' gradient partition left
+// on the device.
+TEST(DistQloraOffload, TheNf4BaseMovesToTheHostAndTrainsAsWithoutOffload) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-qlora-offload-" + std::to_string(::getpid()));
+  shardtrain::testing::MultiRankOptions harness;
+  harness.env["QLORA_DIR"] = dir.string();
+  harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
+  harness.timeout = std::chrono::seconds(300);
+  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+    const fs::path work = std::getenv("QLORA_DIR");
+    shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(false);
+    const RunResult on_device = train(ctx, config, true, work / "on_device");
+    config.zero.offload_param = shardtrain::OffloadDevice::kCpu;
+    config.zero.offload_optimizer = shardtrain::OffloadDevice::kCpu;
+    const RunResult offloaded = train(ctx, config, true, work / "offloaded");
+    EXPECT_EQ(offloaded.losses, on_device.losses);
+    EXPECT_EQ(offloaded.traffic.param_gather_bytes, on_device.traffic.param_gather_bytes);
+    EXPECT_EQ(offloaded.traffic.frozen_gather_bytes, on_device.traffic.frozen_gather_bytes);
+    const shardtrain::MemoryReport& before = on_device.memory;
+    const shardtrain::MemoryReport& after = offloaded.memory;
+    EXPECT_EQ(after.params, before.params);  // the NF4 shards among them, moved, not copied
+    EXPECT_EQ(after.grads, 2 * before.grads);
+    EXPECT_EQ(after.offloaded, after.params + after.master + after.optimizer + before.grads);
+  }, harness);
+  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
+}
 
 // ---- QLoRA with rank-0-only loading ----------------------------------------------
 

@@ -16,7 +16,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "accelerator_internals.h"
 #include "data_dir.h"
+#include "engine/sharded_engine.h"
 #include "finetune/finetune.h"
 #include "gpu_test_device.h"
 #include "shardtrain/accelerator.h"
@@ -244,21 +246,41 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
   }
 }
 
-// Optimizer offload moves the fp32 master and the optimizer state to pinned
-// host memory and steps them there with the CPU kernels, which round exactly
-// as the GPU's do: the same run with and without offload is the same to the
-// bit, in fp32 (where the parameters are the master itself on the GPU, and
-// the host master is uploaded after each step) and in bf16 (where the step
-// writes a rounded host copy). FSDP pure bf16 with fsdp_offload_params steps
-// a host copy of its bf16 partition with its bf16 moments (brought down
-// before each step, uploaded after). The run ends by gathering the full
-// state dict, which reads the host master. In the dry run, with the model on
-// the CPU, the offload has nothing to move, so the two runs are the same run:
-// only the GPU run tests the offload here (DistOffload.* forces its copies on
-// the CPU).
-TEST(GpuTrainingOffload, OptimizerOffloadTrainsAsTheRunWithoutIt) {
+// The offloads keep model states in pinned host memory and step them there
+// with the CPU kernels, which round exactly as the GPU's do: the same run
+// with and without offload is the same to the bit.
+// - offload_optimizer: the fp32 master and the optimizer state; in fp32 the
+//   parameters are the master itself on the GPU (the host master is uploaded
+//   after each step), in bf16 the step writes a rounded host copy.
+// - offload_param as well: the bf16 (or fp32) partition itself stays on the
+//   host, where the step writes it, and each gather uploads its shard.
+// - FSDP pure bf16 with fsdp_offload_params: its bf16 partition and bf16
+//   moments live on the host; the GPU keeps the gradient partition.
+// The memory report says what moved: all but the gradient partition, and
+// the 16-bit partition unless the parameters moved. The run ends by
+// gathering the full state dict, which reads the host values. In the dry
+// run, with the model on the CPU, the offload has nothing to move, so the
+// runs are the same run and nothing counts as offloaded: only the GPU run
+// tests the offload here (DistOffload.* forces its copies on the CPU).
+TEST(GpuTrainingOffload, OptimizerAndParameterOffloadTrainAsTheRunWithoutThem) {
   shardtrain::testing::ScratchDir scratch;
   REQUIRE_TEST_DEVICE();
+  const bool moves = shardtrain::testing::test_device().is_cuda();
+  auto expect_same_run = [](const tiny::TinyRunResult& offloaded, const tiny::TinyRunResult& on_device) {
+    EXPECT_EQ(offloaded.losses, on_device.losses);
+    ASSERT_EQ(offloaded.final_params.size(), on_device.final_params.size());
+    for (std::size_t k = 0; k < on_device.final_params.size(); ++k) {
+      const auto& [name, value] = on_device.final_params[k];
+      EXPECT_EQ(offloaded.final_params[k].first, name);
+      EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), value.cpu())) << name;
+    }
+  };
+  // On the GPU at rest: the gradient partition, and the 16-bit partition unless the parameters moved.
+  auto expect_offloaded = [&](const shardtrain::MemoryReport& m, bool params_moved, int64_t device_partition_bytes) {
+    EXPECT_EQ(m.offloaded, moves ? m.params + m.grads + m.master + m.optimizer - m.grads / 2 -
+                                            (params_moved ? 0 : device_partition_bytes)
+                                      : 0);
+  };
   {
     SCOPED_TRACE("fsdp pure bf16");
     const EngineCase& pure = kCases[3];
@@ -273,37 +295,80 @@ TEST(GpuTrainingOffload, OptimizerOffloadTrainsAsTheRunWithoutIt) {
     const tiny::TinyRunResult on_device = tiny::run_tiny(options);
     options.config_path = scratch.write("pure_offload.yaml", offload_yaml);
     const tiny::TinyRunResult offloaded = tiny::run_tiny(options);
-    EXPECT_EQ(offloaded.losses, on_device.losses);
-    ASSERT_EQ(offloaded.final_params.size(), on_device.final_params.size());
-    for (std::size_t k = 0; k < on_device.final_params.size(); ++k) {
-      EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), on_device.final_params[k].second.cpu()))
-          << on_device.final_params[k].first;
-    }
+    expect_same_run(offloaded, on_device);
+    EXPECT_EQ(on_device.memory.offloaded, 0);
+    expect_offloaded(offloaded.memory, true, 0);
   }
   for (const bool bf16 : {false, true}) {
-    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
-    auto config = [&](bool offload) {
-      const std::string offload_block = offload ? R"(, "offload_optimizer": {"device": "cpu", "pin_memory": true})" : "";
-      const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+    for (const std::string offload : {"offload_optimizer", "offload_param"}) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16, " : "fp32, ") + offload);
+      const bool params_too = offload == "offload_param";
+      auto config = [&](bool offloaded) {
+        std::string blocks;
+        if (offloaded) blocks += R"(, "offload_optimizer": {"device": "cpu", "pin_memory": true})";
+        if (offloaded && params_too) blocks += R"(, "offload_param": {"device": "cpu", "pin_memory": true})";
+        const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": )") +
-                               (bf16 ? "true" : "false") + R"(}, "zero_optimization": {"stage": 3)" + offload_block +
-                               "}}";
-      return scratch.write(std::string(bf16 ? "bf16" : "fp32") + (offload ? "_offload" : "") + ".json", text);
-    };
-    tiny::TinyRunOptions options = tiny_options(kCases[1], test_device_name());
-    options.steps = 5;
-    options.config_path = config(false);
-    const tiny::TinyRunResult on_device = tiny::run_tiny(options);
-    options.config_path = config(true);
-    const tiny::TinyRunResult offloaded = tiny::run_tiny(options);
-    EXPECT_EQ(offloaded.losses, on_device.losses);
-    ASSERT_EQ(offloaded.final_params.size(), on_device.final_params.size());
-    for (std::size_t k = 0; k < on_device.final_params.size(); ++k) {
-      const auto& [name, value] = on_device.final_params[k];
-      EXPECT_EQ(offloaded.final_params[k].first, name);
-      EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), value.cpu())) << name;
+                                 (bf16 ? "true" : "false") + R"(}, "zero_optimization": {"stage": 3)" + blocks + "}}";
+        return scratch.write(std::string(bf16 ? "bf16_" : "fp32_") + (offloaded ? offload : "none") + ".json", text);
+      };
+      tiny::TinyRunOptions options = tiny_options(kCases[1], test_device_name());
+      options.steps = 5;
+      options.config_path = config(false);
+      const tiny::TinyRunResult on_device = tiny::run_tiny(options);
+      options.config_path = config(true);
+      const tiny::TinyRunResult offloaded = tiny::run_tiny(options);
+      expect_same_run(offloaded, on_device);
+      EXPECT_EQ(on_device.memory.offloaded, 0);
+      // Without the parameter offload the device keeps the model's partition:
+      // in bf16 half of params (the host copy the step writes is the other
+      // half), in fp32 all of it (the master, its own entry, is the host copy).
+      const int64_t device_partition = bf16 ? offloaded.memory.params / 2 : offloaded.memory.params;
+      expect_offloaded(offloaded.memory, params_too, device_partition);
     }
   }
+}
+
+// Where the states live, read from the engine itself rather than from its
+// report: under offload_param the bf16 partition and the fp32 master are in
+// pinned host memory, and the module's gathered parameters on the GPU, where
+// a step then runs. (In the dry run the CPU is the device: nothing moves.)
+TEST(GpuTrainingOffload, UnderOffloadParamThePartitionAndTheMasterAreInPinnedHostMemory) {
+  shardtrain::testing::ScratchDir scratch;
+  REQUIRE_TEST_DEVICE();
+  const at::Device device = shardtrain::testing::test_device();
+  const bool moves = device.is_cuda();
+  shardtrain::AcceleratorOptions options;
+  options.config_path = scratch.write("offload_param.json", R"({"train_micro_batch_size_per_gpu": "auto",
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": true},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})");
+  options.init.backend = shardtrain::backend_for(device);
+  options.print_plan = false;
+  shardtrain::Accelerator accelerator(options);
+  tiny::TinyConfig model_config;
+  tiny::TinyModel model(model_config);
+  model->to(device);
+  shardtrain::RunInfo run;
+  run.micro_batch_size = 2;
+  auto prepared = accelerator.prepare(model, {}, run);
+  auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
+  for (const auto& [what, partition] :
+       {std::pair{"bf16 partition", engine.low_precision_partition()}, std::pair{"master", engine.master_partition()}}) {
+    EXPECT_EQ(partition.device(), moves ? at::Device(at::kCPU) : device) << what;
+    EXPECT_EQ(partition.is_pinned(), moves) << what;
+  }
+  const at::Tensor tokens =
+      at::stack({tiny::synthetic_sample(1, 0, model_config), tiny::synthetic_sample(1, 1, model_config)}).to(device);
+  const at::Tensor logits = prepared(tokens);
+  EXPECT_EQ(logits.device(), device);
+  const int64_t vocab = logits.size(-1), positions = tokens.size(1) - 1;
+  const at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, positions).reshape({-1, vocab}),
+                                                 tokens.narrow(1, 1, positions).reshape({-1}));
+  const at::Tensor before = engine.low_precision_partition().clone();
+  accelerator.backward(loss);
+  accelerator.step();
+  EXPECT_FALSE(at::equal(engine.low_precision_partition(), before)) << "the step did not write the host partition";
+  EXPECT_EQ(engine.low_precision_partition().device(), moves ? at::Device(at::kCPU) : device);
 }
 
 // A checkpoint keeps each rank's random streams, the device's included (LoRA

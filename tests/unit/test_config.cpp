@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <set>
@@ -1093,6 +1094,44 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
   EXPECT_EQ(filled.find("auto (from the model"), std::string::npos) << filled;
   EXPECT_NE(filled.find("train_batch_size: 8\n"), std::string::npos) << filled;  // 4 x 1 x 2
   EXPECT_NE(filled.find("reduce_bucket_size: 64\n"), std::string::npos) << filled;  // 8^2
+}
+
+// With --device cuda the precision plan splits an offloaded run's model
+// states between the device and pinned host memory. 1B parameters, bf16,
+// ZeRO-3 over 4 ranks, per rank: bf16 shard 0.5 B/param, fp32 gradient 1,
+// master 1, Adam's two moments 2 (4.5 GB in all). The host holds the master,
+// the moments, a copy of the gradient and the 16-bit partition (its copy, or
+// the partition itself under offload_param): 4.5 GB. The device keeps the
+// gradient (1 GB), and the partition (1.5 GB) unless offload_param moved it.
+// On the CPU nothing moves, and the plan says so.
+TEST(UnitConfigCli, CheckOnCudaSplitsAnOffloadedRunBetweenTheDeviceAndPinnedHostMemory) {
+  const std::string both = (kConfigsDir / "zero3_offload_cpu.json").string();
+  std::ifstream in(both);
+  std::string optimizer_only((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string param_block = R"("offload_param": {
+      "device": "cpu",
+      "pin_memory": true
+    })";
+  const std::size_t at_block = optimizer_only.find(param_block);
+  ASSERT_NE(at_block, std::string::npos) << "zero3_offload_cpu.json changed its offload_param block";
+  optimizer_only.replace(at_block, param_block.size(), R"("offload_param": {"device": "none"})");
+  ScratchDir dir;
+  const std::string flags = " --world-size 4 --num-params 1000000000 --hidden-size 8 --micro-batch 1";
+  for (const auto& [file, device_gb] :
+       {std::pair{both, "1.00 GB"}, std::pair{dir.write("optimizer_only.json", optimizer_only), "1.50 GB"}}) {
+    const auto [status, output] = run_cli("config check " + file + flags + " --device cuda");
+    ASSERT_EQ(status, 0) << output;
+    EXPECT_NE(output.find("total model states       4.500 B/param/rank  = 4.50 GB per rank"), std::string::npos)
+        << output;
+    EXPECT_NE(output.find(std::string("#     on the device          ") + device_gb + " per rank"), std::string::npos)
+        << output;
+    EXPECT_NE(output.find("#     in pinned host memory  4.50 GB per rank"), std::string::npos) << output;
+  }
+  const auto [status, output] = run_cli("config check " + both + flags);
+  ASSERT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("#   offload: asked for, nothing to move: the model is on the CPU"), std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("pinned host memory"), std::string::npos) << output;
 }
 
 // ---------------------------------------------------------------- hostile documents

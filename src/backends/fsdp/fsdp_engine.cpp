@@ -63,7 +63,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   // cpu_ram_efficient_loading needs rank 0's values (Accelerate forces sync_module_states with it);
   // parameters a rank built without storage come from rank 0 either way.
   o.sync_module_states = c.sync_module_states || c.cpu_ram_efficient_loading;
-  o.offload_optimizer = c.offload_params;
+  o.offload_optimizer = c.offload_params;  // FSDP's CPUOffload steps the optimizer on the host
   o.activation_checkpointing = c.activation_checkpointing;
   // FSDP sums and divides around the reduction by these factors of the whole world.
   o.average = false;
@@ -115,6 +115,13 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
                                                                          : engine::Reshard::kAfterBackward;
       break;
     }
+  }
+  // The parameter shards go to the host with it, as FSDP's CPUOffload(offload_params=True) keeps them;
+  // NO_SHARD keeps the whole model gathered on the device, so there only the optimizer moves.
+  o.offload_params = c.offload_params && o.shard_params;
+  if (c.offload_params && !o.shard_params) {
+    o.notices.push_back("fsdp: fsdp_offload_params with NO_SHARD offloads the optimizer step only: every rank "
+                        "keeps the whole model gathered on its device");
   }
   o.name = std::string("fsdp ") + to_string(c.sharding_strategy) +
            (pure_adapters ? " pure low precision, fp32 adapters" : pure ? " pure low precision" : " standard");

@@ -34,14 +34,19 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.max_live_parameters = z.stage3_max_live_parameters;
   o.max_reuse_distance = stage == 3 ? z.stage3_max_reuse_distance : 0;
   o.allgather_bucket_size = z.allgather_bucket_size;
-  o.offload_optimizer = z.offload_optimizer != OffloadDevice::kNone;
-  if (z.offload_optimizer == OffloadDevice::kNvme) {
-    o.notices.push_back("zero_optimization.offload_optimizer.device nvme is not implemented; the optimizer is "
-                        "offloaded to CPU memory instead");
+  // config_load cleared offload_param below stage 3, as DeepSpeed ignores it there.
+  o.offload_params = z.offload_param != OffloadDevice::kNone;
+  o.offload_optimizer = z.offload_optimizer != OffloadDevice::kNone || o.offload_params;
+  if (o.offload_params && z.offload_optimizer == OffloadDevice::kNone) {
+    o.notices.push_back("zero_optimization.offload_param without offload_optimizer: the optimizer is offloaded to "
+                        "CPU memory too, since its step writes the offloaded parameter partition where it lives");
   }
-  if (z.offload_param != OffloadDevice::kNone) {
-    o.notices.push_back("zero_optimization.offload_param is not implemented: parameter shards stay on the compute "
-                        "device (the optimizer offload, offload_optimizer, is)");
+  for (const auto& [device, name] : {std::pair{z.offload_optimizer, "offload_optimizer"},
+                                     std::pair{z.offload_param, "offload_param"}}) {
+    if (device == OffloadDevice::kNvme) {
+      o.notices.push_back(std::string("zero_optimization.") + name +
+                          ".device nvme is not implemented; offloading to CPU memory instead");
+    }
   }
   // DeepSpeed casts the whole module to the 16-bit dtype and gives only the
   // trained partitions fp32 masters: a frozen base (LoRA) is held in bf16 or
