@@ -2,6 +2,7 @@
 // precision_plan_of.h), never derived again from the config.
 #include "shardtrain/precision_plan.h"
 
+#include <algorithm>
 #include <iomanip>
 #include <sstream>
 #include <string>
@@ -97,11 +98,13 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
     const bool params_moved = engine_plan.offload_params;
     plan.offload = std::string(params_moved ? "parameter shards, " : "") + (pure ? "" : "fp32 master, ") +
                    "optimizer state; the step runs on the CPU";
+    // The gradient partition moves; ZeRO-1's full-size accumulator stays on the device.
     const double grad_partition = (low_grads ? shard : 4.0) / shards;
-    // The host holds the 16-bit partition in every case: the one the step
+    // The host holds the parameter partition in every case: the one the step
     // writes (a copy, or the partition itself), or in fp32 the master.
     plan.host_bytes = plan.master_bytes + plan.optimizer_bytes + grad_partition + plan.params_bytes;
-    plan.moved_bytes = plan.master_bytes + plan.optimizer_bytes + (params_moved ? plan.params_bytes : 0.0);
+    plan.moved_bytes =
+        plan.master_bytes + plan.optimizer_bytes + grad_partition + (params_moved ? plan.params_bytes : 0.0);
     plan.offloads_params = params_moved;
   } else if (engine_plan.offload_optimizer) {
     plan.offload = "asked for, nothing to move: the model is on the CPU";
@@ -144,7 +147,10 @@ double PrecisionPlan::frozen_host_bytes_per_rank() const {
 }
 
 double PrecisionPlan::device_bytes_per_rank() const {
-  return total_bytes_per_rank() - moved_bytes * static_cast<double>(num_params) - frozen_host_bytes_per_rank();
+  // Never below zero: with everything moved, the subtraction of the same
+  // fractions summed in another order leaves a rounding residue either side.
+  return std::max(0.0, total_bytes_per_rank() - moved_bytes * static_cast<double>(num_params) -
+                           frozen_host_bytes_per_rank());
 }
 
 double PrecisionPlan::host_bytes_per_rank() const {
@@ -195,7 +201,7 @@ std::string PrecisionPlan::to_string() const {
   if (host_bytes > 0) {
     out << "    " << std::left << std::setw(23) << "on the device" << human(device_bytes_per_rank()) << " per rank\n";
     out << "    " << std::setw(23) << "in pinned host memory" << human(host_bytes_per_rank())
-        << " per rank (with a copy of the gradient partition, and of the 16-bit partition unless it moved)\n";
+        << " per rank (a copy of the parameter partition among it, unless the partition itself moved)\n";
   }
   if (!notes.empty()) out << "  note: " << notes << "\n";
   if (frozen_params > 0 && frozen_copy_bytes == 0 && shard_dtype != "fp32") {

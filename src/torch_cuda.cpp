@@ -20,6 +20,10 @@ void* current_cuda_stream(int device_index) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
 }
 
+void synchronize_current_cuda_stream(int device_index) {
+  c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).synchronize();
+}
+
 void record_cuda_stream(const at::Tensor& tensor, void* stream) {
   if (!tensor.defined() || !tensor.is_cuda() || !tensor.has_storage()) return;
   const c10::cuda::CUDAStream wrapped =

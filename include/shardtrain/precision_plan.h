@@ -50,13 +50,13 @@ struct PrecisionPlan {
   /// nothing to move, with the model on the CPU); empty without offload.
   std::string offload;
   /// Bytes per trainable parameter per rank that the offload keeps in host
-  /// memory: the master, the optimizer state, a host copy of the gradient
-  /// partition, and the 16-bit partition (a host copy the step writes, or
-  /// under the parameter offload the partition itself). 0 without offload.
+  /// memory: the master, the optimizer state, the gradient partition, and the
+  /// parameter partition (a host copy the step writes, or under the
+  /// parameter offload the partition itself). 0 without offload.
   double host_bytes = 0;
   /// Of the rows above, the bytes per trainable parameter per rank the
-  /// offload takes off the device (master and optimizer state, and the
-  /// partition under the parameter offload).
+  /// offload takes off the device (master, optimizer state and gradient
+  /// partition, and the parameter partition under the parameter offload).
   double moved_bytes = 0;
   /// The parameter offload moves the frozen weights' shards (a LoRA base,
   /// its fp32 copy, NF4 bytes) to host memory too.

@@ -44,7 +44,9 @@ struct MemoryReport {
   /// The part of params, grads, master and optimizer that the offload keeps in
   /// host memory; the rest is on the model's device.
   int64_t offloaded = 0;
-  int64_t gathered = 0;   ///< currently gathered (unsharded) parameter buffers
+  /// Currently gathered (unsharded) parameter buffers, with the shards
+  /// uploaded for gathers in flight under the parameter offload.
+  int64_t gathered = 0;
   int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
   /// The most bytes of unsharded parameter values this rank held at once
   /// while prepare() sharded the model: the module's own parameter storage

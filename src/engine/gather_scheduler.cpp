@@ -10,6 +10,7 @@
 
 #include "engine/storage_resize.h"
 #include "shardtrain/logging.h"
+#include "torch_cuda.h"
 
 namespace shardtrain::engine {
 
@@ -89,9 +90,10 @@ void GatherScheduler::start(int i) {
   if (storage_.params_offloaded()) {
     // The shard lives in host memory: up to the device first. From pinned
     // memory the copy is queued on the current stream, which the collective
-    // waits for; the host values are next written by the optimizer step,
-    // after the gradients' download has drained that stream.
+    // waits for; whatever next writes the host values (the optimizer step, a
+    // checkpoint load) calls wait_for_uploads() first.
     slot.upload = at::empty({lp.numel()}, wire_options).copy_(lp, /*non_blocking=*/true);
+    uploads_queued_ = true;
     add_live(bytes_of(slot.upload));
     sent = slot.upload;
   }
@@ -235,6 +237,13 @@ void GatherScheduler::regather_after_step() {
 
 void GatherScheduler::release_all() {
   for (int i = 0; i < units_.size(); ++i) release(i);
+}
+
+void GatherScheduler::wait_for_uploads() {
+  if (!uploads_queued_) return;
+  const at::Device device = storage_.fp32_options().device();
+  if (device.is_cuda()) torch_cuda::synchronize_current_cuda_stream(device.index());
+  uploads_queued_ = false;
 }
 
 void GatherScheduler::refresh_all() {

@@ -78,6 +78,10 @@ class GatherScheduler {
   void regather_after_step();
   /// Frees every entry, waiting first for its gather in flight.
   void release_all();
+  /// Before host memory the gathers upload from is written (the optimizer
+  /// step, a checkpoint load): blocks until the uploads queued so far are
+  /// done. A gather's wait() orders only the device's streams, not the host.
+  void wait_for_uploads();
   /// After the shards were overwritten (a checkpoint load): frees every
   /// entry, then regathers the ones kept gathered.
   void refresh_all();
@@ -114,6 +118,8 @@ class GatherScheduler {
   const UnitTable& units_;
   const ShardStorage& storage_;
   std::vector<Slot> slots_;
+  /// A shard was uploaded since the last wait_for_uploads().
+  bool uploads_queued_ = false;
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
   TrafficReport traffic_;

@@ -15,6 +15,17 @@ namespace shardtrain::engine {
 
 using comm::ReduceOp;
 
+namespace {
+
+/// Adds a reduced gradient into its place in the shard's gradient, in that
+/// gradient's dtype and where it lives: under offload in host memory, so the
+/// value comes down first (the copy waits for the reduction on the stream).
+void add_reduced(const at::Tensor& place, const at::Tensor& reduced) {
+  place.add_(reduced.to(place.device(), place.scalar_type()));
+}
+
+}  // namespace
+
 GradientReducer::GradientReducer(const EnginePlan& plan, const ShardGroups& groups, const UnitTable& units,
                                  ShardStorage& storage, GatherScheduler& gather)
     : plan_(plan), groups_(groups), units_(units), storage_(storage), gather_(gather),
@@ -93,7 +104,7 @@ void GradientReducer::unit_grads_ready(int i) {
       if (!g.defined()) continue;
       at::Tensor place = shard_grad.narrow(0, u.layout->param_offset_in_full(k), g.numel()).view(g.sizes());
       // Through the reduce dtype into the gradient's, as the collective path does.
-      place.add_(g.to(plan_.reduce_dtype).to(shard_grad.scalar_type()));
+      add_reduced(place, g.to(plan_.reduce_dtype));
     }
   } else if (plan_.reduce_at_boundary_only && (accumulated_in_window_ || !boundary_backward_)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
@@ -233,7 +244,7 @@ void GradientReducer::finish_reductions() {
       const auto& e = bucket.entries[k];
       if (plan_.postdivide != 1.0) reduced[k].div_(plan_.postdivide);
       const at::Tensor& shard_grad = storage_.unit(e.unit).grad;
-      shard_grad.narrow(0, e.grad_offset, e.length).add_(reduced[k].reshape({-1}).to(shard_grad.scalar_type()));
+      add_reduced(shard_grad.narrow(0, e.grad_offset, e.length), reduced[k].reshape({-1}));
     }
   }
   in_flight_.clear();

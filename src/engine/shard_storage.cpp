@@ -54,62 +54,57 @@ at::Tensor ShardStorage::unallocated_buffer(int64_t numel, const at::TensorOptio
 
 ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups)
     : plan_(plan), device_(bind_device(plan, units, groups)) {
+  ST_CHECK(!plan.offload_params || (plan.offload_optimizer && plan.shard_params), plan.name,
+           ": the parameter offload needs the optimizer offload and sharded parameters (the backend's plan)");
   const bool pure = plan.pure_low_precision;
+  // With the model on the CPU every partition already lives on the host, so
+  // the offload has nothing to move: a host copy of the low-precision
+  // partition would only cost memory and two copies a step.
+  offloaded_ = plan.offload_optimizer && offload_moves_states(!device_.is_cpu());
+  params_offloaded_ = offloaded_ && plan.offload_params;
   const at::TensorOptions fp32 = fp32_options();
-  const at::TensorOptions low = fp32.dtype(plan.param_dtype);
-  const at::TensorOptions state_options = pure ? low : fp32;  // dtype the optimizer steps in
+  // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
+  // memory and the device run at full bus speed and can overlap. Offloaded
+  // states are allocated there directly: a model that fits its GPU only
+  // because of the offload must never hold them on the device, not even
+  // while prepare() builds them.
+  const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
+  // Under offload the step runs on the host, on the master, the moments and
+  // a gradient partition there: each reduction's result comes down as it is
+  // added in (GradientReducer), as DeepSpeed's offload keeps its fp32
+  // gradient partitions in CPU memory.
+  const at::TensorOptions stepped_on = offloaded_ ? host : fp32;
+  const at::TensorOptions state_options = pure ? stepped_on.dtype(plan.param_dtype) : stepped_on;
   const int64_t total_shard = units.trainable_shard_numel();
-  if (!pure) master_ = at::zeros({total_shard}, fp32);
+  if (!pure) master_ = at::zeros({total_shard}, stepped_on);
   // keep_low_precision_grads: the reduced gradient stays in param_dtype (the
   // optimizer kernels widen it as they read it), as FSDP1 leaves flat_param.grad.
   const bool low_grads = pure || (plan.keep_low_precision_grads && plan.param_dtype != at::kFloat);
-  const at::TensorOptions grad_options = low_grads ? low : fp32;
-  grad_ = at::zeros({total_shard}, grad_options);
-  lp_ = (!pure && plan.param_dtype == at::kFloat) ? master_ : at::zeros({total_shard}, low);
+  grad_ = at::zeros({total_shard}, low_grads ? stepped_on.dtype(plan.param_dtype) : stepped_on);
+  // The partition the model gathers: under the parameter offload in host
+  // memory, where the step writes it and each gather uploads it from; else
+  // on the device. fp32 parameters are the master itself where both live
+  // in one place.
+  const at::TensorOptions partition_on = params_offloaded_ ? host : fp32;
+  const bool lp_is_master = !pure && plan.param_dtype == at::kFloat && (params_offloaded_ || !offloaded_);
+  lp_ = lp_is_master ? master_ : at::zeros({total_shard}, partition_on.dtype(plan.param_dtype));
+  // The optimizer offload alone: pure low precision steps this host copy of
+  // its partition in place; a 16-bit param_dtype rounds the fp32 master into
+  // it; fp32 parameters need none (the host master is uploaded as it is).
+  if (offloaded_ && !params_offloaded_ && (pure || plan.param_dtype != at::kFloat)) {
+    host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+  }
   const std::string& opt = plan.optimizer.type;
   if (!plan.optimizer.custom_factory) {
     if (opt == "AdamW" || opt == "Adam") {
       exp_avg_ = at::zeros({total_shard}, state_options);
       exp_avg_sq_ = at::zeros({total_shard}, state_options);
     } else if (opt == "SGD") {
-      if (plan.optimizer.momentum != 0.0) momentum_ = at::zeros({total_shard}, fp32);
+      if (plan.optimizer.momentum != 0.0) momentum_ = at::zeros({total_shard}, stepped_on);
     } else {
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
   }
-  ST_CHECK(!plan.offload_params || (plan.offload_optimizer && plan.shard_params), plan.name,
-           ": the parameter offload needs the optimizer offload and sharded parameters (the backend's plan)");
-  // With the model on the CPU every partition already lives on the host, so
-  // the offload has nothing to move: a host copy of the gradient and of the
-  // low-precision partition would only cost memory and two copies a step.
-  const bool offload = plan.offload_optimizer && offload_moves_states(!device_.is_cpu());
-  // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
-  // memory and the device run at full bus speed and can overlap.
-  const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
-  params_offloaded_ = offload && plan.offload_params;
-  if (offload) {
-    // The step runs on the host: gradients come down, the low-precision copy goes back up.
-    auto to_host = [&](at::Tensor& t) {
-      if (t.defined()) t = at::empty({t.numel()}, host.dtype(t.scalar_type())).copy_(t);
-    };
-    to_host(master_);
-    to_host(exp_avg_);
-    to_host(exp_avg_sq_);
-    to_host(momentum_);
-    host_grad_ = at::zeros({total_shard}, host.dtype(grad_options.dtype()));
-    if (params_offloaded_) {
-      // The partition itself lives on the host, where the step writes it and
-      // each gather uploads it from: the device holds none of it at rest.
-      lp_ = (!pure && plan.param_dtype == at::kFloat) ? master_ : at::zeros({total_shard}, host.dtype(plan.param_dtype));
-    } else if (pure || plan.param_dtype != at::kFloat) {
-      // Pure low precision steps this host copy of its partition in place; a
-      // 16-bit param_dtype otherwise rounds the fp32 master into it; fp32
-      // parameters need none: the host master is uploaded as it is.
-      host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
-    }
-  }
-  // Where a frozen entry's shard lives: with the partition under the parameter offload.
-  const at::TensorOptions frozen = params_offloaded_ ? host : fp32;
 
   shards_.resize(static_cast<std::size_t>(units.size()));
   for (int i = 0; i < units.size(); ++i) {
@@ -125,10 +120,10 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
         shard.exp_avg_sq = exp_avg_sq_.narrow(0, u.shard_offset, S);
       }
     } else if (u.packed) {
-      shard.lp = at::zeros({S}, frozen.dtype(at::kByte));
+      shard.lp = at::zeros({S}, partition_on.dtype(at::kByte));
     } else {
-      shard.lp = at::zeros({S}, frozen.dtype(plan.param_dtype));
-      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, frozen);
+      shard.lp = at::zeros({S}, partition_on.dtype(plan.param_dtype));
+      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, partition_on);
     }
   }
 }
@@ -139,11 +134,8 @@ at::Tensor ShardStorage::low_precision_out() const {
   return lp_.scalar_type() == at::kFloat ? at::Tensor() : lp_;
 }
 
-const at::Tensor& ShardStorage::download_for_step() {
-  if (!host_grad_.defined()) return grad_;
-  host_grad_.copy_(grad_);
+void ShardStorage::download_for_step() {
   if (plan_.pure_low_precision && host_lp_.defined()) host_lp_.copy_(lp_);
-  return host_grad_;
 }
 
 void ShardStorage::upload_low_precision() {
@@ -173,10 +165,10 @@ void ShardStorage::add_memory(MemoryReport& stats) const {
   const int64_t optimizer_bytes = bytes_of(exp_avg_) + bytes_of(exp_avg_sq_) + bytes_of(momentum_);
   stats.params += bytes_of(lp_) + bytes_of(host_lp_);
   stats.master += master_bytes;
-  stats.grads += bytes_of(grad_) + bytes_of(host_grad_);
+  stats.grads += bytes_of(grad_);
   stats.optimizer += optimizer_bytes;
-  if (offloaded()) {
-    stats.offloaded += master_bytes + optimizer_bytes + bytes_of(host_grad_) + bytes_of(host_lp_) +
+  if (offloaded_) {
+    stats.offloaded += master_bytes + optimizer_bytes + bytes_of(grad_) + bytes_of(host_lp_) +
                        (params_offloaded_ ? bytes_of(lp_) : 0);
   }
   for (const UnitShard& shard : shards_) {

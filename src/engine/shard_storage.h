@@ -26,7 +26,7 @@ inline int64_t bytes_of(const at::Tensor& t) {
 /// optimizer state).
 struct UnitShard {
   at::Tensor master;                 ///< fp32; undefined in pure low precision
-  at::Tensor lp;                     ///< param_dtype: what the all-gather sends
+  at::Tensor lp;                     ///< param_dtype: what the all-gather sends (under the parameter offload, its upload)
   at::Tensor grad;                   ///< the reduced gradient (trainable)
   at::Tensor exp_avg, exp_avg_sq;    ///< Adam's moments (trainable, Adam only)
   /// What a checkpoint and the state dict read as the value: the master, or
@@ -41,7 +41,7 @@ class ShardStorage {
   ShardStorage(const EnginePlan& plan, const UnitTable& units, const ShardGroups& groups);
 
   /// fp32 on the model's device (where every buffer the engine creates lives,
-  /// the optimizer offload's host copies excepted): masters, moments, fp32 gradients.
+  /// what the offloads keep in host memory excepted): masters, moments, fp32 gradients.
   at::TensorOptions fp32_options() const { return at::TensorOptions().dtype(at::kFloat).device(device_); }
 
   UnitShard& unit(int i) { return shards_[static_cast<std::size_t>(i)]; }
@@ -60,17 +60,17 @@ class ShardStorage {
   const at::Tensor& exp_avg() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
   const at::Tensor& momentum() const { return momentum_; }
-  /// Whether the optimizer steps on host copies (offload asked for and the
-  /// model on a GPU; nothing moves otherwise).
-  bool offloaded() const { return host_grad_.defined(); }
+  /// Whether the optimizer steps in host memory, on the master, the moments
+  /// and the gradient partition there (offload asked for and the model on a
+  /// GPU; nothing moves otherwise).
+  bool offloaded() const { return offloaded_; }
   /// Whether the parameter shards (the low-precision partition, the frozen
   /// entries' shards) live in host memory: a gather uploads its shard first.
   bool params_offloaded() const { return params_offloaded_; }
-  /// Before an offloaded step: the gradient down to its host copy, and in pure
-  /// low precision the partition the step updates (the model's own, which a
-  /// checkpoint load or a state dict may have written since the last step).
-  /// Returns the gradient the step reads.
-  const at::Tensor& download_for_step();
+  /// Before an offloaded step in pure low precision without the parameter
+  /// offload: the model's partition down to the host copy the step updates
+  /// (a checkpoint load or a state dict may have written it since the last step).
+  void download_for_step();
   /// Where the optimizer's kernel writes the stepped values rounded to
   /// param_dtype: the low-precision partition, its host copy under offload, or
   /// nothing where the stepped tensor is itself what the model reads, or is
@@ -106,7 +106,8 @@ class ShardStorage {
   const EnginePlan& plan_;
   at::Device device_{at::kCPU};
   at::Tensor master_, lp_, grad_, exp_avg_, exp_avg_sq_, momentum_;
-  at::Tensor host_grad_, host_lp_;
+  at::Tensor host_lp_;
+  bool offloaded_ = false;
   bool params_offloaded_ = false;
   std::vector<UnitShard> shards_;
   bool grads_zero_ = true;

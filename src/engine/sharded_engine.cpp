@@ -213,6 +213,7 @@ double ShardedEngine::clip_grad_norm(double max_norm) { return state_->optimizer
 
 StepInfo ShardedEngine::step(double lr) {
   State& s = *state_;
+  s.gather.wait_for_uploads();  // the step writes the host partition they read
   StepInfo result = s.optimizer.step(lr);
   if (!result.skipped) s.gather.regather_after_step();
   return result;
@@ -288,9 +289,11 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
 std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const { return state_->checkpoint.slices(); }
 
 std::optional<at::ScalarType> ShardedEngine::load_slices(const SliceSource& source) {
-  // A gather still in flight reads the shards the load overwrites (under the
-  // parameter offload, host memory an upload may still be copying from).
+  // A gather still in flight reads the shards the load overwrites: over Gloo
+  // the shard itself, under the parameter offload the host memory an upload
+  // may still be copying from.
   state_->gather.release_all();
+  state_->gather.wait_for_uploads();
   const std::optional<at::ScalarType> rounded_to = state_->checkpoint.load(source);
   // The gathered parameters held the old values: regather what stays gathered.
   state_->gather.refresh_all();

@@ -52,9 +52,10 @@ void ShardedOptimizer::create_custom_optimizer() {
 
 double ShardedOptimizer::clip_grad_norm(double max_norm) {
   comm::Communicator& comm = groups_.shard();
-  // The local sum stays on the gradients' device through the all-reduce;
-  // item() is the step's one wait for it.
-  at::Tensor total = kernels::sum_of_squares(storage_.grad()).reshape({1});
+  // The local sum stays on the gradients' device (under offload the host's,
+  // then the communicator's) through the all-reduce; item() is the step's one
+  // wait for it.
+  at::Tensor total = kernels::sum_of_squares(storage_.grad()).reshape({1}).to(comm.device());
   comm.all_reduce(total, ReduceOp::kSum);
   if (!plan_.shard_params) {
     // Every rank holds all gradients: the sum over ranks counted each W times.
@@ -87,7 +88,7 @@ StepInfo ShardedOptimizer::step(double lr) {
   if (norm_finite.has_value() && !plan_.fp16) {
     finite = *norm_finite;
   } else {
-    at::Tensor flag = kernels::non_finite_flag(storage_.grad()).reshape({1});
+    at::Tensor flag = kernels::non_finite_flag(storage_.grad()).reshape({1}).to(comm.device());
     comm.all_reduce(flag, ReduceOp::kMax);
     finite = flag.item<float>() == 0;
   }
@@ -101,7 +102,8 @@ StepInfo ShardedOptimizer::step(double lr) {
     return result;
   }
   const double grad_scale = clip_coefficient_ / scaler_.scale();
-  const at::Tensor grad = storage_.download_for_step();
+  storage_.download_for_step();
+  const at::Tensor& grad = storage_.grad();
   const at::Tensor lp_out = storage_.low_precision_out();
   ++steps_;
 

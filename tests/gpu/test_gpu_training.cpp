@@ -249,15 +249,16 @@ TEST(GpuTrainingCheckpoint, SavedOnTheDeviceResumesOnTheCpuBitwise) {
 // The offloads keep model states in pinned host memory and step them there
 // with the CPU kernels, which round exactly as the GPU's do: the same run
 // with and without offload is the same to the bit.
-// - offload_optimizer: the fp32 master and the optimizer state; in fp32 the
-//   parameters are the master itself on the GPU (the host master is uploaded
-//   after each step), in bf16 the step writes a rounded host copy.
+// - offload_optimizer: the fp32 master, the optimizer state and the gradient
+//   partition (each reduction's result comes down as it is added); in fp32
+//   the parameters stay on the GPU and the host master is uploaded after
+//   each step, in bf16 the step writes a rounded host copy.
 // - offload_param as well: the bf16 (or fp32) partition itself stays on the
 //   host, where the step writes it, and each gather uploads its shard.
-// - FSDP pure bf16 with fsdp_offload_params: its bf16 partition and bf16
-//   moments live on the host; the GPU keeps the gradient partition.
-// The memory report says what moved: all but the gradient partition, and
-// the 16-bit partition unless the parameters moved. The run ends by
+// - FSDP pure bf16 with fsdp_offload_params: its bf16 partition, gradient
+//   and moments live on the host.
+// The memory report says what moved: everything but the parameter
+// partition, and that too under the parameter offload. The run ends by
 // gathering the full state dict, which reads the host values. In the dry
 // run, with the model on the CPU, the offload has nothing to move, so the
 // runs are the same run and nothing counts as offloaded: only the GPU run
@@ -275,11 +276,10 @@ TEST(GpuTrainingOffload, OptimizerAndParameterOffloadTrainAsTheRunWithoutThem) {
       EXPECT_TRUE(at::equal(offloaded.final_params[k].second.cpu(), value.cpu())) << name;
     }
   };
-  // On the GPU at rest: the gradient partition, and the 16-bit partition unless the parameters moved.
+  // On the GPU at rest: the parameter partition unless it moved, nothing else.
   auto expect_offloaded = [&](const shardtrain::MemoryReport& m, bool params_moved, int64_t device_partition_bytes) {
-    EXPECT_EQ(m.offloaded, moves ? m.params + m.grads + m.master + m.optimizer - m.grads / 2 -
-                                            (params_moved ? 0 : device_partition_bytes)
-                                      : 0);
+    EXPECT_EQ(m.offloaded,
+              moves ? m.params + m.grads + m.master + m.optimizer - (params_moved ? 0 : device_partition_bytes) : 0);
   };
   {
     SCOPED_TRACE("fsdp pure bf16");
@@ -330,9 +330,10 @@ TEST(GpuTrainingOffload, OptimizerAndParameterOffloadTrainAsTheRunWithoutThem) {
 }
 
 // Where the states live, read from the engine itself rather than from its
-// report: under offload_param the bf16 partition and the fp32 master are in
-// pinned host memory, and the module's gathered parameters on the GPU, where
-// a step then runs. (In the dry run the CPU is the device: nothing moves.)
+// report: under offload_param the bf16 partition, the fp32 master and the
+// gradient partition are in pinned host memory, and the module's gathered
+// parameters on the GPU, where a step then runs. (In the dry run the CPU is
+// the device: nothing moves.)
 TEST(GpuTrainingOffload, UnderOffloadParamThePartitionAndTheMasterAreInPinnedHostMemory) {
   shardtrain::testing::ScratchDir scratch;
   REQUIRE_TEST_DEVICE();
@@ -353,7 +354,8 @@ TEST(GpuTrainingOffload, UnderOffloadParamThePartitionAndTheMasterAreInPinnedHos
   auto prepared = accelerator.prepare(model, {}, run);
   auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
   for (const auto& [what, partition] :
-       {std::pair{"bf16 partition", engine.low_precision_partition()}, std::pair{"master", engine.master_partition()}}) {
+       {std::pair{"bf16 partition", engine.low_precision_partition()}, std::pair{"master", engine.master_partition()},
+        std::pair{"gradient partition", engine.gradient_partition()}}) {
     EXPECT_EQ(partition.device(), moves ? at::Device(at::kCPU) : device) << what;
     EXPECT_EQ(partition.is_pinned(), moves) << what;
   }

@@ -1100,9 +1100,9 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
 // states between the device and pinned host memory. 1B parameters, bf16,
 // ZeRO-3 over 4 ranks, per rank: bf16 shard 0.5 B/param, fp32 gradient 1,
 // master 1, Adam's two moments 2 (4.5 GB in all). The host holds the master,
-// the moments, a copy of the gradient and the 16-bit partition (its copy, or
-// the partition itself under offload_param): 4.5 GB. The device keeps the
-// gradient (1 GB), and the partition (1.5 GB) unless offload_param moved it.
+// the moments, the gradient and the 16-bit partition (a copy the step
+// writes, or the partition itself under offload_param): 4.5 GB. The device
+// keeps the partition (500 MB) unless offload_param moved it too (nothing).
 // On the CPU nothing moves, and the plan says so.
 TEST(UnitConfigCli, CheckOnCudaSplitsAnOffloadedRunBetweenTheDeviceAndPinnedHostMemory) {
   const std::string both = (kConfigsDir / "zero3_offload_cpu.json").string();
@@ -1118,7 +1118,7 @@ TEST(UnitConfigCli, CheckOnCudaSplitsAnOffloadedRunBetweenTheDeviceAndPinnedHost
   ScratchDir dir;
   const std::string flags = " --world-size 4 --num-params 1000000000 --hidden-size 8 --micro-batch 1";
   for (const auto& [file, device_gb] :
-       {std::pair{both, "1.00 GB"}, std::pair{dir.write("optimizer_only.json", optimizer_only), "1.50 GB"}}) {
+       {std::pair{both, "0.00 B"}, std::pair{dir.write("optimizer_only.json", optimizer_only), "500.00 MB"}}) {
     const auto [status, output] = run_cli("config check " + file + flags + " --device cuda");
     ASSERT_EQ(status, 0) << output;
     EXPECT_NE(output.find("total model states       4.500 B/param/rank  = 4.50 GB per rank"), std::string::npos)

@@ -34,15 +34,17 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.max_live_parameters = z.stage3_max_live_parameters;
   o.max_reuse_distance = stage == 3 ? z.stage3_max_reuse_distance : 0;
   o.allgather_bucket_size = z.allgather_bucket_size;
-  // config_load cleared offload_param below stage 3, as DeepSpeed ignores it there.
-  o.offload_params = z.offload_param != OffloadDevice::kNone;
+  // Parameters are partitioned at stage 3 only; below it DeepSpeed ignores
+  // offload_param, and a config file says so when it is read (config_load).
+  o.offload_params = stage == 3 && z.offload_param != OffloadDevice::kNone;
   o.offload_optimizer = z.offload_optimizer != OffloadDevice::kNone || o.offload_params;
   if (o.offload_params && z.offload_optimizer == OffloadDevice::kNone) {
     o.notices.push_back("zero_optimization.offload_param without offload_optimizer: the optimizer is offloaded to "
                         "CPU memory too, since its step writes the offloaded parameter partition where it lives");
   }
   for (const auto& [device, name] : {std::pair{z.offload_optimizer, "offload_optimizer"},
-                                     std::pair{z.offload_param, "offload_param"}}) {
+                                     std::pair{o.offload_params ? z.offload_param : OffloadDevice::kNone,
+                                               "offload_param"}}) {
     if (device == OffloadDevice::kNvme) {
       o.notices.push_back(std::string("zero_optimization.") + name +
                           ".device nvme is not implemented; offloading to CPU memory instead");
