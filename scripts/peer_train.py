@@ -49,6 +49,7 @@ Usage: scripts/peer_train.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
 Offline: nothing is downloaded. Threads: 1 per rank.
 """
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -191,6 +192,9 @@ def train_deepspeed(args, rank, batches, spec):
 
 
 def run(rank, args, store_file):
+    # A rank that aborts in native code (SIGABRT) prints every thread's Python
+    # stack to the peer's log: where it died, not only that it did.
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=args.world)
     batches = torch.load(os.path.join(args.out_dir, "batches.pt"))

@@ -97,7 +97,7 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
   if (engine_plan.offload_optimizer && engine::offload_moves_states(context.on_cuda)) {
     const bool params_moved = engine_plan.offload_params;
     plan.offload = std::string(params_moved ? "parameter shards, " : "") + (pure ? "" : "fp32 master, ") +
-                   "optimizer state; the step runs on the CPU";
+                   "gradient partition, optimizer state; the step runs on the CPU";
     // The gradient partition moves; ZeRO-1's full-size accumulator stays on the device.
     const double grad_partition = (low_grads ? shard : 4.0) / shards;
     // The host holds the parameter partition in every case: the one the step

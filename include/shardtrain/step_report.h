@@ -32,10 +32,11 @@ struct StepInfo {
 };
 
 /// Bytes of model state on this rank, by kind (the precision plan's rows;
-/// see PrecisionPlan for the prediction). With optimizer offload and the
-/// model on a GPU, `grads` and `params` also count their pinned host copies
-/// (the gradient the host step reads, the rounded values it writes), which
-/// PrecisionPlan does not predict.
+/// see PrecisionPlan for the prediction). With the optimizer offload alone
+/// and the model on a GPU, `params` also counts the pinned host copy of the
+/// partition that the host step writes (PrecisionPlan's rows leave it out;
+/// its host_bytes count it); `offloaded` says how much of it all is in host
+/// memory.
 struct MemoryReport {
   int64_t params = 0;     ///< low-precision shards / replicated params at rest
   int64_t grads = 0;      ///< gradient partitions / buffers at rest

@@ -21,7 +21,15 @@ namespace {
 /// gradient's dtype and where it lives: under offload in host memory, so the
 /// value comes down first (the copy waits for the reduction on the stream).
 void add_reduced(const at::Tensor& place, const at::Tensor& reduced) {
-  place.add_(reduced.to(place.device(), place.scalar_type()));
+  if (reduced.device() == place.device()) {
+    place.add_(reduced.to(place.scalar_type()));
+    return;
+  }
+  // Into pinned memory (the host allocator caches it): one direct copy
+  // instead of one staged through a pageable buffer.
+  at::Tensor landed = at::empty(reduced.sizes(), place.options().dtype(reduced.scalar_type()).pinned_memory(true));
+  landed.copy_(reduced);
+  place.add_(landed.to(place.scalar_type()));
 }
 
 }  // namespace

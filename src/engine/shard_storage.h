@@ -26,7 +26,7 @@ inline int64_t bytes_of(const at::Tensor& t) {
 /// optimizer state).
 struct UnitShard {
   at::Tensor master;                 ///< fp32; undefined in pure low precision
-  at::Tensor lp;                     ///< param_dtype: what the all-gather sends (under the parameter offload, its upload)
+  at::Tensor lp;                     ///< param_dtype: what the all-gather sends (under the parameter offload, what its upload copies)
   at::Tensor grad;                   ///< the reduced gradient (trainable)
   at::Tensor exp_avg, exp_avg_sq;    ///< Adam's moments (trainable, Adam only)
   /// What a checkpoint and the state dict read as the value: the master, or
