@@ -246,8 +246,7 @@ void GatherScheduler::wait_for_uploads() {
   uploads_queued_ = false;
 }
 
-void GatherScheduler::refresh_all() {
-  release_all();
+void GatherScheduler::gather_kept() {
   for (int i = 0; i < units_.size(); ++i) {
     if (stays_gathered(i)) start(i);
   }

@@ -82,9 +82,9 @@ class GatherScheduler {
   /// step, a checkpoint load): blocks until the uploads queued so far are
   /// done. A gather's wait() orders only the device's streams, not the host.
   void wait_for_uploads();
-  /// After the shards were overwritten (a checkpoint load): frees every
-  /// entry, then regathers the ones kept gathered.
-  void refresh_all();
+  /// After the shards were overwritten (a checkpoint load), with every entry
+  /// released before: gathers the ones kept gathered.
+  void gather_kept();
   /// All-gathers `shard`'s pieces into `target`, a full-layout buffer of the
   /// shard's dtype: each piece lands where the parameters view it.
   comm::WorkPtr gather_pieces(const UnitLayout& layout, const at::Tensor& shard, const at::Tensor& target) const;

@@ -289,14 +289,14 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
 std::vector<CheckpointSlice> ShardedEngine::checkpoint_slices() const { return state_->checkpoint.slices(); }
 
 std::optional<at::ScalarType> ShardedEngine::load_slices(const SliceSource& source) {
-  // A gather still in flight reads the shards the load overwrites: over Gloo
+  // The gathered parameters hold the old values: free them all first, as a
+  // gather still in flight reads the shards the load overwrites (over Gloo
   // the shard itself, under the parameter offload the host memory an upload
-  // may still be copying from.
+  // may still be copying from); then regather what stays gathered.
   state_->gather.release_all();
   state_->gather.wait_for_uploads();
   const std::optional<at::ScalarType> rounded_to = state_->checkpoint.load(source);
-  // The gathered parameters held the old values: regather what stays gathered.
-  state_->gather.refresh_all();
+  state_->gather.gather_kept();
   return rounded_to;
 }
 
