@@ -17,6 +17,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 
@@ -176,14 +177,11 @@ TEST(DistOffload, OffloadOnTheCpuGivesBitIdenticalLossesAndHoldsNoExtraCopies) {
 // The memory report counts what moved: the device keeps the 16-bit
 // partition unless the parameters are offloaded, and nothing else at rest.
 TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWithoutIt) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    ("shardtrain-offload-" + std::to_string(::getpid()));
   shardtrain::testing::MultiRankOptions harness;
   harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
-  harness.env["OFFLOAD_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
   run_on_ranks(2, [](RankContext& ctx) {
-    const std::filesystem::path out = std::getenv("OFFLOAD_DIR");
+    const std::filesystem::path out = shardtrain::testing::test_scratch_dir();
     struct Case {
       std::string name;
       shardtrain::TrainingConfig config;
@@ -265,7 +263,6 @@ TEST(DistOffload, WithItsHostCopiesForcedOnTheCpuTheOffloadTrainsBitForBitAsWith
                   c.params_offloaded ? 4 * 0x1p-52 * plan.total_bytes_per_rank() : 0.05 * plan.device_bytes_per_rank());
     }
   }, harness);
-  if (!shardtrain::testing::is_rank_process()) std::filesystem::remove_all(dir);
 }
 
 /// Two blocks whose call order flips at a chosen forward.

@@ -1,6 +1,5 @@
 // Checkpoints: exact resume in new processes, resume across engines and world
 // sizes, and damaged checkpoints refused with the file and parameter named.
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -19,6 +18,7 @@
 #include "shardtrain/error.h"
 #include "support/log_capture.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
 
@@ -29,6 +29,7 @@ using shardtrain::MixedPrecision;
 using shardtrain::testing::MultiRankOptions;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
+using shardtrain::testing::test_scratch_subdir;
 
 struct RunSpec {
   shardtrain::TrainingConfig config;
@@ -46,15 +47,6 @@ RunSpec fsdp(int world, int micro) {
   config.optimizer.lr = 1e-3;
   config.steps_per_print = 1000;
   return {config, world, micro};
-}
-
-fs::path scratch(const std::string& name) {
-  fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-ckpt-" + name + "-" + std::to_string(::getpid()));
-  // Rank processes get their paths from the parent's environment; only the parent prepares them.
-  if (shardtrain::testing::is_rank_process()) return dir;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
 }
 
 /// Runs train_tiny on spec.world ranks; rank 0 writes the step losses to `losses_out`.
@@ -103,7 +95,7 @@ std::vector<double> read_losses(const fs::path& path) {
 
 TEST(DistCheckpoint, ResumeInNewProcessesIsBitwiseIdenticalInFp32) {
   for (const RunSpec& spec : {zero(3, 2, 4), fsdp(2, 4)}) {
-    const fs::path dir = scratch("exact");
+    const fs::path dir = test_scratch_subdir("exact");
     run(spec, 40, "", 0, 0, "", dir / "straight.txt");
     run(spec, 40, (dir / "ckpt").string(), 20, 20, "", dir / "first.txt");
     run(spec, 40, "", 0, 0, (dir / "ckpt").string(), dir / "second.txt");
@@ -142,7 +134,7 @@ TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
       {zero(3, 2, 4), fsdp(2, 4), "zero-3 world 2 -> fsdp FULL_SHARD world 2"},
   };
   for (const auto& c : cases) {
-    const fs::path dir = scratch("cross");
+    const fs::path dir = test_scratch_subdir("cross");
     const bool same_arithmetic = c.from.world == c.to.world && c.from.micro_batch == c.to.micro_batch;
     if (same_arithmetic) run(c.from, 30, "", 0, 0, "", dir / "straight.txt");
     run(c.from, 30, (dir / "ckpt").string(), 15, 15, "", dir / "first.txt");
@@ -168,7 +160,7 @@ TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
 }
 
 TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatch) {
-  const fs::path dir = scratch("batch_change");
+  const fs::path dir = test_scratch_subdir("batch_change");
   run(zero(3, 2, 4), 4, (dir / "ckpt").string(), 2, 2, "", dir / "first.txt");  // global batch 8
   MultiRankOptions harness;
   harness.env["CKPT_DIR"] = (dir / "ckpt").string();
@@ -221,7 +213,7 @@ void expect_load_error(const fs::path& dir, const std::string& needle) {
 }
 
 TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
-  const fs::path base = scratch("damage");
+  const fs::path base = test_scratch_subdir("damage");
   run(zero(3, 2, 4), 4, (base / "good").string(), 2, 2, "", base / "losses.txt");
   auto fresh = [&](const std::string& name) {
     const fs::path copy = base / name;
@@ -333,7 +325,7 @@ namespace {
 
 TEST(DistCheckpoint, ExportedHuggingFaceWeightsGiveTheTrainedModelsLogits) {
   MultiRankOptions harness;
-  const fs::path dir = scratch("export");
+  const fs::path dir = test_scratch_subdir("export");
   harness.env["EXPORT_DIR"] = dir.string();
   run_on_ranks(2, [](RankContext& ctx) {
     auto config = shardtrain::testing::zero_test_config(3, MixedPrecision::kBf16);
@@ -411,7 +403,7 @@ std::vector<std::pair<std::string, at::Tensor>> train_and_state(RankContext& ctx
 
 TEST(DistCheckpoint, PureLowPrecisionAndStandardCheckpointsConvert) {
   MultiRankOptions harness;
-  const fs::path dir = scratch("precision");
+  const fs::path dir = test_scratch_subdir("precision");
   harness.env["PRECISION_DIR"] = dir.string();
   run_on_ranks(2, [](RankContext& ctx) {
     const std::string base = std::getenv("PRECISION_DIR");
@@ -438,7 +430,7 @@ namespace {
 
 TEST(DistCheckpoint, SamplerPositionAndKeepLastN) {
   MultiRankOptions harness;
-  const fs::path dir = scratch("sampler");
+  const fs::path dir = test_scratch_subdir("sampler");
   harness.env["SAMPLER_DIR"] = dir.string();
   run_on_ranks(2, [](RankContext& ctx) {
     const std::string base = std::getenv("SAMPLER_DIR");

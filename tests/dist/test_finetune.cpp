@@ -21,6 +21,7 @@
 #include "shardtrain/safetensors.h"
 #include "shardtrain/models/llama.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 
 namespace {
 
@@ -28,18 +29,10 @@ namespace fs = std::filesystem;
 using shardtrain::testing::MultiRankOptions;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
+using shardtrain::testing::test_scratch_dir;
 
 const std::string kSource = SHARDTRAIN_SOURCE_DIR;
 const std::string kBundled = kSource + "/examples/tiny_llama";
-
-fs::path scratch(const std::string& name) {
-  fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-finetune-" + name + "-" + std::to_string(::getpid()));
-  if (!shardtrain::testing::is_rank_process()) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  return dir;
-}
 
 /// The bundled job, shortened: a few steps, a small eval.
 finetune::FinetuneOptions bundled_options(RankContext& ctx, const std::string& config, const std::string& output) {
@@ -82,22 +75,21 @@ std::vector<std::string> read_lines(const fs::path& path) {
   return lines;
 }
 
-MultiRankOptions with_env(std::map<std::string, std::string> env) {
+MultiRankOptions long_run() {
   MultiRankOptions options;
   options.timeout = std::chrono::seconds(300);
-  options.env = std::move(env);
   return options;
 }
 
 TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
-  const fs::path dir = scratch("job");
+  const fs::path dir = test_scratch_dir();
   // A straight run of 12 steps saving at 6, then a new job resuming at step 6,
   // then a short fine-tune from the export. (Rank processes re-run this body
   // up to their run_on_ranks call, so every check comes after the last one.)
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/straight");
         o.save_every = 6;
         o.metrics_out = dir + "/metrics.jsonl";
@@ -113,11 +105,11 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
         EXPECT_GT(s.mfu, 0);
         EXPECT_GT(s.peak_rss_max, 0);
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/resumed");
         o.resume = dir + "/straight/checkpoints/step_6";
         o.no_export = true;
@@ -125,14 +117,14 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
         EXPECT_EQ(s.first_step, 6);
         if (ctx.rank() == 0) write_losses(dir + "/resumed.txt", s.losses);
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
 
   // Fine-tuning continues from the export (--model-dir): each rank reads only
   // its slices, and the loss starts where training ended, not at ln(vocab).
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/llama/fsdp_standard_bf16.yaml", dir + "/again");
         o.model_dir = dir + "/straight/hf";
         o.model_config.clear();
@@ -142,7 +134,7 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
         finetune::FinetuneSummary s = finetune::run_finetune(o);
         if (ctx.rank() == 0) write_losses(dir + "/again.txt", {s.eval_before.loss});
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
   const std::vector<double> straight = read_losses(dir / "straight.txt");
   const std::vector<double> resumed = read_losses(dir / "resumed.txt");
   ASSERT_EQ(straight.size(), 12u);
@@ -186,23 +178,22 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
       std::chrono::seconds(120));
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find(','), std::string::npos) << result.output;
-  fs::remove_all(dir);
 }
 
 TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapterLoadsBack) {
-  const fs::path dir = scratch("lora");
+  const fs::path dir = test_scratch_dir();
   // A short full fine-tune gives the base (its export), as the README's LoRA command starts from the main job's.
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/base");
         o.max_steps = 4;
         o.eval_data.clear();
         o.no_save = true;
         finetune::run_finetune(o);
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
   auto lora_options = [](RankContext& ctx, const std::string& dir, const std::string& out, const std::string& config) {
     finetune::FinetuneOptions o = bundled_options(ctx, config, dir + "/" + out);
     o.model_dir = dir + "/base/hf";
@@ -218,7 +209,7 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
   run_on_ranks(
       2,
       [&lora_options](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = lora_options(ctx, dir, "lora", "configs/zero3_bf16.json");
         o.save_every = 3;
         o.merge_lora = true;
@@ -230,23 +221,23 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
         facts << s.trainable_parameters << " " << s.total_parameters << " " << s.eval_after.loss << " "
               << s.adapter_dir << " " << s.export_dir;
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
   run_on_ranks(
       2,
       [&lora_options](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = lora_options(ctx, dir, "lora_resumed", "configs/zero3_bf16.json");
         o.resume = dir + "/lora/checkpoints/step_3";
         o.no_export = true;
         const finetune::FinetuneSummary s = finetune::run_finetune(o);
         if (ctx.rank() == 0) write_losses(dir + "/lora_resumed.txt", s.losses);
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
   // The saved PEFT adapter, trained further (--lora-adapter): its first eval is where the first run ended.
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/lora_again");
         o.model_dir = dir + "/base/hf";
         o.model_config.clear();
@@ -257,7 +248,7 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
         const finetune::FinetuneSummary s = finetune::run_finetune(o);
         if (ctx.rank() == 0) write_losses(dir + "/lora_again.txt", {s.eval_before.loss});
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
 
   int64_t trainable = 0, total = 0;
   double eval_after = 0;
@@ -298,11 +289,10 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
       std::chrono::seconds(120));
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("LoRA adapter"), std::string::npos) << result.output;
-  fs::remove_all(dir);
 }
 
 TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
-  const fs::path dir = scratch("configs");
+  const fs::path dir = test_scratch_dir();
   // The shipped DeepSpeed file brings its own scheduler (WarmupLR); without
   // it the run uses the fine-tune's warmup + cosine schedule, as the FSDP
   // YAML does, so the two engines see the same learning rates.
@@ -314,7 +304,7 @@ TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         auto run = [&](const std::string& config, const std::string& model_type, const std::string& name,
                        const std::string& checkpointing = "none") {
           finetune::FinetuneOptions o = bundled_options(ctx, config, dir + "/" + name);
@@ -347,12 +337,11 @@ TEST(DistFinetune, LlamaConfigsTrainAndZero3MatchesFsdpStandard) {
         const auto mistral = run("configs/llama/fsdp_standard_bf16.yaml", "mistral", "mistral");
         EXPECT_LT(mistral.losses.back(), mistral.losses.front());
       },
-      with_env({{"FT_DIR", dir.string()}}));
-  fs::remove_all(dir);
+      long_run());
 }
 
 TEST(DistFinetune, ProgramRunsUnderTheLauncherAndPrintsTheSummary) {
-  const fs::path dir = scratch("program");
+  const fs::path dir = test_scratch_dir();
   const std::string bin = SHARDTRAIN_BIN_DIR;
   const auto result = shardtrain::testing::run_command(
       bin + "/shardtrain launch --num_processes 2 --main_process_port " +
@@ -372,7 +361,6 @@ TEST(DistFinetune, ProgramRunsUnderTheLauncherAndPrintsTheSummary) {
   // tensorboard, not built in, says so and is not lost.
   EXPECT_EQ(read_lines(dir / "out/metrics.jsonl").size(), 3u);
   EXPECT_NE(result.output.find("--report_to tensorboard: not built in"), std::string::npos) << result.output;
-  fs::remove_all(dir);
 }
 
 
@@ -380,7 +368,7 @@ TEST(DistFinetune, PaddedVocabularyTrainsAndGeneratesOnlyIdsTheTokenizerDecodes)
   // The bundled model with its embedding padded from the tokenizer's 384
   // pieces to 1024 rows (a multiple of 128): most of the untrained rows'
   // random logits would win a greedy pick that did not leave them out.
-  const fs::path dir = scratch("padded-vocab");
+  const fs::path dir = test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
     nlohmann::json config = nlohmann::json::parse(std::ifstream(kBundled + "/config.json"));
     config["vocab_size"] = 1024;
@@ -389,7 +377,7 @@ TEST(DistFinetune, PaddedVocabularyTrainsAndGeneratesOnlyIdsTheTokenizerDecodes)
   run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const std::string dir = std::getenv("FT_DIR");
+        const std::string dir = test_scratch_dir().string();
         finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/out");
         o.model_config = dir + "/config.json";
         o.max_steps = 2;
@@ -399,14 +387,14 @@ TEST(DistFinetune, PaddedVocabularyTrainsAndGeneratesOnlyIdsTheTokenizerDecodes)
         EXPECT_EQ(s.eval_before.prompts, 6);
         EXPECT_EQ(s.eval_after.prompts, 6);
       },
-      with_env({{"FT_DIR", dir.string()}}));
+      long_run());
 }
 
 /// One fp32 run of 10 steps on the bundled data, its per-step losses written
-/// to FT_DIR/NAME.txt by rank 0.
+/// to NAME.txt in the test's scratch directory by rank 0.
 void run_loss_split(RankContext& ctx, const std::string& name, int64_t micro_batch, int64_t accumulation,
                     const std::string& normalization) {
-  const std::string dir = std::getenv("FT_DIR");
+  const std::string dir = test_scratch_dir().string();
   finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_fp32.json", dir + "/" + name);
   o.micro_batch = micro_batch;
   o.gradient_accumulation_steps = accumulation;
@@ -433,13 +421,13 @@ TEST(DistFinetune, GlobalTokenLossGivesTheSameStepsAtAnyWorldSizeAndAccumulation
   // One global batch of 16 packed rows per step, split three ways. The rows'
   // loss-token counts differ (prompt tokens are masked), so only a mean over
   // the global batch's tokens makes the three the same computation.
-  const fs::path dir = scratch("loss-split");
-  const auto env = with_env({{"FT_DIR", dir.string()}});
-  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8", 8, 1, "global_tokens"); }, env);
-  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16", 16, 1, "global_tokens"); }, env);
-  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb8_acc2", 8, 2, "global_tokens"); }, env);
-  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8_rank_mean", 8, 1, "per_rank_mean"); }, env);
-  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16_rank_mean", 16, 1, "per_rank_mean"); }, env);
+  const fs::path dir = test_scratch_dir();
+  const auto harness = long_run();
+  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8", 8, 1, "global_tokens"); }, harness);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16", 16, 1, "global_tokens"); }, harness);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb8_acc2", 8, 2, "global_tokens"); }, harness);
+  run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8_rank_mean", 8, 1, "per_rank_mean"); }, harness);
+  run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16_rank_mean", 16, 1, "per_rank_mean"); }, harness);
   const auto w2 = read_losses(dir / "w2_mb8.txt"), w1 = read_losses(dir / "w1_mb16.txt"),
              acc = read_losses(dir / "w1_mb8_acc2.txt");
   ASSERT_EQ(w1.size(), 10u);
@@ -468,7 +456,6 @@ TEST(DistFinetune, GlobalTokenLossGivesTheSameStepsAtAnyWorldSizeAndAccumulation
   // Ten times the equality bound above, so passing this means the two
   // conventions are told apart (4.4e-4 was measured).
   EXPECT_GT(max_relative_difference(w2_mean, w1_mean), 1e-5);
-  fs::remove_all(dir);
 }
 
 }  // namespace

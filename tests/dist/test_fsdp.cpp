@@ -4,7 +4,6 @@
 // dtypes at the collectives, resharding behaviour, injected delays, units
 // mixing frozen and trainable parameters, buffer_dtype and
 // keep_low_precision_grads.
-#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "engine/sharded_engine.h"
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/reference_adam.h"
 #include "tiny/tiny_train.h"
@@ -506,13 +506,6 @@ std::vector<double> train_buffered(shardtrain::Accelerator& accelerator, Buffere
 }
 
 TEST(DistFsdpBuffers, BufferDtypeCastsBuffersForComputeAndStateDictsKeepTheOriginals) {
-  MultiRankOptions harness;
-  const std::string dir = ::testing::TempDir() + "/fsdp-buffers-" + std::to_string(::getpid());
-  if (!shardtrain::testing::is_rank_process()) {
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-  }
-  harness.env["BUFFERS_DIR"] = dir;
   run_on_ranks(2, [](RankContext& ctx) {
     const at::Tensor third = at::full({8}, 1.0 / 3.0);
     ASSERT_FALSE(at::equal(third.to(at::kBFloat16).to(at::kFloat), third)) << "1/3 must not survive bf16";
@@ -556,7 +549,7 @@ TEST(DistFsdpBuffers, BufferDtypeCastsBuffersForComputeAndStateDictsKeepTheOrigi
 
     // Checkpoints: save after 2 steps, run 2 more; a fresh run loading the
     // checkpoint (its buffers cast again from the model's originals) matches.
-    const std::string dir = std::getenv("BUFFERS_DIR");
+    const std::string dir = shardtrain::testing::test_scratch_dir().string();
     std::vector<double> straight, resumed;
     {
       auto accelerator = accelerator_for(config_for(false), ctx);
@@ -578,8 +571,7 @@ TEST(DistFsdpBuffers, BufferDtypeCastsBuffersForComputeAndStateDictsKeepTheOrigi
       EXPECT_EQ(g_block_buffer_dtype, static_cast<int>(at::kBFloat16));
     }
     EXPECT_EQ(straight, resumed);
-  }, harness);
-  if (!shardtrain::testing::is_rank_process()) std::filesystem::remove_all(dir);
+  });
 }
 
 TEST(DistFsdpKeepLowPrecisionGrads, GradientShardStaysBf16AndTrainingFollowsTheFp32GradientRun) {

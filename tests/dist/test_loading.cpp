@@ -3,7 +3,6 @@
 // shards filled from rank 0 (fsdp_cpu_ram_efficient_loading, zero3_init_flag)
 // or from a weight source reading each rank's slices of a Hugging Face
 // directory (hf_weight_source); the failures every rank must see.
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -22,6 +21,7 @@
 #include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
@@ -272,10 +272,8 @@ struct HfCase {
   bool sharded;  ///< two bf16 files with model.safetensors.index.json, else one fp32 model.safetensors
 };
 
-/// Writes a random small Llama to `dir` (parent process only).
+/// Writes a random small Llama into the empty `dir` (parent process only).
 void write_hf_dir(const fs::path& dir, bool sharded) {
-  fs::remove_all(dir);
-  fs::create_directories(dir);
   torch::manual_seed(21);
   LlamaForCausalLM model(small_config());
   auto state = shardtrain::models::hf_state_dict(model);
@@ -305,14 +303,10 @@ class DistHfSource : public ::testing::TestWithParam<HfCase> {};
 
 TEST_P(DistHfSource, EachRankReadsOnlyItsSlicesAndTrainingMatchesAFullLoad) {
   const HfCase c = GetParam();
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       ("shardtrain-hf-source-" + std::to_string(c.fsdp) + std::to_string(c.sharded) + "-" +
-                        std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) write_hf_dir(dir, c.sharded);
-  MultiRankOptions harness;
-  harness.env["HF_DIR"] = dir.string();
-  run_on_ranks(2, [c](RankContext& ctx) {
-    const std::string hf_dir = std::getenv("HF_DIR");
+  run_on_ranks(2, [c, dir](RankContext& ctx) {
+    const std::string hf_dir = dir.string();
     const LlamaConfig config = small_config();
     TrainResult sourced, full;
     auto checkpoint = std::make_shared<const shardtrain::models::HfCheckpoint>(hf_dir);
@@ -341,8 +335,7 @@ TEST_P(DistHfSource, EachRankReadsOnlyItsSlicesAndTrainingMatchesAFullLoad) {
     }
     EXPECT_TRUE(at::equal(sourced.logits, full.logits));
     EXPECT_EQ(sourced.losses, full.losses);
-  }, harness);
-  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistHfSource,

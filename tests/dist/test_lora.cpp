@@ -28,6 +28,7 @@
 #include "support/log_capture.h"
 #include "support/multirank.h"
 #include "support/peer_python.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 
@@ -100,13 +101,10 @@ class DistLora : public ::testing::TestWithParam<bool> {};
 
 TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAsPeft) {
   const bool fsdp = GetParam();
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       ("shardtrain-lora-peft-" + std::string(fsdp ? "fsdp" : "zero3") + "-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["LORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [fsdp](RankContext& ctx) {
-    const fs::path work = std::getenv("LORA_DIR");
+  shardtrain::testing::run_on_ranks(kWorld, [fsdp, work = dir](RankContext& ctx) {
     LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
     std::map<std::string, at::Tensor> base_before;
     for (const auto& item : model->named_parameters()) base_before[item.key()] = item.value().detach().clone();
@@ -205,7 +203,6 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
         << name << ": max |ours - PEFT's merge| " << (w - reference).abs().max().item<double>();
   }
   EXPECT_EQ(adapted, 8);  // 2 layers x q, k, v, o
-  fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistLora, ::testing::Values(false, true),
@@ -294,19 +291,17 @@ AdapterRun train_adapters(RankContext& ctx, const shardtrain::TrainingConfig& co
 // losses and adapters are equal bit for bit, and only the frozen copy's
 // memory differs.
 TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16OnlyBase) {
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("shardtrain-lora-pure-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["LORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kWorld, [dir](RankContext& ctx) {
     const shardtrain::TrainingConfig standard = bf16_adapter_config(true);
     // Accelerate's rule: mixed_precision no with a bf16 model is pure low precision.
     shardtrain::TrainingConfig pure = standard;
     pure.mixed_precision = shardtrain::MixedPrecision::kNo;
 
     const AdapterRun reference = train_adapters(ctx, standard, false, {});
-    const AdapterRun run = train_adapters(ctx, pure, true, std::getenv("LORA_DIR"));
+    const AdapterRun run = train_adapters(ctx, pure, true, dir);
 
     EXPECT_NE(run.plan.engine.find("pure low precision, fp32 adapters"), std::string::npos) << run.plan.engine;
     EXPECT_EQ(run.plan.master_dtype, "fp32");
@@ -350,7 +345,6 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
   if (shardtrain::testing::is_rank_process() || ::testing::Test::HasFatalFailure()) return;
   const st::Reader adapter((dir / "adapter" / "adapter_model.safetensors").string());
   for (const auto& name : adapter.names()) EXPECT_EQ(adapter.read(name).scalar_type(), at::kFloat) << name;
-  fs::remove_all(dir);
 }
 
 // Where a backend's peer holds a frozen base in 16 bits alone, so does
@@ -366,13 +360,10 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
 // exact in binary). So losses and adapters are equal bit for bit, and the
 // memory differs by exactly the fp32 copy.
 TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAnFp32Copy) {
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("shardtrain-lora-frozen-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["LORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    const fs::path out = std::getenv("LORA_DIR");
+  shardtrain::testing::run_on_ranks(kWorld, [out = dir](RankContext& ctx) {
     const shardtrain::TrainingConfig fsdp = bf16_adapter_config(true);
     const shardtrain::TrainingConfig zero3 = bf16_adapter_config(false);
     auto zero_stage = [&](int stage) {
@@ -453,7 +444,6 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
     zero3_loading(out / "fsdp_bf16_values", said);
     EXPECT_EQ(said.find("rounded"), std::string::npos) << said;
   }, harness);
-  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
 // Under the parameter offload (its copies forced on the CPU, as in
@@ -463,14 +453,11 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
 // train bit for bit as without offload, across a checkpoint round trip
 // (train_adapters checks it), and the device keeps no model state at rest.
 TEST(DistLoraOffload, TheFrozenBaseMovesToTheHostWithTheAdaptersAndTrainsBitForBitAsWithoutOffload) {
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("shardtrain-lora-offload-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["LORA_DIR"] = dir.string();
   harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    const fs::path out = std::getenv("LORA_DIR");
+  shardtrain::testing::run_on_ranks(kWorld, [out = dir](RankContext& ctx) {
     for (const bool fsdp : {false, true}) {
       SCOPED_TRACE(fsdp ? "fsdp standard" : "zero-3");
       shardtrain::TrainingConfig config = bf16_adapter_config(fsdp);
@@ -500,7 +487,6 @@ TEST(DistLoraOffload, TheFrozenBaseMovesToTheHostWithTheAdaptersAndTrainsBitForB
       EXPECT_NEAR(plan.device_bytes_per_rank(), 0.0, 4 * 0x1p-52 * plan.total_bytes_per_rank());
     }
   }, harness);
-  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
 // Under FULL_SHARD each adapted layer is freed once its backward is done,

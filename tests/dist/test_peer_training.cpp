@@ -28,6 +28,7 @@
 #include "support/llama_golden.h"
 #include "support/multirank.h"
 #include "support/peer_python.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 
 namespace fs = std::filesystem;
@@ -175,27 +176,23 @@ void train_and_expect_peer_losses(shardtrain::Accelerator& accelerator,
   }
 }
 
-/// In the parent: prints the ranks' measured differences, for the record, and removes `dir`.
+/// In the parent: prints the ranks' measured differences, for the record.
 void print_differences(const fs::path& dir) {
   std::ifstream table(dir / "differences.txt");
   std::cout << table.rdbuf();
-  fs::remove_all(dir);
 }
 
 /// Trains `c` for kSteps steps at world 2 beside the peer that `peer_args`
 /// selects (`peer_name` in the printed table) and compares the losses.
 void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const std::string& peer_args) {
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("shardtrain-peer-" + peer_name + "-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
     run_peer(dir, peer_args);
     if (::testing::Test::HasFatalFailure()) return;
   }
   MultiRankOptions harness;
-  harness.env["PEER_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  run_on_ranks(kWorld, [c, peer_name](RankContext& ctx) {
-    const fs::path peer_dir = std::getenv("PEER_DIR");
+  run_on_ranks(kWorld, [c, peer_name, peer_dir = dir](RankContext& ctx) {
     std::ifstream peer_file(peer_dir / "peer.json");
     const nlohmann::json peer = nlohmann::json::parse(peer_file);
     const std::vector<double> expected = peer.at(c.optimizer).get<std::vector<double>>();
@@ -273,17 +270,15 @@ class DistPeerPeft : public ::testing::TestWithParam<PeftCase> {};
 
 TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
   const PeftCase c = GetParam();
-  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-peer-peft-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
     run_peer(dir, std::string("--lora 8 ") + (c.qlora ? "--qlora " : "") + "--make-base " + SHARDTRAIN_SOURCE_DIR +
                       "/bench/models/llama_58m.json");
     if (::testing::Test::HasFatalFailure()) return;
   }
   MultiRankOptions harness;
-  harness.env["PEER_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(600);
-  run_on_ranks(kWorld, [c](RankContext& ctx) {
-    const fs::path peer_dir = std::getenv("PEER_DIR");
+  run_on_ranks(kWorld, [c, peer_dir = dir](RankContext& ctx) {
     std::ifstream peer_file(peer_dir / "peer.json");
     const nlohmann::json peer = nlohmann::json::parse(peer_file);
     const std::vector<double> expected = peer.at("adamw").get<std::vector<double>>();

@@ -24,6 +24,7 @@
 #include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 
 namespace {
@@ -130,12 +131,10 @@ class DistQlora : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
   const std::string mode = GetParam();
-  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-qlora-" + mode + "-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["QLORA_DIR"] = dir.string();
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [mode](RankContext& ctx) {
-    const fs::path work = std::getenv("QLORA_DIR");
+  shardtrain::testing::run_on_ranks(kWorld, [mode, work = dir](RankContext& ctx) {
     const bool pure = mode == "fsdp_pure";
     const shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(mode != "zero3");
     const RunResult bf16 = train(ctx, config, false, work / "unused", pure);
@@ -169,7 +168,6 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
                 << bf16.traffic.param_gather_bytes / kSteps << " -> " << nf4.traffic.param_gather_bytes / kSteps << " B\n";
     }
   }, harness);
-  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsdp_standard", "fsdp_pure"),
@@ -181,13 +179,11 @@ INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsd
 // losses, the same traffic, the base unchanged through a checkpoint round
 // trip (train() checks it), and no model state left on the device at rest.
 TEST(DistQloraOffload, TheNf4BaseMovesToTheHostAndTrainsAsWithoutOffload) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-qlora-offload-" + std::to_string(::getpid()));
+  const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
-  harness.env["QLORA_DIR"] = dir.string();
   harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
-    const fs::path work = std::getenv("QLORA_DIR");
+  shardtrain::testing::run_on_ranks(kWorld, [work = dir](RankContext& ctx) {
     shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(false);
     const RunResult on_device = train(ctx, config, true, work / "on_device");
     config.zero.offload_param = shardtrain::OffloadDevice::kCpu;
@@ -202,7 +198,6 @@ TEST(DistQloraOffload, TheNf4BaseMovesToTheHostAndTrainsAsWithoutOffload) {
     EXPECT_EQ(after.grads, before.grads);
     EXPECT_EQ(after.offloaded, after.params + after.master + after.optimizer + after.grads);
   }, harness);
-  if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
 }
 
 // ---- QLoRA with rank-0-only loading ----------------------------------------------
@@ -326,19 +321,16 @@ TEST(DistQloraRankZeroLoadingErrors, Nf4WeightsWithoutValuesOnRankZeroAreRefused
 TEST(DistQloraUnsharded, ZeroTwoAtWorldTwoAndZeroZeroAtWorldOneTrainOnTheNf4Base) {
   for (const int world : {2, 1}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    const fs::path dir = fs::path(::testing::TempDir()) /
-                         ("shardtrain-qlora-unsharded-" + std::to_string(world) + "-" + std::to_string(::getpid()));
+    const fs::path dir = shardtrain::testing::test_scratch_subdir("world" + std::to_string(world));
     shardtrain::testing::MultiRankOptions harness;
-    harness.env["QLORA_DIR"] = dir.string();
     harness.timeout = std::chrono::seconds(300);
-    shardtrain::testing::run_on_ranks(world, [world](RankContext& ctx) {
+    shardtrain::testing::run_on_ranks(world, [world, dir](RankContext& ctx) {
       const shardtrain::TrainingConfig config =
           shardtrain::testing::zero_test_config(world == 2 ? 2 : 0, shardtrain::MixedPrecision::kBf16);
-      const RunResult nf4 = train(ctx, config, true, fs::path(std::getenv("QLORA_DIR")) / "checkpoints");
+      const RunResult nf4 = train(ctx, config, true, dir / "checkpoints");
       // ZeRO-2 all-gathers the adapters' stepped shards after each step, as
       // DeepSpeed does; the frozen base is never sent.
       EXPECT_EQ(nf4.traffic.frozen_gather_bytes, 0) << "the replicated NF4 base was gathered";
     }, harness);
-    if (!shardtrain::testing::is_rank_process()) fs::remove_all(dir);
   }
 }

@@ -1,6 +1,5 @@
 // A save killed at any point leaves the previous checkpoint complete and
 // `latest` naming a complete checkpoint; the run resumes from it correctly.
-#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 
@@ -8,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 
 namespace {
 
@@ -31,9 +31,7 @@ std::string read_latest(const fs::path& dir) {
 }
 
 TEST(FaultCheckpointCrash, SaveKilledAtAnyPointLeavesALoadableCheckpoint) {
-  const fs::path root = fs::path(::testing::TempDir()) / ("shardtrain-crash-" + std::to_string(::getpid()));
-  fs::remove_all(root);
-  fs::create_directories(root);
+  const fs::path root = shardtrain::testing::test_scratch_dir();
   auto launch = [&](const fs::path& dir, const std::string& extra, const std::string& env = "") {
     const std::string command = env + " " + std::string(SHARDTRAIN_BIN_DIR) + "/shardtrain launch --num_processes 2 " +
                                 "--main_process_port " + std::to_string(shardtrain::testing::pick_free_port()) + " " +

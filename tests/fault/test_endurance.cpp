@@ -4,7 +4,6 @@
 // the README's test command; CI (.ci/run) switches it on:
 // SHARDTRAIN_ENDURANCE=1 scripts/test -R SlowEndurance.
 
-#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "checkpoint/export.h"
 #include "shardtrain/accelerator.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
@@ -50,10 +50,7 @@ TEST(SlowEndurance, TwoThousandStepsWithSavesKeepMemoryAndDescriptorsFlatAndEver
   shardtrain::testing::run_on_ranks(
       2,
       [](RankContext& ctx) {
-        const pid_t job = ::getppid();
-        const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-endurance-" + std::to_string(job));
-        if (ctx.rank() == 0) fs::remove_all(dir);
-        ctx.comm->barrier();
+        const fs::path dir = shardtrain::testing::test_scratch_dir() / "checkpoints";
         shardtrain::AcceleratorOptions accelerator_options;
         accelerator_options.config = shardtrain::testing::zero_test_config(3, shardtrain::MixedPrecision::kBf16);
         accelerator_options.communicator = ctx.comm;
@@ -82,8 +79,7 @@ TEST(SlowEndurance, TwoThousandStepsWithSavesKeepMemoryAndDescriptorsFlatAndEver
         const int64_t rss_end = resident_bytes(), fds_end = open_descriptors();
         const double growth = static_cast<double>(rss_end - rss_after_warm_up) / static_cast<double>(rss_after_warm_up);
         // The ranks' output is shown only on failure; the parent prints this file.
-        std::ofstream(fs::path(::testing::TempDir()) / ("shardtrain-endurance-" + std::to_string(job) + ".txt"),
-                      std::ios::app)
+        std::ofstream(shardtrain::testing::test_scratch_dir() / "numbers.txt", std::ios::app)
             << "rank " << ctx.rank() << ": RSS " << rss_after_warm_up / 1048576.0 << " MiB at step " << kWarmUp << ", "
             << rss_end / 1048576.0 << " MiB at step " << kSteps << " (" << 100.0 * growth << "%); open descriptors "
             << fds_after_warm_up << " -> " << fds_end << "\n";
@@ -99,14 +95,11 @@ TEST(SlowEndurance, TwoThousandStepsWithSavesKeepMemoryAndDescriptorsFlatAndEver
             EXPECT_TRUE(report.ok()) << entry.path() << ": " << (report.problems.empty() ? "" : report.problems[0]);
           }
           EXPECT_EQ(kept, 3) << "keep_last 3";
-          fs::remove_all(dir);
         }
       },
       options);
-  const fs::path numbers = fs::path(::testing::TempDir()) / ("shardtrain-endurance-" + std::to_string(::getpid()) + ".txt");
-  std::ifstream in(numbers);
+  std::ifstream in(shardtrain::testing::test_scratch_dir() / "numbers.txt");
   std::cout << in.rdbuf();
-  fs::remove(numbers);
 }
 
 }  // namespace

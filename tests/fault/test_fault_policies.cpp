@@ -6,7 +6,6 @@
 // configs or models are stopped in prepare().
 
 #include <sys/statvfs.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
@@ -26,6 +25,7 @@
 #include "shardtrain/error.h"
 #include "support/multirank.h"
 #include "support/scoped_environment.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
@@ -99,13 +99,6 @@ std::vector<std::string> leftovers(const fs::path& dir) {
   return found;
 }
 
-/// One scratch directory for the whole test: the parent's pid, which its rank
-/// processes (its children) see as their parent.
-fs::path shared_dir(const std::string& name) {
-  const pid_t job = shardtrain::testing::is_rank_process() ? ::getppid() : ::getpid();
-  return fs::path(::testing::TempDir()) / ("shardtrain-" + name + "-" + std::to_string(job));
-}
-
 // ---- 1. a failed save costs one checkpoint, not the run
 
 TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNotTheRun) {
@@ -126,7 +119,7 @@ TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNot
       for (int step = 0; step < 5; ++step) expected.push_back(loop.step(step));
     }
     for (const auto& injection : injections) {
-      const fs::path dir = shared_dir("failed-save") / injection.spec;
+      const fs::path dir = shardtrain::testing::test_scratch_dir() / "failed-save" / injection.spec;
       if (ctx.rank() == 0) {
         fs::remove_all(dir);
         fs::create_directories(dir);
@@ -164,7 +157,7 @@ TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNot
 
 TEST(FaultCheckpointSave, CheckpointOnErrorStopThrowsOnEveryRankWithTheSameCleanState) {
   run_on_ranks(2, [&](RankContext& ctx) {
-    const fs::path dir = shared_dir("failed-save-stop");
+    const fs::path dir = shardtrain::testing::test_scratch_dir() / "failed-save-stop";
     if (ctx.rank() == 0) {
       fs::remove_all(dir);
       fs::create_directories(dir);
@@ -197,7 +190,7 @@ TEST(FaultCheckpointSave, CheckpointOnErrorStopThrowsOnEveryRankWithTheSameClean
 
 /// Whether this process may mount a tmpfs (root with CAP_SYS_ADMIN).
 bool can_mount_tmpfs() {
-  const fs::path mount = shared_dir("tmpfs-probe");
+  const fs::path mount = shardtrain::testing::test_scratch_dir() / "tmpfs-probe";
   fs::create_directories(mount);
   const bool mounted = std::system(("mount -t tmpfs -o size=64k tmpfs '" + mount.string() + "' 2>/dev/null").c_str()) == 0;
   if (mounted) std::system(("umount '" + mount.string() + "'").c_str());
@@ -220,7 +213,7 @@ TEST(FaultCheckpointSave, AFullTmpfsFailsTheSaveFreesItsSpaceAndTrainingGoesOn) 
                     "cover the same paths";
   }
   run_on_ranks(2, [&](RankContext& ctx) {
-    const fs::path base = shared_dir("tmpfs-save");
+    const fs::path base = shardtrain::testing::test_scratch_dir() / "tmpfs-save";
     const fs::path dir = base / "mnt";
     TinyLoop loop(zero_test_config(3, MixedPrecision::kNo), ctx);
     loop.step(0);
@@ -272,7 +265,7 @@ TEST(FaultCheckpointSave, AnExportNeedsOnlyItsOwnSizeOnDiskAndAFullDiskFailsItCl
     GTEST_SKIP() << "cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)";
   }
   run_on_ranks(2, [&](RankContext& ctx) {
-    const fs::path base = shared_dir("tmpfs-export");
+    const fs::path base = shardtrain::testing::test_scratch_dir() / "tmpfs-export";
     TinyLoop loop(zero_test_config(3, MixedPrecision::kNo), ctx);
     loop.step(0);
     if (ctx.rank() == 0) {

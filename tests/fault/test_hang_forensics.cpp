@@ -4,7 +4,6 @@
 // mistakes: a rank-dependent branch that skips one unit's forward, and a
 // collective API (save_state) called inside `if (is_main_process)`.
 
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -19,6 +18,7 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
+#include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
@@ -118,7 +118,7 @@ TEST(FaultHangReport, SaveStateOnRankZeroOnlyIsNamed) {
       accelerator->zero_grad();
     };
     train_step(0);
-    const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain-hang-save-" + std::to_string(::getppid()));
+    const fs::path dir = shardtrain::testing::test_scratch_dir() / "checkpoints";
     const auto start = Clock::now();
     try {
       // The classic mistake: save_state is collective, called on one rank.
@@ -135,7 +135,6 @@ TEST(FaultHangReport, SaveStateOnRankZeroOnlyIsNamed) {
       EXPECT_TRUE(contains(what, "rank 0 is in save_state() > ")) << what;
       EXPECT_TRUE(contains(what, "rank 1 in gather ")) << what;
     }
-    if (ctx.rank() == 0) fs::remove_all(dir);
   }, forensic_options());
 }
 

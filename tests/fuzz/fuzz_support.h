@@ -26,15 +26,31 @@ int parses_or_rejects(Parse&& parse) {
   return 0;
 }
 
-/// A directory of this fuzzing process's own, made once.
+/// A directory of this fuzzing process's own, made once and removed when the
+/// process exits normally (libFuzzer calls exit() at the end of a run; a
+/// crash leaves it, beside the crash input, to be read).
+class ScratchDirectory {
+ public:
+  explicit ScratchDirectory(const char* target)
+      : path_(std::filesystem::temp_directory_path() /
+              (std::string("shardtrain-fuzz-") + target + "-" + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  ScratchDirectory(const ScratchDirectory&) = delete;
+  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
 inline const std::filesystem::path& scratch_dir(const char* target) {
-  static const std::filesystem::path dir = [&] {
-    std::filesystem::path d = std::filesystem::temp_directory_path() /
-                              (std::string("shardtrain-fuzz-") + target + "-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(d);
-    return d;
-  }();
-  return dir;
+  static const ScratchDirectory dir(target);
+  return dir.path();
 }
 
 /// Writes the input to `path` byte for byte.

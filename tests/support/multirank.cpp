@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "shardtrain/error.h"
+#include "support/test_scratch.h"
 
 extern char** environ;
 
@@ -260,6 +261,7 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
   char dir_template[] = "/tmp/shardtrain-test-XXXXXX";
   ST_CHECK(mkdtemp(dir_template) != nullptr, "mkdtemp failed");
   const std::string dir = dir_template;
+  const std::string scratch = test_scratch_dir().string();
 
   std::vector<pid_t> pids(world_size);
   std::vector<std::string> logs(world_size);
@@ -273,11 +275,15 @@ void run_on_ranks(int world_size, const std::function<void(RankContext&)>& body,
     env["MASTER_ADDR"] = "127.0.0.1";
     env["MASTER_PORT"] = std::to_string(port);
     env["OMP_NUM_THREADS"] = "1";
+    env["SHARDTRAIN_TEST_SCRATCH"] = scratch;
     // Every job authenticates, as under `shardtrain launch`; a test may set its own.
     env.emplace("SHARDTRAIN_RDZV_TOKEN", "multirank-test-token-" + std::to_string(port) + "-" + std::to_string(::getpid()));
     logs[r] = dir + "/rank" + std::to_string(r) + ".log";
     env["SHARDTRAIN_TEST_RAN_MARKER"] = dir + "/rank" + std::to_string(r) + ".ran";
-    pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_brief=1"}, env, logs[r]);
+    // The filter names this one test; a disabled test (one that another test
+    // runs on purpose) runs only with the flag.
+    pids[r] = spawn({exe, "--gtest_filter=" + filter, "--gtest_also_run_disabled_tests", "--gtest_brief=1"}, env,
+                    logs[r]);
   }
 
   const auto deadline = std::chrono::steady_clock::now() + scaled(options.timeout);

@@ -7,7 +7,8 @@
 // its rank and exits. Each call gets a fresh TCP port, so every run has its own
 // store. A failure (assertion, exception, crash, non-zero exit) on any rank
 // fails the test with that rank's output; a run longer than the timeout is
-// killed and fails the test.
+// killed and fails the test. The ranks share the test's scratch directory
+// (test_scratch.h): the harness passes its path to them.
 //
 // Re-executing instead of fork() keeps children free of the parent's OpenMP
 // and Gloo threads (fork after threads have started is undefined behaviour

@@ -3,7 +3,6 @@
 // tests need no engine or communicator and control every byte of the files.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -45,15 +44,10 @@ struct HandSlice {
 class UnitCheckpointTools : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("shardtrain_cktools_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
     root_ = dir_ / "ckpt";
     ckpt_ = root_ / "step_4";
     write_checkpoint();
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // Values that bf16 cannot hold exactly, so the bf16 export is a real cast.
   static at::Tensor values(const std::vector<int64_t>& shape, double offset) {
@@ -145,7 +139,8 @@ class UnitCheckpointTools : public ::testing::Test {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 
-  fs::path dir_;
+  const shardtrain::testing::ScratchDir scratch_;
+  const fs::path dir_ = scratch_.path();
   fs::path root_;
   fs::path ckpt_;
   std::map<std::string, at::Tensor> originals_;

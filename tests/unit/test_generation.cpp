@@ -5,7 +5,6 @@
 // `generate` program.
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -27,6 +26,7 @@
 #include "shardtrain/safetensors.h"
 #include "shardtrain/tokenizer.h"
 #include "support/multirank.h"
+#include "support/scratch_dir.h"
 
 namespace fs = std::filesystem;
 namespace sm = shardtrain::models;
@@ -335,9 +335,8 @@ TEST(UnitGenerateProgram, PromptTextIsTokenizedWithBosAndChatFormat) {
   const fs::path tokenizer_file = fs::path(SHARDTRAIN_SOURCE_DIR) / "examples/tiny_llama/tokenizer.model";
   if (!fs::exists(tokenizer_file)) GTEST_SKIP() << "no " << tokenizer_file;
   auto tokenizer = shardtrain::load_sentencepiece(tokenizer_file.string());
-  const fs::path dir = fs::temp_directory_path() / ("shardtrain_generate_text_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const shardtrain::testing::ScratchDir scratch;
+  const fs::path dir = scratch.path();
   // A small random model over the tokenizer's vocabulary; large weights so greedy steps are not near ties.
   const std::string config_json = R"({"model_type": "llama", "vocab_size": )" +
                                   std::to_string(tokenizer->vocab_size()) +
@@ -370,13 +369,11 @@ TEST(UnitGenerateProgram, PromptTextIsTokenizedWithBosAndChatFormat) {
     ASSERT_EQ(run.exit_code, 0) << base << "\n" << run.output;
     EXPECT_EQ(run.output, tokenizer->decode(expected.tokens) + "\n") << c.flags;
   }
-  fs::remove_all(dir);
 }
 
 TEST(UnitGenerateProgram, ClearErrorsForMissingInputs) {
-  const fs::path empty = fs::temp_directory_path() / ("shardtrain_generate_" + std::to_string(::getpid()));
-  fs::remove_all(empty);
-  fs::create_directories(empty);
+  const shardtrain::testing::ScratchDir scratch;
+  const fs::path empty = scratch.path();
   struct Case {
     std::string args, expect;
   };
@@ -398,7 +395,6 @@ TEST(UnitGenerateProgram, ClearErrorsForMissingInputs) {
       generate_bin() + " --model-dir " + empty.string() + " --prompt-ids 1 --print-ids", std::chrono::seconds(60));
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.output.find("no model.safetensors"), std::string::npos) << run.output;
-  fs::remove_all(empty);
 }
 
 }  // namespace

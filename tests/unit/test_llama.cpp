@@ -2,7 +2,6 @@
 // (an independent plain-PyTorch transcription of transformers' math).
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -17,6 +16,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/models/llama.h"
 #include "support/llama_golden.h"
+#include "support/scratch_dir.h"
 #include "shardtrain/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -270,13 +270,8 @@ TEST(UnitLlama, PackedSequencesStartAtEachRowAndEachNewDocument) {
 class UnitLlamaLoad : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("shardtrain_llama_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
     config_ = sm::LlamaConfig::from_json_file(golden_dir("llama") + "/config.json");
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   std::vector<std::pair<std::string, at::Tensor>> golden_weights() {
     st::Reader reader(golden_dir("llama") + "/model.safetensors");
@@ -285,7 +280,8 @@ class UnitLlamaLoad : public ::testing::Test {
     return out;
   }
 
-  fs::path dir_;
+  const shardtrain::testing::ScratchDir scratch_;
+  const fs::path dir_ = scratch_.path();
   sm::LlamaConfig config_;
 };
 

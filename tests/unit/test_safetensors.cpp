@@ -1,7 +1,6 @@
 // The safetensors reader and writer: every dtype round trip, metadata, and
 // each malformed file refused with a clear error.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -15,24 +14,15 @@
 
 #include "shardtrain/error.h"
 #include "shardtrain/safetensors.h"
+#include "support/scratch_dir.h"
 
 namespace st = shardtrain::safetensors;
 namespace fs = std::filesystem;
 
 namespace {
 
-// Each test gets its own directory so parallel ctest runs cannot collide.
 class UnitSafetensors : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("shardtrain_st_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
   std::string write_bytes(const std::string& name, const std::string& bytes) const {
@@ -59,7 +49,8 @@ class UnitSafetensors : public ::testing::Test {
     }
   }
 
-  fs::path dir_;
+  const shardtrain::testing::ScratchDir scratch_;
+  const fs::path dir_ = scratch_.path();
 };
 
 std::string le64(uint64_t v) {
