@@ -20,8 +20,9 @@ void* current_cuda_stream(int device_index) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
 }
 
-void synchronize_current_cuda_stream(int device_index) {
-  c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).synchronize();
+void synchronize_cuda_stream(int device_index, void* stream) {
+  c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device_index))
+      .synchronize();
 }
 
 void record_cuda_stream(const at::Tensor& tensor, void* stream) {

@@ -32,9 +32,9 @@ std::string cuda_device_name(int device_index);
 /// The GPU's compute capability as 10 x major + minor (90 for an H100 or H200).
 int cuda_compute_capability(int device_index);
 
-/// Blocks the calling thread until the work queued so far on ATen's current
-/// stream for `device_index` is done.
-void synchronize_current_cuda_stream(int device_index);
+/// Blocks the calling thread until the work queued so far on `stream` (a
+/// cudaStream_t of `device_index`, as current_cuda_stream gave it) is done.
+void synchronize_cuda_stream(int device_index, void* stream);
 
 /// Tells the caching allocator that `stream` (a cudaStream_t) uses `tensor`:
 /// its block is not reused until that stream is past the work queued now.

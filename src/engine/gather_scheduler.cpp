@@ -91,9 +91,16 @@ void GatherScheduler::start(int i) {
     // The shard lives in host memory: up to the device first. From pinned
     // memory the copy is queued on the current stream, which the collective
     // waits for; whatever next writes the host values (the optimizer step, a
-    // checkpoint load) calls wait_for_uploads() first.
+    // checkpoint load) calls wait_for_uploads() first, which waits for every
+    // stream an upload was queued on: a backward hook's gather runs on
+    // autograd's thread, whose current stream need not be the caller's.
     slot.upload = at::empty({lp.numel()}, wire_options).copy_(lp, /*non_blocking=*/true);
-    uploads_queued_ = true;
+    if (slot.upload.is_cuda()) {
+      void* stream = torch_cuda::current_cuda_stream(slot.upload.device().index());
+      if (std::find(upload_streams_.begin(), upload_streams_.end(), stream) == upload_streams_.end()) {
+        upload_streams_.push_back(stream);
+      }
+    }
     add_live(bytes_of(slot.upload));
     sent = slot.upload;
   }
@@ -240,10 +247,10 @@ void GatherScheduler::release_all() {
 }
 
 void GatherScheduler::wait_for_uploads() {
-  if (!uploads_queued_) return;
+  // A CPU "upload" (the offload forced on the CPU in tests) is a plain copy, done when it returns.
   const at::Device device = storage_.fp32_options().device();
-  if (device.is_cuda()) torch_cuda::synchronize_current_cuda_stream(device.index());
-  uploads_queued_ = false;
+  for (void* stream : upload_streams_) torch_cuda::synchronize_cuda_stream(device.index(), stream);
+  upload_streams_.clear();
 }
 
 void GatherScheduler::gather_kept() {

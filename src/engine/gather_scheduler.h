@@ -118,8 +118,9 @@ class GatherScheduler {
   const UnitTable& units_;
   const ShardStorage& storage_;
   std::vector<Slot> slots_;
-  /// A shard was uploaded since the last wait_for_uploads().
-  bool uploads_queued_ = false;
+  /// The CUDA streams (cudaStream_t) that uploads were queued on since the
+  /// last wait_for_uploads(): one in normal use, a few at most.
+  std::vector<void*> upload_streams_;
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
   TrafficReport traffic_;

@@ -61,6 +61,8 @@ runs = steps["benchmark"]["numbers"]["runs"]
 for run in ("shardtrain_zero3", "pytorch_eager", "shardtrain_fsdp_standard", "pytorch_fsdp2"):
     assert runs[run]["status"] == "ran" and runs[run]["tokens_per_s"] > 0, (run, runs.get(run))
 assert steps["benchmark"]["numbers"]["ratios_step_time"]["zero3_over_eager"] > 0
+offload = runs["shardtrain_zero3_offload"]  # the offload row's plumbing (nothing moves on a CPU)
+assert offload["status"] == "ran" and offload["tokens_per_s"] > 0, offload
 files = sorted(os.listdir(out))
 logs = [f for f in files if f.endswith(".log")]
 assert files == sorted(["gpu-check.json"] + logs) and len(logs) <= 6, files
