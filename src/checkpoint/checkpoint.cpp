@@ -5,8 +5,6 @@
 #include "json_depth.h"
 #include "shardtrain/checkpoint_location.h"
 
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <functional>
 #include <optional>
@@ -28,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "checkpoint/durable_file.h"
 #include "comm/text_exchange.h"
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
@@ -38,27 +37,6 @@ namespace shardtrain::checkpoint {
 namespace fs = std::filesystem;
 
 namespace {
-
-/// fsync a file or directory: the rename that publishes a checkpoint must not
-/// reach the disk before the data it publishes.
-void sync_path(const fs::path& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  ST_CHECK(fd >= 0, "checkpoint: cannot open ", path.string(), " to fsync it: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  ST_CHECK(rc == 0, "checkpoint: fsync of ", path.string(), " failed: ", std::strerror(errno));
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    ST_CHECK(out.good(), "checkpoint: cannot write ", path.string());
-    out << text;
-    out.flush();
-    ST_CHECK(out.good(), "checkpoint: writing ", path.string(), " failed (disk full?)");
-  }
-  sync_path(path, false);
-}
 
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
@@ -235,7 +213,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
                                    {"crc32", safetensors::crc32_of_file((tmp / file).string())},
                                    {"slices", slices}};
         injected_failure(rank, "rank_manifest", (tmp / rank_file(rank, ".json")).string());
-        write_text(tmp / rank_file(rank, ".json"), manifest.dump());
+        write_durable_text(tmp / rank_file(rank, ".json"), manifest.dump(), "checkpoint");
         crash_point(rank, "after_rank_files");
       })) {
     fail(*failed);
@@ -266,8 +244,8 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         index["files"] = files;
         seal_index(index);
         injected_failure(rank, "index", (tmp / kIndexFile).string());
-        write_text(tmp / kIndexFile, index.dump(1));
-        sync_path(tmp, true);
+        write_durable_text(tmp / kIndexFile, index.dump(1), "checkpoint");
+        sync_path(tmp, true, "checkpoint");
         crash_point(rank, "after_index");
         // Publish: the new directory first, `latest` last. A checkpoint of the
         // same tag waits in .old-TAG until `latest` is written, so a failure
@@ -279,13 +257,13 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         }
         fs::rename(tmp, final_dir);
         progress.renamed = true;
-        sync_path(root, true);
+        sync_path(root, true, "checkpoint");
         crash_point(rank, "after_rename");
         injected_failure(rank, "latest", (root / "latest.tmp").string());
-        write_text(root / "latest.tmp", tag + "\n");
+        write_durable_text(root / "latest.tmp", tag + "\n", "checkpoint");
         crash_point(rank, "before_latest_rename");
         fs::rename(root / "latest.tmp", root / kLatestFile);
-        sync_path(root, true);
+        sync_path(root, true, "checkpoint");
       })) {
     fail(*failed);
   }
@@ -305,7 +283,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
       }
       std::string lines;
       for (const auto& t : history) lines += t + "\n";
-      write_text(root / "history.tmp", lines);
+      write_durable_text(root / "history.tmp", lines, "checkpoint");
       fs::rename(root / "history.tmp", root / "history");
     } catch (const std::exception& e) {
       ST_LOG_WARN("checkpoint {} was saved, but updating {}/history (keep_last) failed: {}", tag, dir, e.what());

@@ -2,7 +2,6 @@
 
 #include "checkpoint/hf_writer.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/durable_file.h"
 #include "json_depth.h"
 #include "shardtrain/error.h"
 #include "shardtrain/safetensors.h"
@@ -29,51 +29,6 @@ struct HfWeightsWriter::Shard {
   uint64_t bytes = 0;        ///< tensor data
   std::string header;        ///< the safetensors header, padded
 };
-
-/// Writes to a file descriptor, turning short writes and errno into Errors
-/// that name the file.
-class OutFile {
- public:
-  explicit OutFile(const fs::path& path) : path_(path.string()) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    ST_CHECK(fd_ >= 0, "export: cannot create ", path_, ": ", std::strerror(errno));
-  }
-  ~OutFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  OutFile(const OutFile&) = delete;
-  OutFile& operator=(const OutFile&) = delete;
-
-  void write(const void* data, uint64_t count) {
-    const char* p = static_cast<const char*>(data);
-    while (count > 0) {
-      const ssize_t n = ::write(fd_, p, std::min<uint64_t>(count, 1ULL << 30));
-      if (n < 0 && errno == EINTR) continue;
-      ST_CHECK(n > 0, "export: writing ", path_, " failed: ", n < 0 ? std::strerror(errno) : "no progress",
-               " (disk full?)");
-      p += n;
-      count -= static_cast<uint64_t>(n);
-      written_ += static_cast<uint64_t>(n);
-    }
-  }
-
-  /// fsync + close: the rename that publishes the export must not reach the
-  /// disk before the data does, and close() can report deferred write errors.
-  void finish() {
-    ST_CHECK(::fsync(fd_) == 0, "export: fsync of ", path_, " failed: ", std::strerror(errno));
-    const int fd = fd_;
-    fd_ = -1;
-    ST_CHECK(::close(fd) == 0, "export: closing ", path_, " failed: ", std::strerror(errno));
-  }
-
-  uint64_t written() const { return written_; }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-};
-
 
 namespace {
 
@@ -111,12 +66,6 @@ std::string shard_header(const std::vector<ExportTensor>& tensors, const std::ve
   return text;
 }
 
-void write_text_file(const fs::path& path, const std::string& text) {
-  OutFile out(path);
-  out.write(text.data(), text.size());
-  out.finish();
-}
-
 /// Hugging Face weight files: what a fresh export replaces in `out_dir`.
 bool is_weight_file(const std::string& name) {
   const std::string suffix = ".safetensors";
@@ -134,6 +83,7 @@ bool is_weight_file(const std::string& name) {
 void publish(const fs::path& tmp, const fs::path& out) {
   if (!fs::exists(out)) {
     fs::rename(tmp, out);
+    sync_path(out.parent_path().empty() ? fs::path(".") : out.parent_path(), true, "export");
     return;
   }
   ST_CHECK(fs::is_directory(out), "export: ", out.string(), " exists and is not a directory");
@@ -146,6 +96,7 @@ void publish(const fs::path& tmp, const fs::path& out) {
     }
   }
   for (const auto& name : produced) fs::rename(tmp / name, out / name);
+  sync_path(out, true, "export");
   fs::remove(tmp);
 }
 
@@ -217,7 +168,7 @@ HfWeightsWriter::~HfWeightsWriter() {
 
 void HfWeightsWriter::open_next_shard() {
   const Shard& shard = shards_[current_shard_];
-  file_ = std::make_unique<OutFile>(tmp_ / shard.file);
+  file_ = std::make_unique<DurableFile>(tmp_ / shard.file, "export");
   const uint64_t header_len = shard.header.size();
   file_->write(&header_len, 8);  // little-endian host, as safetensors.cpp asserts
   file_->write(shard.header.data(), shard.header.size());
@@ -255,9 +206,10 @@ void HfWeightsWriter::finish() {
         for (std::size_t i : shard.tensors) weight_map[tensors_[i].name] = shard.file;
       }
       const json shard_index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-      write_text_file(tmp_ / (options_.weights_stem + ".safetensors.index.json"), shard_index.dump(2) + "\n");
+      write_durable_text(tmp_ / (options_.weights_stem + ".safetensors.index.json"), shard_index.dump(2) + "\n",
+                         "export");
     }
-    for (const auto& [name, text] : options_.text_files) write_text_file(tmp_ / name, text);
+    for (const auto& [name, text] : options_.text_files) write_durable_text(tmp_ / name, text, "export");
     if (!options_.config_json_path.empty()) {
       fs::copy_file(options_.config_json_path, tmp_ / "config.json", fs::copy_options::overwrite_existing);
     }

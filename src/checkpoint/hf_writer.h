@@ -40,8 +40,7 @@ struct ExportTensor {
   std::vector<int64_t> shape;
 };
 
-/// A file written with checked writes (hf_writer.cpp).
-class OutFile;
+class DurableFile;
 
 class HfWeightsWriter {
  public:
@@ -76,7 +75,7 @@ class HfWeightsWriter {
   std::filesystem::path tmp_;
   std::size_t next_tensor_ = 0;
   std::size_t current_shard_ = 0;
-  std::unique_ptr<OutFile> file_;
+  std::unique_ptr<DurableFile> file_;
   bool published_ = false;
 };
 

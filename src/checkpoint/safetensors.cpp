@@ -18,6 +18,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "checkpoint/durable_file.h"
 #include "json_depth.h"
 #include "shardtrain/error.h"
 
@@ -102,21 +103,6 @@ class Fd {
   int fd_;
 };
 
-void write_all(int fd, const std::string& path, const void* data, uint64_t count) {
-  const char* p = static_cast<const char*>(data);
-  while (count > 0) {
-    // Linux caps one write at ~2 GiB; larger tensors take several calls.
-    size_t chunk = static_cast<size_t>(std::min<uint64_t>(count, 1ull << 30));
-    ssize_t n = ::write(fd, p, chunk);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ST_THROW(Error, "safetensors: writing '", path, "' failed: ", errno_text(errno));
-    }
-    p += n;
-    count -= static_cast<uint64_t>(n);
-  }
-}
-
 std::string describe_json(const ordered_json& value) {
   std::string text = value.dump();
   if (text.size() > 60) text = text.substr(0, 57) + "...";
@@ -197,22 +183,14 @@ void write_file(const std::string& path,
   std::memcpy(prefix.data(), &header_len, 8);  // little-endian host (static_assert above)
   prefix += header_text;
 
-  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  ST_CHECK(fd.get() >= 0, "safetensors: cannot open '", path, "' for writing: ",
-           errno_text(errno));
-  write_all(fd.get(), path, prefix.data(), prefix.size());
+  checkpoint::DurableFile file(path, "safetensors");
+  file.write(prefix.data(), prefix.size());
   for (const auto& [name, tensor] : tensors) {
     if (tensor.numel() == 0) continue;
     at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
-    write_all(fd.get(), path, cpu.data_ptr(), static_cast<uint64_t>(cpu.numel()) * cpu.element_size());
+    file.write(cpu.data_ptr(), static_cast<uint64_t>(cpu.numel()) * cpu.element_size());
   }
-  if (fsync) {
-    ST_CHECK(::fsync(fd.get()) == 0, "safetensors: fsync of '", path, "' failed: ",
-             errno_text(errno));
-  }
-  // close() can report deferred write errors (NFS, quota); don't lose them.
-  ST_CHECK(::close(fd.release()) == 0, "safetensors: closing '", path, "' failed: ",
-           errno_text(errno));
+  file.finish(fsync);
 }
 
 // ---- reader ------------------------------------------------------------------
