@@ -5,7 +5,6 @@
 #include "json_depth.h"
 #include "shardtrain/checkpoint_location.h"
 
-
 #include <functional>
 #include <optional>
 #include <cerrno>

@@ -311,7 +311,7 @@ TEST(DistCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
     at::Tensor tokens = tiny::synthetic_sample(0, ctx.rank(), model_config).unsqueeze(0);
     accelerator->backward(prepared(tokens).mean());
     try {
-      accelerator->save_state(::testing::TempDir() + "/never");
+      accelerator->save_state((shardtrain::testing::test_scratch_dir() / "never").string());
       ADD_FAILURE() << "saved in the middle of an accumulation window";
     } catch (const shardtrain::Error& e) {
       EXPECT_NE(std::string(e.what()).find("middle of a gradient-accumulation window"), std::string::npos) << e.what();

@@ -264,12 +264,12 @@ TEST(DistFsdpDelays, RandomDelaysBeforeCollectivesLeaveLossesUnchanged) {
   for (int delayed = 0; delayed < 2; ++delayed) {
     MultiRankOptions harness;
     if (delayed) harness.env["SHARDTRAIN_COMM_INJECT_DELAY_MS"] = "3";
-    const std::string out = ::testing::TempDir() + "/delays" + std::to_string(delayed) + ".txt";
-    harness.env["LOSSES_OUT"] = out;
-    run_on_ranks(2, [](RankContext& ctx) {
+    const std::filesystem::path out =
+        shardtrain::testing::test_scratch_dir() / ("delays" + std::to_string(delayed) + ".txt");
+    run_on_ranks(2, [out](RankContext& ctx) {
       auto run = tiny::run_tiny(options_for(fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kBf16), ctx, 6));
       if (ctx.rank() != 0) return;
-      std::ofstream file(std::getenv("LOSSES_OUT"));
+      std::ofstream file(out);
       file.precision(17);
       for (double l : run.losses) file << l << "\n";
     }, harness);

@@ -46,35 +46,23 @@ const char* const kCase = "llama";
 /// Runs the peer (parent process only) into `dir`; `extra` are further
 /// arguments of scripts/peer_train.py (--engine deepspeed: DeepSpeed's ZeRO-3).
 ///
-/// One rerun when a rank of the peer died by a signal (torch's spawn says
-/// "terminated with signal"): a DeepSpeed ZeRO-3 rank over Gloo has aborted
-/// in native code ("terminate called without an active exception", right
-/// after deepspeed.initialize) in two full-suite runs, and in none of 32 runs
-/// of two such peers at once outside the suite. That is the reference
-/// crashing, not a result of it; the crash's log (with each thread's Python
-/// stack, from peer_train.py's faulthandler) is printed, and a second crash
-/// fails the test.
+/// One rerun when a rank of the peer died by a signal (run_peer_command): a
+/// DeepSpeed ZeRO-3 rank over Gloo has aborted in native code ("terminate
+/// called without an active exception", right after deepspeed.initialize) in
+/// two full-suite runs, and in none of 32 runs of two such peers at once
+/// outside the suite. That is the reference crashing, not a result of it; the
+/// crash's log (with each thread's Python stack, from peer_train.py's
+/// faulthandler) is printed, and a second crash fails the test.
 void run_peer(const fs::path& dir, const std::string& extra = "") {
   const std::string command = "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error " +
                               shardtrain::testing::peer_python() + " " +
                               SHARDTRAIN_SOURCE_DIR + "/scripts/peer_train.py " +
                               shardtrain::testing::golden_dir(kCase) + " " + dir.string() +
                               " --steps " + std::to_string(kSteps) + " --world " + std::to_string(kWorld) + " " +
-                              extra + " > " + (dir / "peer.log").string() + " 2>&1";
+                              extra;
   fs::create_directories(dir);
-  auto run_once = [&](std::string& output) {
-    const int status = std::system(command.c_str());
-    std::ifstream log(dir / "peer.log");
-    output.assign(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
-    return status;
-  };
-  std::string output;
-  int status = run_once(output);
-  if (status != 0 && output.find("terminated with signal") != std::string::npos) {
-    std::cout << "a rank of the peer crashed; running it once more. Its log:\n" << output << std::endl;
-    status = run_once(output);
-  }
-  ASSERT_EQ(status, 0) << "the peer failed: " << command << "\n" << output;
+  const shardtrain::testing::PeerRun run = shardtrain::testing::run_peer_command(command, dir / "peer.log");
+  ASSERT_EQ(run.status, 0) << "the peer failed: " << command << "\n" << run.output;
 }
 
 /// `zero_stage`: the ZeRO stage where not `fsdp`.

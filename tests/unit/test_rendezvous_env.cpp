@@ -11,6 +11,7 @@
 
 #include "shardtrain/comm/rendezvous.h"
 #include "shardtrain/error.h"
+#include "support/scratch_dir.h"
 
 namespace {
 
@@ -109,7 +110,8 @@ TEST(UnitRendezvousEnv, TheJobIdComesFromShardtrainTorchrunOrSlurm) {
 }
 
 TEST(UnitRendezvousEnv, TheTokenMayComeFromAPrivateFile) {
-  const std::string path = ::testing::TempDir() + "rdzv_env_token";
+  const shardtrain::testing::ScratchDir scratch;
+  const std::string path = scratch.file("rdzv_env_token");
   {
     std::ofstream out(path);
     out << "secret-from-a-file\n";
@@ -122,7 +124,7 @@ TEST(UnitRendezvousEnv, TheTokenMayComeFromAPrivateFile) {
   const std::string open_file = error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}});
   EXPECT_NE(open_file.find("has mode 0640"), std::string::npos) << open_file;
   EXPECT_NE(open_file.find("chmod 600 " + path), std::string::npos) << open_file;
-  std::remove(path.c_str());
+  std::remove(path.c_str());  // and a file that is not there
   EXPECT_NE(error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).find("cannot be read"), std::string::npos);
 }
 
