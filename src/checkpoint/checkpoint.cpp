@@ -244,7 +244,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         seal_index(index);
         injected_failure(rank, "index", (tmp / kIndexFile).string());
         write_durable_text(tmp / kIndexFile, index.dump(1), "checkpoint");
-        sync_path(tmp, true, "checkpoint");
+        sync_directory(tmp, "checkpoint");
         crash_point(rank, "after_index");
         // Publish: the new directory first, `latest` last. A checkpoint of the
         // same tag waits in .old-TAG until `latest` is written, so a failure
@@ -256,13 +256,13 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         }
         fs::rename(tmp, final_dir);
         progress.renamed = true;
-        sync_path(root, true, "checkpoint");
+        sync_directory(root, "checkpoint");
         crash_point(rank, "after_rename");
         injected_failure(rank, "latest", (root / "latest.tmp").string());
         write_durable_text(root / "latest.tmp", tag + "\n", "checkpoint");
         crash_point(rank, "before_latest_rename");
         fs::rename(root / "latest.tmp", root / kLatestFile);
-        sync_path(root, true, "checkpoint");
+        sync_directory(root, "checkpoint");
       })) {
     fail(*failed);
   }

@@ -50,8 +50,8 @@ void write_durable_text(const std::filesystem::path& path, const std::string& te
   file.finish();
 }
 
-void sync_path(const std::filesystem::path& path, bool directory, const std::string& what) {
-  const int fd = ::open(path.c_str(), (directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY) | O_CLOEXEC);
+void sync_directory(const std::filesystem::path& path, const std::string& what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   ST_CHECK(fd >= 0, what, ": cannot open ", path.string(), " to fsync it: ", std::strerror(errno));
   const int rc = ::fsync(fd);
   const int err = errno;

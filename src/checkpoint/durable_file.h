@@ -41,8 +41,8 @@ class DurableFile {
 /// `text` into `path`, fsynced.
 void write_durable_text(const std::filesystem::path& path, const std::string& text, const std::string& what);
 
-/// fsync of a file or a directory; of a directory after a rename into it, so
-/// the rename itself survives a crash.
-void sync_path(const std::filesystem::path& path, bool directory, const std::string& what);
+/// fsync of a directory after a rename into it, so the rename itself
+/// survives a crash (a file's own data: DurableFile::finish).
+void sync_directory(const std::filesystem::path& path, const std::string& what);
 
 }  // namespace shardtrain::checkpoint

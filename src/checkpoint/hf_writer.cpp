@@ -83,7 +83,7 @@ bool is_weight_file(const std::string& name) {
 void publish(const fs::path& tmp, const fs::path& out) {
   if (!fs::exists(out)) {
     fs::rename(tmp, out);
-    sync_path(out.parent_path().empty() ? fs::path(".") : out.parent_path(), true, "export");
+    sync_directory(out.parent_path().empty() ? fs::path(".") : out.parent_path(), "export");
     return;
   }
   ST_CHECK(fs::is_directory(out), "export: ", out.string(), " exists and is not a directory");
@@ -96,7 +96,7 @@ void publish(const fs::path& tmp, const fs::path& out) {
     }
   }
   for (const auto& name : produced) fs::rename(tmp / name, out / name);
-  sync_path(out, true, "export");
+  sync_directory(out, "export");
   fs::remove(tmp);
 }
 

@@ -155,12 +155,10 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
   const std::string command = "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error " +
                               shardtrain::testing::peer_python() + " " +
                               SHARDTRAIN_SOURCE_DIR + "/scripts/peer_peft.py " +
-                              shardtrain::testing::golden_dir(kCase) + " " + dir.string() + " > " +
-                              (dir / "peer.log").string() + " 2>&1";
-  const int status = std::system(command.c_str());
-  std::ifstream log(dir / "peer.log");
-  const std::string output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  ASSERT_EQ(status, 0) << "the PEFT peer failed: " << command << "\n" << output;
+                              shardtrain::testing::golden_dir(kCase) + " " + dir.string();
+  // A bound against a hang, far above what this small peer takes.
+  const auto peer = shardtrain::testing::run_peer_command(command, dir / "peer.log", std::chrono::seconds(300));
+  ASSERT_EQ(peer.result.exit_code, 0) << "the PEFT peer failed: " << command << "\n" << peer.result.output;
 
   const st::Reader ours((dir / "shardtrain.safetensors").string());
   const st::Reader peft((dir / "peft.safetensors").string());

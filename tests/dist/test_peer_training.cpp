@@ -61,8 +61,12 @@ void run_peer(const fs::path& dir, const std::string& extra = "") {
                               " --steps " + std::to_string(kSteps) + " --world " + std::to_string(kWorld) + " " +
                               extra;
   fs::create_directories(dir);
-  const shardtrain::testing::PeerRun run = shardtrain::testing::run_peer_command(command, dir / "peer.log");
-  ASSERT_EQ(run.status, 0) << "the peer failed: " << command << "\n" << run.output;
+  // Bounded as every wait in the suite: the slowest peer (PEFT making its
+  // base) ran its whole test in 88 s here; a run past 480 s is a hang.
+  const shardtrain::testing::PeerRun run =
+      shardtrain::testing::run_peer_command(command, dir / "peer.log", std::chrono::seconds(480));
+  ASSERT_EQ(run.result.exit_code, 0) << "the peer failed" << (run.result.timed_out ? " (timed out)" : "") << ": "
+                                     << command << "\n" << run.result.output;
 }
 
 /// `zero_stage`: the ZeRO stage where not `fsdp`.

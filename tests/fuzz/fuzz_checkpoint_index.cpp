@@ -5,7 +5,7 @@
 #include "fuzz_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const auto dir = fuzz::scratch_dir("checkpoint_index") / "step_1";
+  const auto dir = fuzz::scratch_dir() / "step_1";
   std::filesystem::create_directories(dir);
   fuzz::write_input(dir / "index.json", data, size);
   return fuzz::parses_or_rejects([&] {

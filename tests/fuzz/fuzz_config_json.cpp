@@ -9,7 +9,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   return fuzz::parses_or_rejects([&] {
-    shardtrain::TrainingConfig config = shardtrain::parse_config(text, "json", fuzz::scratch_dir("config_json").string());
+    shardtrain::TrainingConfig config = shardtrain::parse_config(text, "json", fuzz::scratch_dir().string());
     shardtrain::AutoContext context;
     context.world_size = 2;
     context.micro_batch_size = 4;

@@ -5,7 +5,7 @@
 #include "shardtrain/models/hf_weights.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const auto dir = fuzz::scratch_dir("hf_index");
+  const auto dir = fuzz::scratch_dir();
   fuzz::write_input(dir / "model.safetensors.index.json", data, size);
   return fuzz::parses_or_rejects([&] { shardtrain::models::HfCheckpoint checkpoint(dir.string()); });
 }

@@ -6,7 +6,7 @@
 #include "shardtrain/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const auto path = fuzz::scratch_dir("safetensors") / "input.safetensors";
+  const auto path = fuzz::scratch_dir() / "input.safetensors";
   fuzz::write_input(path, data, size);
   return fuzz::parses_or_rejects([&] {
     shardtrain::safetensors::Reader reader(path.string());

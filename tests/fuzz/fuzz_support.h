@@ -4,8 +4,6 @@
 // exception escaping LLVMFuzzerTestOneInput -- is a bug libFuzzer reports)
 // and scratch files for parsers that read paths.
 
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +11,7 @@
 #include <string>
 
 #include "shardtrain/error.h"
+#include "support/scratch_dir.h"
 
 namespace fuzz {
 
@@ -29,28 +28,10 @@ int parses_or_rejects(Parse&& parse) {
 /// A directory of this fuzzing process's own, made once and removed when the
 /// process exits normally (libFuzzer calls exit() at the end of a run; a
 /// crash leaves it, beside the crash input, to be read).
-class ScratchDirectory {
- public:
-  explicit ScratchDirectory(const char* target)
-      : path_(std::filesystem::temp_directory_path() /
-              (std::string("shardtrain-fuzz-") + target + "-" + std::to_string(::getpid()))) {
-    std::filesystem::create_directories(path_);
-  }
-  ~ScratchDirectory() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  ScratchDirectory(const ScratchDirectory&) = delete;
-  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
-
-inline const std::filesystem::path& scratch_dir(const char* target) {
-  static const ScratchDirectory dir(target);
-  return dir.path();
+inline const std::filesystem::path& scratch_dir() {
+  static const shardtrain::testing::ScratchDir dir;
+  static const std::filesystem::path path = dir.path();
+  return path;
 }
 
 /// Writes the input to `path` byte for byte.

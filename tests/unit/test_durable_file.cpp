@@ -57,7 +57,7 @@ TEST(UnitDurableFile, AFullDiskAMissingDirectoryAndAFailedSyncNameTheSaveAndTheF
                                                          ": No such file or directory"))
       << missing;
   const std::string sync = error_message_of(
-      [&] { shardtrain::checkpoint::sync_path(scratch.file("absent"), true, "checkpoint"); });
+      [&] { shardtrain::checkpoint::sync_directory(scratch.file("absent"), "checkpoint"); });
   EXPECT_TRUE(shardtrain::testing::contains(sync, "checkpoint: cannot open " + scratch.file("absent") + " to fsync it"))
       << sync;
   // The public safetensors writer goes through it too.

@@ -76,11 +76,10 @@ TEST(UnitNf4, QuantizationEqualsBitsandbytesBitForBit) {
   st::write_file((dir.path() + "/in.safetensors"), inputs);
   const std::string command = "OMP_NUM_THREADS=1 " + shardtrain::testing::peer_python() + " " +
                               SHARDTRAIN_SOURCE_DIR + "/scripts/peer_bnb_nf4.py " + (dir.path() + "/in.safetensors") + " " +
-                              (dir.path() + "/bnb.safetensors") + " > " + (dir.path() + "/peer.log") + " 2>&1";
-  const int status = std::system(command.c_str());
-  std::ifstream log((dir.path() + "/peer.log"));
-  const std::string output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  ASSERT_EQ(status, 0) << "the bitsandbytes peer failed: " << command << "\n" << output;
+                              (dir.path() + "/bnb.safetensors");
+  // A bound against a hang, far above what this small peer takes.
+  const auto peer = shardtrain::testing::run_peer_command(command, dir.path() + "/peer.log", std::chrono::seconds(300));
+  ASSERT_EQ(peer.result.exit_code, 0) << "the bitsandbytes peer failed: " << command << "\n" << peer.result.output;
   const st::Reader bnb((dir.path() + "/bnb.safetensors"));
   for (const auto& [name, weight] : weights) {
     SCOPED_TRACE(name);

@@ -1,6 +1,8 @@
 // run_peer_command (tests/support/peer_python.h): a peer that crashed by a
 // signal runs once more; a second crash, and any other failure, is the
-// result. The peers here are shell scripts that count their runs in a file.
+// result, and so is a run past its timeout. The peers here are shell scripts
+// that count their runs in a file.
+#include <chrono>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -9,6 +11,9 @@
 #include "support/scratch_dir.h"
 
 namespace {
+
+/// Far above the milliseconds these shell peers take.
+constexpr std::chrono::seconds kBound{60};
 
 /// A peer that crashes (prints torch's spawn message and fails) on its
 /// first `crashes` runs, then succeeds; or, with `plain_failure`, fails
@@ -24,31 +29,41 @@ std::string counting_peer(const shardtrain::testing::ScratchDir& scratch, int cr
 
 TEST(UnitPeerRun, APeerThatCrashedByASignalRunsOnceMore) {
   const shardtrain::testing::ScratchDir scratch;
-  const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 1), scratch.file("peer.log"));
-  EXPECT_EQ(run.status, 0) << run.output;
+  const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 1), scratch.file("peer.log"), kBound);
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.output;
   EXPECT_EQ(run.runs, 2);
-  EXPECT_EQ(run.output, "trained\n");
+  EXPECT_EQ(run.result.output, "trained\n");
 }
 
 TEST(UnitPeerRun, ASecondCrashAndAnyOtherFailureAreTheResult) {
   {
     const shardtrain::testing::ScratchDir scratch;
-    const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 2), scratch.file("peer.log"));
-    EXPECT_NE(run.status, 0);
+    const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 2), scratch.file("peer.log"), kBound);
+    EXPECT_NE(run.result.exit_code, 0);
     EXPECT_EQ(run.runs, 2);
-    EXPECT_NE(run.output.find("terminated with signal"), std::string::npos) << run.output;
+    EXPECT_NE(run.result.output.find("terminated with signal"), std::string::npos) << run.result.output;
   }
   {
     const shardtrain::testing::ScratchDir scratch;
     const auto run =
-        shardtrain::testing::run_peer_command(counting_peer(scratch, 0, /*plain_failure=*/true), scratch.file("peer.log"));
-    EXPECT_NE(run.status, 0);
+        shardtrain::testing::run_peer_command(counting_peer(scratch, 0, /*plain_failure=*/true), scratch.file("peer.log"), kBound);
+    EXPECT_NE(run.result.exit_code, 0);
     EXPECT_EQ(run.runs, 1) << "a failure without a crash was run again";
   }
   {
     const shardtrain::testing::ScratchDir scratch;
-    const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 0), scratch.file("peer.log"));
-    EXPECT_EQ(run.status, 0);
+    const auto run = shardtrain::testing::run_peer_command(counting_peer(scratch, 0), scratch.file("peer.log"), kBound);
+    EXPECT_EQ(run.result.exit_code, 0);
+    EXPECT_EQ(run.runs, 1);
+  }
+  {
+    // A peer that hangs (after saying a process crashed) is killed at its
+    // timeout and not run again.
+    const shardtrain::testing::ScratchDir scratch;
+    const auto run = shardtrain::testing::run_peer_command(
+        "echo process 1 terminated with signal SIGABRT; sleep 30", scratch.file("peer.log"), std::chrono::seconds(1));
+    EXPECT_TRUE(run.result.timed_out);
+    EXPECT_NE(run.result.exit_code, 0);
     EXPECT_EQ(run.runs, 1);
   }
 }
