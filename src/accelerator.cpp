@@ -256,6 +256,9 @@ DistributedSampler& Accelerator::prepare_sampler(int64_t dataset_size, uint64_t 
 }
 
 void Accelerator::begin_forward() { engine().begin_forward(); }
+void Accelerator::complete_parameters() {
+  if (state_->engine) state_->engine->complete_parameters();
+}
 at::Tensor Accelerator::end_forward(at::Tensor output) { return engine().end_forward(std::move(output)); }
 
 void Accelerator::backward(const at::Tensor& loss) { backward(loss, LossNormalization::kPerRankMean); }

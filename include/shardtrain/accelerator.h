@@ -129,8 +129,10 @@ class PreparedModel {
   PreparedModel(ModuleHolder module, Accelerator* accelerator) : module_(std::move(module)), accelerator_(accelerator) {}
   template <typename... Args>
   at::Tensor operator()(Args&&... args);
-  ModuleHolder& module() { return module_; }
-  ModuleHolder& operator->() { return module_; }
+  /// The module, with its parameters complete: waits for the gathers step()
+  /// left in flight (Accelerator::step()).
+  ModuleHolder& module();
+  ModuleHolder& operator->() { return module(); }
   /// Runs `f(module())` — any forward of the module other than forward(),
   /// e.g. a KV-cached one — between the engine's begin_forward/end_forward,
   /// as operator() does, so parameters outside the units (the root unit: the
@@ -213,6 +215,10 @@ class Accelerator {
   /// max_norm at the next step(); only at an accumulation boundary. Returns the norm.
   double clip_grad_norm(double max_norm);
   /// Optimizer + scheduler step at an accumulation boundary; otherwise a no-op.
+  /// Under ZeRO-1/2 the stepped parameters are all-gathered under the next
+  /// forward (each unit's forward waits for its own): read them through
+  /// PreparedModel::module() or operator->, which wait for the rest first,
+  /// not through another handle to the module kept from before prepare().
   void step();
   void zero_grad();
   double current_lr() const;
@@ -278,6 +284,8 @@ class Accelerator {
   // Used by PreparedModel.
   void begin_forward();
   at::Tensor end_forward(at::Tensor output);
+  /// Waits for the parameter gathers step() left in flight (see step()).
+  void complete_parameters();
 
  private:
   // The engine is not part of the installed API; shardtrain's own tests reach
@@ -295,6 +303,12 @@ at::Tensor PreparedModel<ModuleHolder>::operator()(Args&&... args) {
   accelerator_->begin_forward();
   at::Tensor output = module_->forward(std::forward<Args>(args)...);
   return accelerator_->end_forward(std::move(output));
+}
+
+template <typename ModuleHolder>
+ModuleHolder& PreparedModel<ModuleHolder>::module() {
+  accelerator_->complete_parameters();
+  return module_;
 }
 
 template <typename ModuleHolder>

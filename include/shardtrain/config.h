@@ -116,6 +116,10 @@ struct ZeroConfig {
   bool reduce_scatter = true;
   std::optional<int64_t> reduce_bucket_size;          ///< default 5e8; "auto" = H*H
   bool allgather_partitions = true;
+  /// Read, and has no effect: DeepSpeed stages its post-step all-gather in
+  /// buckets of this size; shardtrain gathers each unit into the buffer its
+  /// parameters view, issued after the step and waited for by that unit's
+  /// next forward, so nothing is staged (GatherScheduler::regather_after_step).
   int64_t allgather_bucket_size = kDefaultAllgatherBucketSize;
   std::optional<bool> overlap_comm;                   ///< default: default_overlap_comm(stage)
   int64_t sub_group_size = kDefaultSubGroupSize;      ///< elements per optimizer step slice; 0: one per parameter

@@ -104,9 +104,6 @@ struct EnginePlan {
   /// (DeepSpeed's stage3_max_reuse_distance). 0 = always free: FSDP's
   /// behaviour; ZeRO-3 sets ZeroConfig's default.
   int64_t max_reuse_distance = 0;
-  /// Parameter all-gathers after an optimizer step (units kept gathered) are
-  /// combined into collectives of up to this many elements (allgather_bucket_size).
-  int64_t allgather_bucket_size = 1;
   int64_t max_live_parameters = ZeroConfig::kDefaultMaxLiveParameters;
   bool offload_optimizer = false;
   /// The parameter shards (the low-precision partition and the frozen

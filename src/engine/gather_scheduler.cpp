@@ -74,7 +74,11 @@ void GatherScheduler::start(int i) {
   const UnitEntry& u = units_[i];
   const at::Tensor& lp = storage_.unit(i).lp;
   comm::CollectiveScope scope("gather " + u.label());
-  engine::resize_storage_bytes(slot.full, static_cast<std::size_t>(full_bytes(i)));
+  // A buffer kept between steps (regather_after_step) still has its storage;
+  // resizing it anyway would allocate and copy the whole buffer.
+  if (slot.full.storage().nbytes() != static_cast<std::size_t>(full_bytes(i))) {
+    engine::resize_storage_bytes(slot.full, static_cast<std::size_t>(full_bytes(i)));
+  }
   add_live(full_bytes(i));
   if (!plan_.shard_params) {
     slot.staging = lp;  // complete on every rank already; only its dtype differs
@@ -219,9 +223,26 @@ void GatherScheduler::prefetch_for_backward(const Unit& current) {
 }
 
 void GatherScheduler::regather_after_step() {
-  std::vector<int> bucket;
-  int64_t bucket_numel = 0;
+  // Issued in the order the next forward uses them (the root first: the
+  // forward's start waits for it; then the units as the last forward ran
+  // them) and not waited for: each unit's forward waits for its own gather
+  // (gather_unit), so the all-gather runs under the forward instead of after
+  // the step. Gloo runs a communicator's collectives in the order they were
+  // issued, so the first unit's gather is not queued behind the last one's.
+  std::vector<int> order;
   for (int i = 0; i < units_.size(); ++i) {
+    if (units_[i].unit == nullptr) order.push_back(i);
+  }
+  for (const Unit* unit : units_.forward_order()) {
+    for (int idx : units_.entries_of(*unit)) order.push_back(idx);
+  }
+  // Units the recorded forward did not run, last.
+  std::vector<bool> listed(static_cast<std::size_t>(units_.size()), false);
+  for (int i : order) listed[static_cast<std::size_t>(i)] = true;
+  for (int i = 0; i < units_.size(); ++i) {
+    if (!listed[static_cast<std::size_t>(i)]) order.push_back(i);
+  }
+  for (int i : order) {
     const UnitEntry& u = units_[i];
     if (!u.trainable || views_shard(i)) continue;  // a shard view already holds the stepped values
     // Gathered on demand by the next forward. Released here too: a no-grad
@@ -230,16 +251,27 @@ void GatherScheduler::regather_after_step() {
       release(i);
       continue;
     }
-    release(i);
-    bucket.push_back(i);
-    bucket_numel += u.layout->full_numel();
-    if (bucket_numel >= plan_.allgather_bucket_size) {
-      gather_bucket(bucket);
-      bucket.clear();
-      bucket_numel = 0;
+    // Kept gathered: the stepped values land in the buffer the parameters
+    // already view. Not freed and allocated again: on a CPU that is a fresh,
+    // zero-filled allocation of the whole model every step.
+    Slot& slot = slots_[static_cast<std::size_t>(i)];
+    if (slot.work) finish(i);
+    if (slot.gathered) {
+      slot.gathered = false;
+      add_live(-full_bytes(i));
     }
+    start(i);
   }
-  gather_bucket(bucket);
+}
+
+void GatherScheduler::finish_in_flight() {
+  for (int i = 0; i < units_.size(); ++i) {
+    if (slots_[static_cast<std::size_t>(i)].work) finish(i);
+  }
+}
+
+int GatherScheduler::in_flight() const {
+  return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.work != nullptr; }));
 }
 
 void GatherScheduler::release_all() {
@@ -260,11 +292,6 @@ void GatherScheduler::gather_kept() {
   for (int i = 0; i < units_.size(); ++i) {
     if (slots_[static_cast<std::size_t>(i)].work) finish(i);
   }
-}
-
-void GatherScheduler::gather_bucket(const std::vector<int>& bucket) {
-  for (int idx : bucket) start(idx);
-  for (int idx : bucket) finish(idx);
 }
 
 void GatherScheduler::settle_in_flight(const std::string& engine_name) noexcept {

@@ -74,8 +74,15 @@ class GatherScheduler {
   /// Gathers the unit whose backward comes after `current`'s.
   void prefetch_for_backward(const Unit& current);
   /// After the optimizer step: frees the stepped entries' stale values and
-  /// regathers the ones kept gathered, bucketed by allgather_bucket_size.
+  /// issues the gathers of the ones kept gathered, in the next forward's
+  /// order, without waiting: each unit's forward waits for its own.
   void regather_after_step();
+  /// Waits for every gather in flight: before anything writes the shards
+  /// they read (the optimizer step) or reads the buffers they fill other
+  /// than a unit's forward (a user reading the module's parameters).
+  void finish_in_flight();
+  /// Gathers issued and not yet waited for.
+  int in_flight() const;
   /// Frees every entry, waiting first for its gather in flight.
   void release_all();
   /// Before host memory the gathers upload from is written (the optimizer
@@ -110,7 +117,6 @@ class GatherScheduler {
     at::Tensor upload;     ///< the shard's device copy under the parameter offload, until the gather is done
   };
   bool gathered_or_pending(const Unit& unit) const;
-  void gather_bucket(const std::vector<int>& bucket);
   void add_live(int64_t delta);
 
   const EnginePlan& plan_;

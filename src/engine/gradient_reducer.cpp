@@ -38,7 +38,10 @@ GradientReducer::GradientReducer(const EnginePlan& plan, const ShardGroups& grou
                                  ShardStorage& storage, GatherScheduler& gather)
     : plan_(plan), groups_(groups), units_(units), storage_(storage), gather_(gather),
       pending_(static_cast<std::size_t>(units.size())) {
-  for (int i = 0; i < units.size(); ++i) pending_[static_cast<std::size_t>(i)].grads.resize(units[i].params.size());
+  for (int i = 0; i < units.size(); ++i) {
+    pending_[static_cast<std::size_t>(i)].grads.resize(units[i].params.size());
+    pending_[static_cast<std::size_t>(i)].issued.resize(units[i].params.size(), false);
+  }
 }
 
 bool GradientReducer::adds_grads_directly() const { return plan_.adds_grads_directly(groups_.single_rank()); }
@@ -60,13 +63,63 @@ void GradientReducer::on_grad_accumulated(int i, int param_index) {
   at::Tensor grad = std::move(slot);
   slot = at::Tensor();
   at::Tensor& waiting = p.grads[param_index];
+  if (p.issued[param_index]) {
+    // A second accumulation (a reentrant recompute) after this gradient's
+    // reduction went out: reduced too, and added to the same place.
+    waiting = std::move(grad);
+    enqueue_gradient(i, param_index);
+    flush_if_due();
+    return;
+  }
   if (waiting.defined()) {
     // A second accumulation in the same backward (a reentrant recompute): sum them.
     waiting = waiting + grad;
     return;
   }
   waiting = std::move(grad);
-  if (++p.seen == static_cast<int>(p.grads.size())) unit_grads_ready(i);
+  if (++p.seen == static_cast<int>(p.grads.size())) {
+    unit_grads_ready(i);
+  } else if (units_[i].unit == nullptr && reduces_during_backward()) {
+    // The root entry's parameters are used at both ends of the forward (the
+    // embeddings first, the final norm and an untied head last), so their
+    // gradients come at both ends of backward. Waiting for the last one would
+    // hold the head's reduction to the end of backward, exposed; each goes
+    // out as it arrives instead, as DDP's buckets do.
+    enqueue_gradient(i, param_index);
+    flush_if_due();
+  }
+}
+
+bool GradientReducer::reduces_during_backward() const {
+  return !adds_grads_directly() && !(plan_.reduce_at_boundary_only && (accumulated_in_window_ || !boundary_backward_));
+}
+
+void GradientReducer::flush_if_due() {
+  if (filling_.numel >= plan_.reduce_bucket_size) flush_bucket();
+  if (!plan_.overlap_comm) finish_reductions();
+}
+
+void GradientReducer::enqueue_gradient(int i, int k) {
+  const UnitEntry& u = units_[i];
+  Pending& p = pending_[static_cast<std::size_t>(i)];
+  if (!plan_.shard_params) {
+    // Unsharded: all-reduced whole, from autograd's tensor.
+    const int64_t n = u.layout->param_numel(k);
+    if (n > 0) enqueue(i, reduce_input(i, k), u.layout->param_offset_in_full(k), n);
+  } else if (u.layout->param_numel(k) > 0) {
+    // Reduce-scattered where autograd left it, cut where the ranks' shards
+    // cut it: ZeRO's in even chunks unless its size does not divide by the
+    // world, FSDP's wherever the flat shards' boundaries fall.
+    const int me = groups_.layout_rank();
+    std::vector<int64_t> splits = u.layout->param_splits(k);
+    const bool even = std::all_of(splits.begin(), splits.end(), [&](int64_t c) { return c == splits[0]; });
+    const int64_t length = splits[me];
+    enqueue(i, reduce_input(i, k), u.layout->param_shard_offset(k, me), length,
+            even ? std::vector<int64_t>{} : std::move(splits));
+  }
+  p.grads[k] = at::Tensor();
+  p.issued[k] = true;
+  storage_.note_grads_written();
 }
 
 at::Tensor GradientReducer::reduce_input(int i, int k) const {
@@ -128,33 +181,18 @@ void GradientReducer::unit_grads_ready(int i) {
       p.boundary_accumulator.narrow(0, u.layout->param_offset_in_full(k), g.numel()).add_(g.reshape({-1}));
     }
     if (boundary_backward_) reduce_accumulator(i);
-  } else if (!plan_.shard_params) {
-    // Unsharded: each gradient is all-reduced whole, from autograd's tensor.
-    for (int k = 0; k < static_cast<int>(p.grads.size()); ++k) {
-      const int64_t n = u.layout->param_numel(k);
-      if (n > 0) enqueue(i, reduce_input(i, k), u.layout->param_offset_in_full(k), n);
-    }
   } else {
-    // Each gradient is reduce-scattered where autograd left it, cut where
-    // the ranks' shards cut it: ZeRO's in even chunks unless its size does
-    // not divide by the world, FSDP's wherever the flat shards' boundaries fall.
-    const int me = groups_.layout_rank();
+    // Each gradient not yet sent (the root entry's go as they arrive) is
+    // reduced from autograd's tensor, zeros where it got none.
     if (plan_.reduce_at_boundary_only) p.boundary_reduced = true;  // zero 1, a one-micro-batch window
     for (int k = 0; k < static_cast<int>(p.grads.size()); ++k) {
-      if (u.layout->param_numel(k) == 0) continue;
-      std::vector<int64_t> splits = u.layout->param_splits(k);
-      const bool even = std::all_of(splits.begin(), splits.end(), [&](int64_t c) { return c == splits[0]; });
-      const int64_t length = splits[me];
-      enqueue(i, reduce_input(i, k), u.layout->param_shard_offset(k, me), length,
-              even ? std::vector<int64_t>{} : std::move(splits));
+      if (!p.issued[k]) enqueue_gradient(i, k);
     }
   }
   for (auto& g : p.grads) g = at::Tensor();
+  std::fill(p.issued.begin(), p.issued.end(), false);
   p.seen = 0;
-  if (!adds_grads_directly() && (!plan_.reduce_at_boundary_only || boundary_backward_)) {
-    if (filling_.numel >= plan_.reduce_bucket_size) flush_bucket();
-    if (!plan_.overlap_comm) finish_reductions();
-  }
+  if (!adds_grads_directly() && (!plan_.reduce_at_boundary_only || boundary_backward_)) flush_if_due();
   // Every autograd node that read the unit's trainable weights has run (each
   // produced its weight's gradient). Frozen weights give no such signal: a
   // unit holding some also waits for its input's gradient

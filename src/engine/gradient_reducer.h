@@ -76,6 +76,7 @@ class GradientReducer {
   /// One entry's gradients on their way.
   struct Pending {
     std::vector<at::Tensor> grads;  ///< autograd's gradients, moved out of .grad()
+    std::vector<bool> issued;       ///< its reduction is queued already (the root entry's, as they arrive)
     int seen = 0;
     /// zero 1: fp32, in the full layout; made by the first backward without sync.
     at::Tensor boundary_accumulator;
@@ -88,6 +89,13 @@ class GradientReducer {
   /// (autograd's own output, not a copy) and leaves .grad() empty.
   void on_grad_accumulated(int i, int param_index);
   void unit_grads_ready(int i);
+  /// Whether this backward's gradients go to a collective as they come
+  /// (not added directly on one rank, nor accumulated for ZeRO-1's boundary).
+  bool reduces_during_backward() const;
+  /// Queues the reduction of entry i's gradient k (zeros if it got none).
+  void enqueue_gradient(int i, int k);
+  /// Issues the bucket when it is full; without overlap_comm, waits for it.
+  void flush_if_due();
   /// Frees a unit holding frozen weights after backward once both signals
   /// came: its trainable gradients (if it has any) and its input's gradient.
   void release_frozen_unit_if_done(const Unit& unit);

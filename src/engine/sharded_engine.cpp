@@ -213,11 +213,16 @@ double ShardedEngine::clip_grad_norm(double max_norm) { return state_->optimizer
 
 StepInfo ShardedEngine::step(double lr) {
   State& s = *state_;
-  s.gather.wait_for_uploads();  // the step writes the host partition they read
+  // The step writes the partitions that gathers read: the last step's
+  // regather (a unit no forward ran since) and, offloaded, the host copies.
+  s.gather.finish_in_flight();
+  s.gather.wait_for_uploads();
   StepInfo result = s.optimizer.step(lr);
   if (!result.skipped) s.gather.regather_after_step();
   return result;
 }
+
+void ShardedEngine::complete_parameters() { state_->gather.finish_in_flight(); }
 
 void ShardedEngine::zero_grad() {
   state_->storage.zero_grads();
@@ -318,6 +323,8 @@ TrafficReport ShardedEngine::traffic() const { return state_->gather.traffic(); 
 void ShardedEngine::reset_traffic() { state_->gather.reset_traffic(); }
 
 // ---- introspection (tests) -------------------------------------------------------------
+
+int ShardedEngine::gathers_in_flight() const { return state_->gather.in_flight(); }
 
 const at::Tensor& ShardedEngine::parameter_partition() const { return state_->storage.stepped(); }
 

@@ -47,6 +47,7 @@ class ShardedEngine : public Engine {
   double clip_grad_norm(double max_norm) override;
   StepInfo step(double lr) override;
   void zero_grad() override;
+  void complete_parameters() override;
   double loss_scale() const override;
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
   std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes() const override;
@@ -57,6 +58,9 @@ class ShardedEngine : public Engine {
   void reset_traffic() override;
 
   // ---- introspection (tests, checkpoints)
+  /// Parameter gathers issued and not yet waited for (after a ZeRO-1/2 step:
+  /// every trainable entry, until the next forward reaches it).
+  int gathers_in_flight() const;
   /// What the optimizer steps: the fp32 master partition, or in pure mode the low-precision one.
   const at::Tensor& parameter_partition() const;
   /// The fp32 master partition (undefined in pure low precision).

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "shardtrain/error.h"
 #include "shardtrain/kernels.h"

@@ -234,16 +234,20 @@ INSTANTIATE_TEST_SUITE_P(DistPeers, DistPeerDeepSpeed,
                                            PeerCase{false, "adamw", 2}, PeerCase{false, "adamw", 1}),
                          peer_case_name);
 
-// LoRA against PEFT: r 8 on q/k/v/o of the 58M Llama (bench/models/llama_58m.json,
-// random weights the peer makes and saves), fp32, world 2, 20 AdamW steps;
+// LoRA against PEFT: r 8 on q/k/v/o of a 7.3M Llama (tests/data/peer/llama_peft_base.json:
+// hidden 256, 4 layers, vocab 8000; every Linear a whole number of NF4's
+// 64-element blocks; random weights the peer makes and saves), fp32, world 2, 20 AdamW steps;
 // PEFT's FSDP2 run and shardtrain's start from the same base and from PEFT's
 // own adapter initialisation (lora_init, loaded with load_lora_adapter) and
 // train on the same batches. The bound is the one above with the trainable
 // weights only: the base is frozen on both sides, so only the adapters
 // differ, w is the adapters' state and g the gradient the clip measures
-// (theirs). Measured (Intel Xeon, 2 cores): 0 or 1 ulp apart at every step
-// under zero3. A mutation it catches: the adapter update scaled by half its
-// alpha / r (off by 5.3e-4 at step 2 against a bound of 5.1e-6).
+// (theirs). Measured (AMD EPYC with AVX-512 BF16, 2 cores): 0 or 1 ulp apart
+// at every step, in all four cases. A mutation it catches: the adapter update
+// scaled by half its alpha / r (off by 1.9e-4 at step 2 against a bound of
+// 4.6e-6). The base was the 58M Llama of the benchmarks until its four cases
+// took a fifth of the suite's test time (100 s each under ctest -j2; about 20 s
+// each alone now, 53 s before).
 //
 // The QLoRA cases put the base in NF4 on both sides: shardtrain's
 // quantize_frozen_base, and on the peer's side transformers' load_in_4bit
@@ -265,7 +269,7 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
     run_peer(dir, std::string("--lora 8 ") + (c.qlora ? "--qlora " : "") + "--make-base " + SHARDTRAIN_SOURCE_DIR +
-                      "/bench/models/llama_58m.json");
+                      "/tests/data/peer/llama_peft_base.json");
     if (::testing::Test::HasFatalFailure()) return;
   }
   MultiRankOptions harness;

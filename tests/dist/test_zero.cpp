@@ -2,6 +2,8 @@
 // FP32 parity for stages 1-3 at world 2 and 4, bf16 master partitions, the
 // analytic partition of an odd-sized parameter, clipping, gradient
 // accumulation, and memory against the precision plan.
+#include <map>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -31,6 +33,13 @@ tiny::TinyRunOptions tiny_options(const shardtrain::TrainingConfig& config, Rank
 }
 
 using shardtrain::testing::expect_same_bits;
+
+/// The tiny model, seeded 0, prepared on `accelerator` for micro-batches of 2.
+shardtrain::PreparedModel<tiny::TinyModel> prepare_tiny(shardtrain::Accelerator& accelerator,
+                                                        const tiny::TinyConfig& model_config) {
+  torch::manual_seed(0);
+  return accelerator.prepare(tiny::TinyModel(model_config), {}, micro_batch(2));
+}
 
 struct ParityCase {
   int stage;
@@ -310,10 +319,8 @@ TEST(DistZeroReuse, MaxReuseDistanceKeepsLateUnitsGatheredUntilTheirBackward) {
       config.zero.stage3_max_reuse_distance = keep ? 1000000000 : 0;
       auto accelerator_holder = accelerator_for(config, ctx);
       shardtrain::Accelerator& accelerator = *accelerator_holder;
-      torch::manual_seed(0);
-      tiny::TinyConfig model_config;
-      tiny::TinyModel model(model_config);
-      auto prepared = accelerator.prepare(model, {}, micro_batch(2));
+      const tiny::TinyConfig model_config;
+      auto prepared = prepare_tiny(accelerator, model_config);
       at::Tensor tokens = at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
       for (int step = 0; step < 2; ++step) {  // the second forward has the recorded order
         at::Tensor logits = prepared(tokens);
@@ -327,5 +334,61 @@ TEST(DistZeroReuse, MaxReuseDistanceKeepsLateUnitsGatheredUntilTheirBackward) {
         << "with a large stage3_max_reuse_distance every block stays gathered for its backward";
   });
 }
+
+}  // namespace
+
+namespace {
+
+// ZeRO-1/2 keep every parameter gathered between steps. The all-gather of the
+// stepped values is issued by step() and waited for by each unit's next
+// forward (it runs under that forward instead of after the step); reading the
+// module through the PreparedModel waits for all of it first.
+class DistZeroRegather : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistZeroRegather, StepLeavesTheGathersInFlightAndTheModuleWaitsForTheSteppedValues) {
+  const int stage = GetParam();
+  run_on_ranks(2, [stage](RankContext& ctx) {
+    auto config = zero_config(stage, shardtrain::MixedPrecision::kNo);
+    auto accelerator_holder = accelerator_for(config, ctx);
+    shardtrain::Accelerator& accelerator = *accelerator_holder;
+    const tiny::TinyConfig model_config;
+    auto prepared = prepare_tiny(accelerator, model_config);
+    auto& engine =
+        dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
+    const int trainable_entries = static_cast<int>(engine.unit_paths().size());
+    at::Tensor tokens =
+        at::stack({tiny::synthetic_sample(0, ctx.rank(), model_config), tiny::synthetic_sample(1, ctx.rank(), model_config)});
+    for (int step = 0; step < 2; ++step) {
+      accelerator.backward(prepared(tokens).mean());
+      accelerator.step();
+      // Every entry of the tiny model is trainable and kept gathered.
+      EXPECT_EQ(engine.gathers_in_flight(), trainable_entries) << "step " << step;
+      accelerator.zero_grad();
+    }
+    // The next forward waits for each unit's gather as it reaches the unit.
+    { torch::NoGradGuard no_grad; (void)prepared(tokens); }
+    EXPECT_EQ(engine.gathers_in_flight(), 0);
+    accelerator.backward(prepared(tokens).mean());
+    accelerator.step();
+    ASSERT_GT(engine.gathers_in_flight(), 0);
+    // Through module(): the stepped values, equal to the shards' (fp32: the
+    // master is what the ranks gather, so the bits are the same).
+    std::map<std::string, at::Tensor> module_values;
+    for (const auto& item : prepared.module()->named_parameters()) module_values[item.key()] = item.value().clone();
+    EXPECT_EQ(engine.gathers_in_flight(), 0);
+    const auto stepped = engine.full_state_dict();
+    int compared = 0;
+    for (const auto& [name, value] : stepped) {
+      auto found = module_values.find(name);
+      if (found == module_values.end()) continue;  // a buffer
+      EXPECT_TRUE(at::equal(found->second, value)) << name;
+      ++compared;
+    }
+    EXPECT_EQ(compared, static_cast<int>(module_values.size()));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(DistStages, DistZeroRegather, ::testing::Values(1, 2),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
 
 }  // namespace

@@ -33,7 +33,6 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
       stage == 3 ? z.stage3_param_persistence_threshold.value_or(ZeroConfig::kDefaultParamPersistenceThreshold) : 0;
   o.max_live_parameters = z.stage3_max_live_parameters;
   o.max_reuse_distance = stage == 3 ? z.stage3_max_reuse_distance : 0;
-  o.allgather_bucket_size = z.allgather_bucket_size;
   // Parameters are partitioned at stage 3 only; below it DeepSpeed ignores
   // offload_param, and a config file says so when it is read (config_load).
   o.offload_params = stage == 3 && z.offload_param != OffloadDevice::kNone;
