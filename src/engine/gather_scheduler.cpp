@@ -229,19 +229,20 @@ void GatherScheduler::regather_after_step() {
   // (gather_unit), so the all-gather runs under the forward instead of after
   // the step. Gloo runs a communicator's collectives in the order they were
   // issued, so the first unit's gather is not queued behind the last one's.
+  // Each entry once: a unit the forward runs twice is in the trace twice.
   std::vector<int> order;
+  std::vector<bool> listed(static_cast<std::size_t>(units_.size()), false);
+  auto add = [&](int i) {
+    if (!listed[static_cast<std::size_t>(i)]) order.push_back(i);
+    listed[static_cast<std::size_t>(i)] = true;
+  };
   for (int i = 0; i < units_.size(); ++i) {
-    if (units_[i].unit == nullptr) order.push_back(i);
+    if (units_[i].unit == nullptr) add(i);
   }
   for (const Unit* unit : units_.forward_order()) {
-    for (int idx : units_.entries_of(*unit)) order.push_back(idx);
+    for (int idx : units_.entries_of(*unit)) add(idx);
   }
-  // Units the recorded forward did not run, last.
-  std::vector<bool> listed(static_cast<std::size_t>(units_.size()), false);
-  for (int i : order) listed[static_cast<std::size_t>(i)] = true;
-  for (int i = 0; i < units_.size(); ++i) {
-    if (!listed[static_cast<std::size_t>(i)]) order.push_back(i);
-  }
+  for (int i = 0; i < units_.size(); ++i) add(i);  // units the recorded forward did not run, last
   for (int i : order) {
     const UnitEntry& u = units_[i];
     if (!u.trainable || views_shard(i)) continue;  // a shard view already holds the stepped values
