@@ -303,7 +303,7 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   }
   const int64_t index = next_group_index_++;
   if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) {
-    do_new_group_not_member(index);
+    do_new_group_not_member(ranks, index);
     return nullptr;
   }
   return do_new_group(ranks, index);

@@ -1,8 +1,9 @@
 // The authenticated rendezvous store in one process: c10d's store semantics
 // (Gloo and the NCCL backend rely on them), token refusal with the fix in the
 // message, mutual authentication (a server without the token is not
-// trusted), binding only the address it is given, and resilience to silent
-// or garbage connections.
+// trusted), binding only the address it is given, resilience to silent
+// or garbage connections, and the store host's wait for every rank to be done
+// with the store after a connect.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -23,6 +24,7 @@
 #include "comm/rendezvous/protocol.h"
 #include "comm/rendezvous/server.h"
 #include "comm/rendezvous/store.h"
+#include "comm/store_check_in.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
 
@@ -362,3 +364,35 @@ TEST(UnitRendezvousStore, GeneratedTokensAreFreshHex) {
 }
 
 }  // namespace
+
+// The host (global rank 0) returns only once every other member has checked
+// in, and a member that never does is named by count within the limit.
+TEST(UnitStoreCheckIn, TheHostWaitsForEveryOtherMemberAndTimesOutNamingTheCount) {
+  rdzv::RendezvousServer server("127.0.0.1", 0, "t");
+  auto host = connect(server.port(), "t");
+  auto member = connect(server.port(), "t");
+  const std::vector<int> members{0, 1, 2};
+  std::atomic<bool> host_returned{false};
+  std::thread host_thread([&] {
+    shardtrain::comm::check_in_after_connect(*host, "world/", members, 0, kTimeout);
+    host_returned = true;
+  });
+  shardtrain::comm::check_in_after_connect(*member, "world/", members, 1, kTimeout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(host_returned) << "rank 2 has not checked in yet";
+  shardtrain::comm::check_in_after_connect(*member, "world/", members, 2, kTimeout);
+  host_thread.join();
+  EXPECT_TRUE(host_returned);
+
+  // A sub-group without the host: rank 0 waits for all of its members; one never comes.
+  shardtrain::comm::check_in_after_connect(*member, "g0/", {1, 2}, 1, kTimeout);
+  try {
+    shardtrain::comm::check_in_after_connect(*host, "g0/", {1, 2}, 0, std::chrono::milliseconds(300));
+    ADD_FAILURE() << "the host returned with one member missing";
+  } catch (const shardtrain::TimeoutError& failure) {
+    const std::string what = failure.what();
+    EXPECT_NE(what.find("for the other 2 rank(s)"), std::string::npos) << what;
+    EXPECT_NE(what.find("only 1 did"), std::string::npos) << what;
+    EXPECT_NE(what.find("store prefix 'g0/'"), std::string::npos) << what;
+  }
+}

@@ -201,8 +201,9 @@ class Communicator {
                                                      int64_t group_index) = 0;
   /// new_group on a rank that is not a member: backends whose sub-groups are
   /// built collectively over the parent (NCCL's ncclCommSplit) take part
-  /// here. Default: nothing.
-  virtual void do_new_group_not_member(int64_t /*group_index*/) {}
+  /// here, and Gloo's store host waits for the members to connect. Default:
+  /// nothing.
+  virtual void do_new_group_not_member(const std::vector<int>& /*ranks*/, int64_t /*group_index*/) {}
 
   /// "all_reduce(sum) on rank 1 of 4 (global 1), bfloat16, 1000 -> 1000 elements".
   std::string describe(const CollectiveEvent& event) const;

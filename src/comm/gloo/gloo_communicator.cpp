@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "comm/collective_log.h"
+#include "comm/store_check_in.h"
 #include "comm/work_util.h"
 #include "shardtrain/error.h"
 
@@ -83,6 +84,7 @@ class GlooCommunicator final : public Communicator {
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
   void do_barrier(const CollectiveEvent& event) override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;
+  void do_new_group_not_member(const std::vector<int>& ranks, int64_t group_index) override;
 
  private:
   WorkPtr wrap(WorkHandle work, const CollectiveEvent& event, std::function<void()> finalize);
@@ -169,15 +171,21 @@ GlooCommunicator::GlooCommunicator(StorePtr store, int rank, int world_size,
     : Communicator(rank, world_size, std::move(global_ranks), options),
       root_store_(std::move(store)), hostname_(std::move(hostname)),
       store_prefix_(std::move(store_prefix)) {
+  const auto start = std::chrono::steady_clock::now();
   try {
     group_ = make_gloo_group(make_prefix_store(store_prefix_, root_store_), rank,
                                      world_size, options.timeout, hostname_);
   } catch (const std::exception& failure) {
-    ST_THROW(TimeoutError, "rank ", rank, " of ", world_size, " waited ", options.timeout.count(),
-             " ms for all ", world_size, " ranks of the group to connect (Gloo full-mesh rendezvous, store prefix '",
-             store_prefix_, "') and some did not: check that every rank started and creates the same "
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    ST_THROW(TimeoutError, "rank ", rank, " of ", world_size, " waited ", waited.count(), " ms (limit ",
+             options.timeout.count(), " ms) for all ", world_size,
+             " ranks of the group to connect (Gloo full-mesh rendezvous, store prefix '", store_prefix_,
+             "') and some did not: check that every rank started and creates the same "
              "groups in the same order. Backend said: ", backend_message(failure));
   }
+  check_in_after_connect(*root_store_, store_prefix_, this->global_ranks(), this->global_ranks()[rank],
+                         options.timeout);
   collective_log()->attach_store(root_store_, store_prefix_, options.timeout);
 }
 
@@ -361,6 +369,16 @@ std::shared_ptr<Communicator> GlooCommunicator::do_new_group(const std::vector<i
   return std::make_shared<GlooCommunicator>(root_store_, my_index, static_cast<int>(ranks.size()),
                                             std::move(global), options(), hostname_,
                                             store_prefix_ + "g" + std::to_string(group_index) + "/");
+}
+
+void GlooCommunicator::do_new_group_not_member(const std::vector<int>& ranks, int64_t group_index) {
+  if (global_ranks()[rank()] != 0) return;
+  std::vector<int> members;
+  members.reserve(ranks.size());
+  for (int r : ranks) members.push_back(global_ranks()[r]);
+  // Global rank 0 hosts the store the members connect through.
+  check_in_after_connect(*root_store_, store_prefix_ + "g" + std::to_string(group_index) + "/", members, 0,
+                         options().timeout);
 }
 
 bool gloo_available() { return true; }

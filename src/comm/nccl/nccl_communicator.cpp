@@ -738,7 +738,7 @@ std::shared_ptr<Communicator> NcclCommunicator::do_new_group(const std::vector<i
 #endif
 }
 
-void NcclCommunicator::do_new_group_not_member(int64_t group_index) {
+void NcclCommunicator::do_new_group_not_member(const std::vector<int>& /*ranks*/, int64_t group_index) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
   CudaDeviceGuard guard(device_);
   (void)nccl_detail::split_communicator(*state_, NCCL_SPLIT_NOCOLOR, rank(),

@@ -79,7 +79,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr do_broadcast(const at::Tensor& tensor, int root, const CollectiveEvent& event) override;
   void do_barrier(const CollectiveEvent& event) override;
   std::shared_ptr<Communicator> do_new_group(const std::vector<int>& ranks, int64_t group_index) override;
-  void do_new_group_not_member(int64_t group_index) override;
+  void do_new_group_not_member(const std::vector<int>& ranks, int64_t group_index) override;
 
  private:
   /// Collectives in flight at most. Far below what fills NCCL's and CUDA's
