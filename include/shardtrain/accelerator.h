@@ -215,10 +215,12 @@ class Accelerator {
   /// max_norm at the next step(); only at an accumulation boundary. Returns the norm.
   double clip_grad_norm(double max_norm);
   /// Optimizer + scheduler step at an accumulation boundary; otherwise a no-op.
-  /// Under ZeRO-1/2 the stepped parameters are all-gathered under the next
-  /// forward (each unit's forward waits for its own): read them through
-  /// PreparedModel::module() or operator->, which wait for the rest first,
-  /// not through another handle to the module kept from before prepare().
+  /// ZeRO-1/2 all-gather the stepped parameters. With overlap_comm on
+  /// (DeepSpeed's default is off for these stages) the gathers run under the
+  /// next forward, each unit's forward waiting for its own: read the
+  /// parameters through PreparedModel::module() or operator->, which wait for
+  /// the rest first, not through another handle to the module kept from
+  /// before prepare(). With it off, step() returns with them complete.
   void step();
   void zero_grad();
   double current_lr() const;

@@ -121,6 +121,12 @@ struct ZeroConfig {
   /// parameters view, issued after the step and waited for by that unit's
   /// next forward, so nothing is staged (GatherScheduler::regather_after_step).
   int64_t allgather_bucket_size = kDefaultAllgatherBucketSize;
+  /// Communication under computation: gradient buckets reduced while
+  /// backward goes on and, for ZeRO-1/2 (and stage 3's persisted
+  /// parameters), the post-step all-gather run under the next forward, so
+  /// that the parameters are complete only through PreparedModel or from the
+  /// next forward (Accelerator::step()). false: both are waited for, and
+  /// step() returns with the parameters complete, as DeepSpeed's ZeRO-1/2.
   std::optional<bool> overlap_comm;                   ///< default: default_overlap_comm(stage)
   int64_t sub_group_size = kDefaultSubGroupSize;      ///< elements per optimizer step slice; 0: one per parameter
   std::optional<int64_t> stage3_prefetch_bucket_size;        ///< default 5e7; "auto" = 0.9*H*H

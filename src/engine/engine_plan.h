@@ -92,6 +92,10 @@ struct EnginePlan {
   /// all-reduced over the replica groups across machines. 0: the shard group
   /// is the whole world.
   int hybrid_shard_size = 0;
+  /// Communication runs under computation: gradient buckets are reduced
+  /// while backward goes on, and the gathers of kept units after a step run
+  /// under the next forward. false: each bucket is waited for as it is
+  /// issued, and step() waits for its gathers.
   bool overlap_comm = true;
   int64_t reduce_bucket_size = ZeroConfig::kDefaultReduceBucketSize;  ///< gradient elements per reduction
   int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices (0: one per parameter)

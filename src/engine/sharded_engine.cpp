@@ -218,7 +218,13 @@ StepInfo ShardedEngine::step(double lr) {
   s.gather.finish_in_flight();
   s.gather.wait_for_uploads();
   StepInfo result = s.optimizer.step(lr);
-  if (!result.skipped) s.gather.regather_after_step();
+  if (!result.skipped) {
+    s.gather.regather_after_step();
+    // Without overlap_comm, step() returns with the parameters complete, as
+    // DeepSpeed's ZeRO-1/2 leaves them; with it the gathers run under the
+    // next forward, each unit's forward waiting for its own.
+    if (!s.plan.overlap_comm) s.gather.finish_in_flight();
+  }
   return result;
 }
 

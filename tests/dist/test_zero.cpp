@@ -1,8 +1,10 @@
 // The ZeRO engine against the plain LibTorch reference (train_tiny --reference):
-// FP32 parity for stages 1-3 at world 2 and 4, bf16 master partitions, the
-// analytic partition of an odd-sized parameter, clipping, gradient
-// accumulation, and memory against the precision plan.
+// FP32 parity for stages 1-3 at world 2 and 4 (overlap_comm on and off), bf16
+// master partitions, the analytic partition of an odd-sized parameter,
+// clipping, gradient accumulation, memory against the precision plan, and
+// who waits for the post-step all-gather.
 #include <map>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -44,6 +46,8 @@ shardtrain::PreparedModel<tiny::TinyModel> prepare_tiny(shardtrain::Accelerator&
 struct ParityCase {
   int stage;
   int world;
+  /// Unset: DeepSpeed's default for the stage (off for 1 and 2, on for 3).
+  std::optional<bool> overlap_comm = std::nullopt;
 };
 
 class DistZeroParity : public ::testing::TestWithParam<ParityCase> {};
@@ -52,6 +56,7 @@ TEST_P(DistZeroParity, Fp32LossesAndFinalParametersMatchTheReference) {
   const ParityCase c = GetParam();
   run_on_ranks(c.world, [c](RankContext& ctx) {
     auto config = zero_config(c.stage, shardtrain::MixedPrecision::kNo);
+    config.zero.overlap_comm = c.overlap_comm;
     auto options = tiny_options(config, ctx, 30);
     tiny::TinyRunResult engine_run = tiny::run_tiny(options);
     if (ctx.rank() != 0) return;
@@ -66,9 +71,13 @@ TEST_P(DistZeroParity, Fp32LossesAndFinalParametersMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(DistStagesWorlds, DistZeroParity,
                          ::testing::Values(ParityCase{1, 2}, ParityCase{2, 2}, ParityCase{3, 2}, ParityCase{1, 4},
-                                           ParityCase{2, 4}, ParityCase{3, 4}),
+                                           ParityCase{2, 4}, ParityCase{3, 4}, ParityCase{1, 2, true},
+                                           ParityCase{2, 4, true}, ParityCase{3, 2, false}),
                          [](const auto& info) {
-                           return "stage" + std::to_string(info.param.stage) + "_world" + std::to_string(info.param.world);
+                           const auto& overlap = info.param.overlap_comm;
+                           return "stage" + std::to_string(info.param.stage) + "_world" +
+                                  std::to_string(info.param.world) +
+                                  (!overlap ? "" : *overlap ? "_overlap_comm" : "_no_overlap_comm");
                          });
 
 TEST(DistZeroBf16, Stage3MastersAreFp32AndTheLowPrecisionCopyIsTheirRounding) {
@@ -339,56 +348,80 @@ TEST(DistZeroReuse, MaxReuseDistanceKeepsLateUnitsGatheredUntilTheirBackward) {
 
 namespace {
 
-// ZeRO-1/2 keep every parameter gathered between steps. The all-gather of the
-// stepped values is issued by step() and waited for by each unit's next
-// forward (it runs under that forward instead of after the step); reading the
-// module through the PreparedModel waits for all of it first.
-class DistZeroRegather : public ::testing::TestWithParam<int> {};
+// ZeRO-1/2 keep every parameter gathered between steps: step() all-gathers
+// the stepped values, and overlap_comm decides who waits for them.
+struct RegatherCase {
+  int stage;
+  bool overlap_comm;
+};
 
-TEST_P(DistZeroRegather, StepLeavesTheGathersInFlightAndTheModuleWaitsForTheSteppedValues) {
-  const int stage = GetParam();
-  run_on_ranks(2, [stage](RankContext& ctx) {
-    auto config = zero_config(stage, shardtrain::MixedPrecision::kNo);
+class DistZeroRegather : public ::testing::TestWithParam<RegatherCase> {};
+
+/// Every parameter of `module` equals the engine's stepped value, bit for bit
+/// (fp32: the master is what the ranks gather). Returns how many it compared.
+int expect_module_holds_stepped_values(torch::nn::Module& module, shardtrain::engine::ShardedEngine& engine) {
+  std::map<std::string, at::Tensor> module_values;
+  for (const auto& item : module.named_parameters()) module_values[item.key()] = item.value().clone();
+  int compared = 0;
+  for (const auto& [name, value] : engine.full_state_dict()) {
+    auto found = module_values.find(name);
+    if (found == module_values.end()) continue;  // a buffer
+    EXPECT_TRUE(at::equal(found->second, value)) << name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(module_values.size()));
+  return compared;
+}
+
+// overlap_comm on: step() leaves the post-step gathers in flight, the next
+// forward waits for each unit's own, and PreparedModel::module() for all.
+// Off (DeepSpeed's default for stages 1 and 2): step() returns with the
+// parameters complete, so even a handle kept from before prepare() reads the
+// stepped values.
+TEST_P(DistZeroRegather, OverlapLeavesTheGathersInFlightUntilAForwardOrModuleWithoutItStepWaits) {
+  const RegatherCase c = GetParam();
+  run_on_ranks(2, [c](RankContext& ctx) {
+    auto config = zero_config(c.stage, shardtrain::MixedPrecision::kNo);
+    config.zero.overlap_comm = c.overlap_comm;
     auto accelerator_holder = accelerator_for(config, ctx);
     shardtrain::Accelerator& accelerator = *accelerator_holder;
     const tiny::TinyConfig model_config;
-    auto prepared = prepare_tiny(accelerator, model_config);
+    torch::manual_seed(0);
+    tiny::TinyModel kept_handle(model_config);
+    auto prepared = accelerator.prepare(kept_handle, {}, micro_batch(2));
     auto& engine =
         dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
-    const int trainable_entries = static_cast<int>(engine.unit_paths().size());
+    // Every entry of the tiny model is trainable and kept gathered.
+    const int expected_in_flight = c.overlap_comm ? static_cast<int>(engine.unit_paths().size()) : 0;
     at::Tensor tokens =
         at::stack({tiny::synthetic_sample(0, ctx.rank(), model_config), tiny::synthetic_sample(1, ctx.rank(), model_config)});
     for (int step = 0; step < 2; ++step) {
       accelerator.backward(prepared(tokens).mean());
       accelerator.step();
-      // Every entry of the tiny model is trainable and kept gathered.
-      EXPECT_EQ(engine.gathers_in_flight(), trainable_entries) << "step " << step;
+      EXPECT_EQ(engine.gathers_in_flight(), expected_in_flight) << "step " << step;
       accelerator.zero_grad();
     }
-    // The next forward waits for each unit's gather as it reaches the unit.
+    if (!c.overlap_comm) {
+      EXPECT_GT(expect_module_holds_stepped_values(*kept_handle, engine), 0);
+      return;
+    }
     { torch::NoGradGuard no_grad; (void)prepared(tokens); }
     EXPECT_EQ(engine.gathers_in_flight(), 0);
     accelerator.backward(prepared(tokens).mean());
     accelerator.step();
     ASSERT_GT(engine.gathers_in_flight(), 0);
-    // Through module(): the stepped values, equal to the shards' (fp32: the
-    // master is what the ranks gather, so the bits are the same).
-    std::map<std::string, at::Tensor> module_values;
-    for (const auto& item : prepared.module()->named_parameters()) module_values[item.key()] = item.value().clone();
+    auto& module = *prepared.module();
     EXPECT_EQ(engine.gathers_in_flight(), 0);
-    const auto stepped = engine.full_state_dict();
-    int compared = 0;
-    for (const auto& [name, value] : stepped) {
-      auto found = module_values.find(name);
-      if (found == module_values.end()) continue;  // a buffer
-      EXPECT_TRUE(at::equal(found->second, value)) << name;
-      ++compared;
-    }
-    EXPECT_EQ(compared, static_cast<int>(module_values.size()));
+    EXPECT_GT(expect_module_holds_stepped_values(module, engine), 0);
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(DistStages, DistZeroRegather, ::testing::Values(1, 2),
-                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(DistStages, DistZeroRegather,
+                         ::testing::Values(RegatherCase{1, true}, RegatherCase{2, true}, RegatherCase{1, false},
+                                           RegatherCase{2, false}),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(info.param.stage) +
+                                  (info.param.overlap_comm ? "_overlap_comm" : "_no_overlap_comm");
+                         });
 
 }  // namespace
