@@ -220,7 +220,10 @@ class Accelerator {
   /// next forward, each unit's forward waiting for its own: read the
   /// parameters through PreparedModel::module() or operator->, which wait for
   /// the rest first, not through another handle to the module kept from
-  /// before prepare(). With it off, step() returns with them complete.
+  /// before prepare(). With it off, step() returns with them complete. The
+  /// parameters other engines keep whole (ZeRO-3's persisted ones, FSDP
+  /// NO_SHARD units that do not alias their shard) follow the first rule;
+  /// FSDP always overlaps.
   void step();
   void zero_grad();
   double current_lr() const;

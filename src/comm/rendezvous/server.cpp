@@ -241,6 +241,25 @@ bool handle_request(int fd, Connection& c, const Bytes& payload, std::map<std::s
   return false;  // an unknown opcode: not one of ours
 }
 
+/// Sends what `c` has queued, as far as the socket takes it now (it is
+/// non-blocking; the rest goes when poll() reports room). Returns false when
+/// the connection must close. Replies go out in the round that made them, not
+/// the next one: a client that has its reply is then sure the bytes of every
+/// reply made before it are on their way too, which is what lets rank 0 leave
+/// once the others have checked in (comm/store_check_in.h).
+bool send_queued(int fd, Connection& c) {
+  if (c.out_pos == c.out.size()) return true;
+  const ssize_t n = ::send(fd, c.out.data() + c.out_pos, c.out.size() - c.out_pos, MSG_NOSIGNAL);
+  if (n > 0) c.out_pos += static_cast<std::size_t>(n);
+  if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+  if (c.out_pos == c.out.size()) {
+    c.out.clear();
+    c.out_pos = 0;
+    if (c.close_after_flush) return false;
+  }
+  return true;
+}
+
 /// Answers every parked request the current keys satisfy.
 void release_parked(std::vector<ParkedRequest>& parked, const std::map<std::string, Bytes>& keys,
                     std::unordered_map<int, Connection>& connections) {
@@ -401,16 +420,7 @@ void RendezvousServer::serve() {
           drop = true;  // a malformed request from an authenticated peer: a bug there, not here
         }
       }
-      if (!drop && (fds[i].revents & POLLOUT) && c.out_pos < c.out.size()) {
-        const ssize_t n = ::send(fd, c.out.data() + c.out_pos, c.out.size() - c.out_pos, MSG_NOSIGNAL);
-        if (n > 0) c.out_pos += static_cast<std::size_t>(n);
-        if (n < 0 && errno != EAGAIN && errno != EINTR) drop = true;
-        if (c.out_pos == c.out.size()) {
-          c.out.clear();
-          c.out_pos = 0;
-          if (c.close_after_flush) drop = true;
-        }
-      }
+      if (!drop) drop = !send_queued(fd, c);
       if (!drop && !c.authenticated && !c.close_after_flush && now > c.handshake_deadline) {
         // A silent connection: counted in the summary, not logged one by one.
         ++refused_;
@@ -429,7 +439,12 @@ void RendezvousServer::serve() {
       s.closed_quietly.clear();
       s.last_summary = now;
     }
-    if (keys_changed) release_parked(s.parked, s.keys, s.connections);
+    if (keys_changed) {
+      release_parked(s.parked, s.keys, s.connections);
+      for (auto& [fd, c] : s.connections) {
+        if (!send_queued(fd, c)) to_close.push_back(fd);
+      }
+    }
     std::sort(to_close.begin(), to_close.end());
     to_close.erase(std::unique(to_close.begin(), to_close.end()), to_close.end());
     for (int fd : to_close) {
