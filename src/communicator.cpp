@@ -58,6 +58,13 @@ Communicator::Communicator(int rank, int world_size, std::vector<int> global_ran
   log_ = std::make_shared<CollectiveLog>(rank_, global_ranks_);
 }
 
+std::vector<int> Communicator::global_ranks_of(const std::vector<int>& ranks) const {
+  std::vector<int> global;
+  global.reserve(ranks.size());
+  for (int r : ranks) global.push_back(global_ranks_[static_cast<std::size_t>(r)]);
+  return global;
+}
+
 std::string Communicator::describe(const CollectiveEvent& event) const {
   std::ostringstream out;
   out << event.op;

@@ -25,6 +25,9 @@
 
 namespace shardtrain::comm {
 
+/// The global rank whose process hosts the job's store (rendezvous.cpp).
+inline constexpr int kStoreHostRank = 0;
+
 /// Called once a group's connect has finished, by each of its members, and by
 /// global rank 0 when it is not a member (it still hosts the store).
 /// `key_prefix` is the group's own prefix in `store`; `members` are the

@@ -75,11 +75,11 @@ class Engine : public UnitHooks {
   /// skipped, non_finite, grad_norm, loss_scale and the lost-update audit.
   virtual StepInfo step(double lr) = 0;
   virtual void zero_grad() = 0;
-  /// step() leaves the gathers of the parameters kept gathered between steps
-  /// (ZeRO-1/2) in flight, to run under the next forward, which waits for
-  /// each unit's as it reaches it. This waits for all of them: before the
-  /// module's parameters are read other than by a forward. Not collective
-  /// (every rank issued the gathers in step()).
+  /// With overlap_comm, step() leaves the gathers of the parameters kept
+  /// gathered between steps (ZeRO-1/2) in flight, to run under the next
+  /// forward, which waits for each unit's as it reaches it. This waits for
+  /// all of them: before the module's parameters are read other than by a
+  /// forward. Not collective (every rank issued the gathers in step()).
   virtual void complete_parameters() = 0;
   /// Multiplies the loss before backward (fp16 loss scaling; 1 otherwise).
   virtual double loss_scale() const = 0;

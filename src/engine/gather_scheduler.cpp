@@ -290,9 +290,7 @@ void GatherScheduler::gather_kept() {
   for (int i = 0; i < units_.size(); ++i) {
     if (stays_gathered(i)) start(i);
   }
-  for (int i = 0; i < units_.size(); ++i) {
-    if (slots_[static_cast<std::size_t>(i)].work) finish(i);
-  }
+  finish_in_flight();
 }
 
 void GatherScheduler::settle_in_flight(const std::string& engine_name) noexcept {

@@ -175,6 +175,8 @@ class Communicator {
 
  protected:
   Communicator(int rank, int world_size, std::vector<int> global_ranks, CommOptions options);
+  /// The global ranks of `ranks`, ranks of this group (a sub-group's members).
+  std::vector<int> global_ranks_of(const std::vector<int>& ranks) const;
 
   // Backend hooks. Arguments are validated; sizes are even (output = W * chunk
   // for all-gather, input = W * chunk for reduce-scatter) — the base class pads.

@@ -362,23 +362,17 @@ void GlooCommunicator::do_barrier(const CollectiveEvent& event) {
 
 std::shared_ptr<Communicator> GlooCommunicator::do_new_group(const std::vector<int>& ranks,
                                                              int64_t group_index) {
-  std::vector<int> global;
-  global.reserve(ranks.size());
-  for (int r : ranks) global.push_back(global_ranks()[r]);
   const int my_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
   return std::make_shared<GlooCommunicator>(root_store_, my_index, static_cast<int>(ranks.size()),
-                                            std::move(global), options(), hostname_,
-                                            store_prefix_ + "g" + std::to_string(group_index) + "/");
+                                            global_ranks_of(ranks), options(), hostname_,
+                                            sub_group_store_prefix(store_prefix_, group_index));
 }
 
 void GlooCommunicator::do_new_group_not_member(const std::vector<int>& ranks, int64_t group_index) {
-  if (global_ranks()[rank()] != 0) return;
-  std::vector<int> members;
-  members.reserve(ranks.size());
-  for (int r : ranks) members.push_back(global_ranks()[r]);
-  // Global rank 0 hosts the store the members connect through.
-  check_in_after_connect(*root_store_, store_prefix_ + "g" + std::to_string(group_index) + "/", members, 0,
-                         options().timeout);
+  // The store's host waits for the members it is not one of to connect through it.
+  if (global_ranks()[rank()] != kStoreHostRank) return;
+  check_in_after_connect(*root_store_, sub_group_store_prefix(store_prefix_, group_index), global_ranks_of(ranks),
+                         kStoreHostRank, options().timeout);
 }
 
 bool gloo_available() { return true; }

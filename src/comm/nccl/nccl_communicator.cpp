@@ -719,9 +719,7 @@ void NcclCommunicator::do_barrier(const CollectiveEvent& event) {
 }
 
 std::shared_ptr<Communicator> NcclCommunicator::do_new_group(const std::vector<int>& ranks, int64_t group_index) {
-  std::vector<int> global;
-  global.reserve(ranks.size());
-  for (int r : ranks) global.push_back(global_ranks()[r]);
+  std::vector<int> global = global_ranks_of(ranks);
   const int my_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
   // ncclCommSplit reuses the parent's bootstrap and connections: no store
@@ -730,11 +728,11 @@ std::shared_ptr<Communicator> NcclCommunicator::do_new_group(const std::vector<i
   return std::make_shared<NcclCommunicator>(*this, my_index, static_cast<int>(ranks.size()), std::move(global),
                                             group_index);
 #else
-  // Same store, a prefix derived as GlooCommunicator derives it: the sub-group's
-  // rank 0 publishes a fresh unique id there.
+  // Same store, the sub-group prefix Gloo uses too: the sub-group's rank 0
+  // publishes a fresh unique id there.
   return std::make_shared<NcclCommunicator>(root_store_, my_index, static_cast<int>(ranks.size()),
                                             std::move(global), options(), device_,
-                                            store_prefix_ + "g" + std::to_string(group_index) + "/");
+                                            sub_group_store_prefix(store_prefix_, group_index));
 #endif
 }
 
