@@ -18,6 +18,7 @@
 #include "shardtrain/error.h"
 #include "support/log_capture.h"
 #include "support/multirank.h"
+#include "support/run_outputs.h"
 #include "support/test_scratch.h"
 #include "support/tiny_compare.h"
 #include "tiny/tiny_train.h"
@@ -86,13 +87,6 @@ std::vector<at::Tensor> read_params(const fs::path& losses_path) {
   return params;
 }
 
-std::vector<double> read_losses(const fs::path& path) {
-  std::vector<double> losses;
-  std::ifstream in(path);
-  for (double v; in >> v;) losses.push_back(v);
-  return losses;
-}
-
 TEST(DistCheckpoint, ResumeInNewProcessesIsBitwiseIdenticalInFp32) {
   for (const RunSpec& spec : {zero(3, 2, 4), fsdp(2, 4)}) {
     const fs::path dir = test_scratch_subdir("exact");
@@ -100,9 +94,9 @@ TEST(DistCheckpoint, ResumeInNewProcessesIsBitwiseIdenticalInFp32) {
     run(spec, 40, (dir / "ckpt").string(), 20, 20, "", dir / "first.txt");
     run(spec, 40, "", 0, 0, (dir / "ckpt").string(), dir / "second.txt");
     if (shardtrain::testing::is_rank_process()) continue;
-    const auto straight = read_losses(dir / "straight.txt");
-    const auto first = read_losses(dir / "first.txt");
-    const auto second = read_losses(dir / "second.txt");
+    const auto straight = shardtrain::testing::read_loss_lines(dir / "straight.txt");
+    const auto first = shardtrain::testing::read_loss_lines(dir / "first.txt");
+    const auto second = shardtrain::testing::read_loss_lines(dir / "second.txt");
     ASSERT_EQ(straight.size(), 40u);
     ASSERT_EQ(first.size(), 20u);
     ASSERT_EQ(second.size(), 20u);
@@ -147,11 +141,11 @@ TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
     for (std::size_t i = 0; i < saved.size(); ++i) {
       EXPECT_TRUE(at::equal(saved[i], loaded[i])) << c.name << ": parameter " << i << " changed in the checkpoint";
     }
-    const auto first = read_losses(dir / "first.txt");
-    const auto second = read_losses(dir / "second.txt");
+    const auto first = shardtrain::testing::read_loss_lines(dir / "first.txt");
+    const auto second = shardtrain::testing::read_loss_lines(dir / "second.txt");
     ASSERT_EQ(second.size(), 15u) << c.name;
     if (same_arithmetic) {
-      const auto straight = read_losses(dir / "straight.txt");
+      const auto straight = shardtrain::testing::read_loss_lines(dir / "straight.txt");
       EXPECT_TRUE(std::equal(second.begin(), second.end(), straight.begin() + 15)) << c.name;
     } else {
       EXPECT_LT(second.back(), first.back()) << c.name << ": the resumed run did not train on";

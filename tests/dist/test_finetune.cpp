@@ -21,6 +21,7 @@
 #include "shardtrain/safetensors.h"
 #include "shardtrain/models/llama.h"
 #include "support/multirank.h"
+#include "support/run_outputs.h"
 #include "support/test_scratch.h"
 
 namespace {
@@ -59,13 +60,6 @@ void write_losses(const std::string& path, const std::vector<double>& losses) {
   std::ofstream out(path);
   out.precision(17);
   for (double loss : losses) out << loss << "\n";
-}
-
-std::vector<double> read_losses(const fs::path& path) {
-  std::ifstream in(path);
-  std::vector<double> losses;
-  for (double v; in >> v;) losses.push_back(v);
-  return losses;
 }
 
 std::vector<std::string> read_lines(const fs::path& path) {
@@ -135,8 +129,8 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
         if (ctx.rank() == 0) write_losses(dir + "/again.txt", {s.eval_before.loss});
       },
       long_run());
-  const std::vector<double> straight = read_losses(dir / "straight.txt");
-  const std::vector<double> resumed = read_losses(dir / "resumed.txt");
+  const std::vector<double> straight = shardtrain::testing::read_loss_lines(dir / "straight.txt");
+  const std::vector<double> resumed = shardtrain::testing::read_loss_lines(dir / "resumed.txt");
   ASSERT_EQ(straight.size(), 12u);
   ASSERT_EQ(resumed.size(), 6u);
   for (size_t i = 0; i < 6; ++i) EXPECT_EQ(resumed[i], straight[6 + i]) << "step " << 7 + i;
@@ -163,7 +157,7 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
       shardtrain::models::LlamaConfig::from_json_file((hf / "config.json").string()));
   shardtrain::models::load_hf_weights(exported, hf.string());  // every HF name present, shapes right
 
-  const std::vector<double> again = read_losses(dir / "again.txt");
+  const std::vector<double> again = shardtrain::testing::read_loss_lines(dir / "again.txt");
   ASSERT_EQ(again.size(), 1u);
   // The export holds the trained weights, and both runs evaluate them with
   // the same bf16 arithmetic on the same batches over two ranks (FSDP
@@ -273,12 +267,12 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
     EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
   }
 
-  const std::vector<double> straight = read_losses(dir / "lora.txt");
-  const std::vector<double> resumed = read_losses(dir / "lora_resumed.txt");
+  const std::vector<double> straight = shardtrain::testing::read_loss_lines(dir / "lora.txt");
+  const std::vector<double> resumed = shardtrain::testing::read_loss_lines(dir / "lora_resumed.txt");
   ASSERT_EQ(straight.size(), 6u);
   ASSERT_EQ(resumed.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[i], straight[3 + i]) << "step " << 4 + i;
-  const std::vector<double> again = read_losses(dir / "lora_again.txt");
+  const std::vector<double> again = shardtrain::testing::read_loss_lines(dir / "lora_again.txt");
   ASSERT_EQ(again.size(), 1u);
   EXPECT_EQ(again[0], eval_after) << "the reloaded adapter's eval loss vs the end of its training";
 
@@ -428,8 +422,8 @@ TEST(DistFinetune, GlobalTokenLossGivesTheSameStepsAtAnyWorldSizeAndAccumulation
   run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb8_acc2", 8, 2, "global_tokens"); }, harness);
   run_on_ranks(2, [](RankContext& ctx) { run_loss_split(ctx, "w2_mb8_rank_mean", 8, 1, "per_rank_mean"); }, harness);
   run_on_ranks(1, [](RankContext& ctx) { run_loss_split(ctx, "w1_mb16_rank_mean", 16, 1, "per_rank_mean"); }, harness);
-  const auto w2 = read_losses(dir / "w2_mb8.txt"), w1 = read_losses(dir / "w1_mb16.txt"),
-             acc = read_losses(dir / "w1_mb8_acc2.txt");
+  const auto w2 = shardtrain::testing::read_loss_lines(dir / "w2_mb8.txt"), w1 = shardtrain::testing::read_loss_lines(dir / "w1_mb16.txt"),
+             acc = shardtrain::testing::read_loss_lines(dir / "w1_mb8_acc2.txt");
   ASSERT_EQ(w1.size(), 10u);
   // The three differ only in fp32 rounding: the same products summed in
   // another order (the batch split inside the GEMMs, the gradient sum over
@@ -449,7 +443,7 @@ TEST(DistFinetune, GlobalTokenLossGivesTheSameStepsAtAnyWorldSizeAndAccumulation
   // The per-rank mean weighs each rank's tokens by 1/(its own count): the
   // same samples give other updates at another world size (and its step
   // loss, a mean of rank means, is not the mean over the batch's tokens).
-  const auto w2_mean = read_losses(dir / "w2_mb8_rank_mean.txt"), w1_mean = read_losses(dir / "w1_mb16_rank_mean.txt");
+  const auto w2_mean = shardtrain::testing::read_loss_lines(dir / "w2_mb8_rank_mean.txt"), w1_mean = shardtrain::testing::read_loss_lines(dir / "w1_mb16_rank_mean.txt");
   ASSERT_EQ(w1_mean.size(), 10u);
   std::cout << "per-rank mean, the same: world 2 x 8 vs world 1 x 16 " << max_relative_difference(w2_mean, w1_mean)
             << std::endl;

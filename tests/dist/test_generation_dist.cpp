@@ -17,6 +17,7 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/models/generation.h"
 #include "shardtrain/models/llama.h"
+#include "support/llama_golden.h"
 #include "support/multirank.h"
 #include "support/tiny_compare.h"
 
@@ -24,20 +25,9 @@ namespace {
 
 namespace sm = shardtrain::models;
 using shardtrain::MixedPrecision;
+using shardtrain::testing::load_golden_case;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::run_on_ranks;
-
-std::string golden_dir(const std::string& name) {
-  return std::string(SHARDTRAIN_SOURCE_DIR) + "/tests/data/golden/" + name;
-}
-
-sm::LlamaForCausalLM load_case(const std::string& name) {
-  auto config = sm::LlamaConfig::from_json_file(golden_dir(name) + "/config.json");
-  sm::LlamaForCausalLM model(config);
-  sm::load_hf_weights(model, golden_dir(name));
-  model->eval();
-  return model;
-}
 
 shardtrain::TrainingConfig zero3(bool activation_checkpointing) {
   // No persistence threshold or reuse distance: every layer is really freed after its forward.
@@ -94,8 +84,8 @@ class DistGeneration : public ::testing::TestWithParam<DistCase> {};
 TEST_P(DistGeneration, ShardedModelGeneratesThePlainModelsTokensOnEveryRank) {
   const DistCase c = GetParam();
   run_on_ranks(2, [c](RankContext& ctx) {
-    auto plain = load_case(c.model);
-    auto sharded = load_case(c.model);
+    auto plain = load_golden_case(c.model);
+    auto sharded = load_golden_case(c.model);
     auto accelerator = shardtrain::testing::accelerator_for(config_for(c, plain->config), ctx);
     shardtrain::RunInfo run = shardtrain::testing::micro_batch(1);
     run.hidden_size = plain->config.hidden_size;  // the file config's "auto" bucket sizes
@@ -190,7 +180,7 @@ TEST(DistGenerationTraining, NoGradForwardBeforeStepDoesNotLeaveStaleParameters)
         auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
         shardtrain::OptimizerOptions optimizer;
         optimizer.lr = 1e-2;  // a step that moves the logits well above the tolerance
-        auto prepared = accelerator->prepare(load_case("llama"), optimizer, shardtrain::testing::micro_batch(1));
+        auto prepared = accelerator->prepare(load_golden_case("llama"), optimizer, shardtrain::testing::micro_batch(1));
         accelerator->backward(sm::causal_lm_loss(prepared(ids), ids));
         if (generate_before_step) {
           torch::NoGradGuard no_grad;

@@ -68,7 +68,7 @@ int64_t layer_bytes(LlamaForCausalLM& model) {
 
 /// FSDP FULL_SHARD or ZeRO-3, bf16 mixed precision; `rank0_loads` turns on
 /// fsdp_cpu_ram_efficient_loading / zero3_init_flag.
-shardtrain::TrainingConfig engine_config(bool fsdp, bool rank0_loads) {
+shardtrain::TrainingConfig loading_engine_config(bool fsdp, bool rank0_loads) {
   if (!fsdp) {
     auto config = shardtrain::testing::zero_test_config(3, MixedPrecision::kBf16);
     config.zero3_init_flag = rank0_loads;
@@ -192,7 +192,7 @@ TEST_P(DistRankZeroLoading, OnlyRankZeroHoldsTheWeightsAndTrainingMatchesANormal
     TrainResult efficient, normal;
     int64_t model_bytes = 0, unit_bytes = 0;
     {
-      auto accelerator = accelerator_for(engine_config(fsdp, /*rank0_loads=*/true), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(fsdp, /*rank0_loads=*/true), ctx);
       EXPECT_EQ(accelerator->materialize_full_weights(), ctx.rank() == 0);
       const int64_t rss_before = shardtrain::peak_rss_bytes();
       LlamaForCausalLM model{nullptr};
@@ -247,7 +247,7 @@ TEST_P(DistRankZeroLoading, OnlyRankZeroHoldsTheWeightsAndTrainingMatchesANormal
       }
     }
     {
-      auto accelerator = accelerator_for(engine_config(fsdp, /*rank0_loads=*/false), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(fsdp, /*rank0_loads=*/false), ctx);
       EXPECT_TRUE(accelerator->materialize_full_weights());
       torch::manual_seed(3);
       LlamaForCausalLM model(config);
@@ -311,7 +311,7 @@ TEST_P(DistHfSource, EachRankReadsOnlyItsSlicesAndTrainingMatchesAFullLoad) {
     TrainResult sourced, full;
     auto checkpoint = std::make_shared<const shardtrain::models::HfCheckpoint>(hf_dir);
     {
-      auto accelerator = accelerator_for(engine_config(c.fsdp, false), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(c.fsdp, false), ctx);
       LlamaForCausalLM model = shardtrain::models::make_llama_without_weights(config);
       checkpoint->check_against(*model);
       EXPECT_EQ(shardtrain::parameter_storage_bytes(*model), 0) << "no rank builds the weights";
@@ -327,7 +327,7 @@ TEST_P(DistHfSource, EachRankReadsOnlyItsSlicesAndTrainingMatchesAFullLoad) {
     EXPECT_GT(read_share, 0.45);
     EXPECT_LT(read_share, 0.55);
     {
-      auto accelerator = accelerator_for(engine_config(c.fsdp, false), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(c.fsdp, false), ctx);
       torch::manual_seed(77);  // a different random init, overwritten by the load
       LlamaForCausalLM model(config);
       shardtrain::models::load_hf_weights(model, hf_dir);
@@ -364,7 +364,7 @@ TEST(DistLoadingErrors, MissingWeightsAndFailingSourcesFailOnEveryRankWithAMessa
     const LlamaConfig config = small_config();
     {
       // Nobody holds the weights and no source names where they are.
-      auto accelerator = accelerator_for(engine_config(true, true), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(true, true), ctx);
       const std::string message =
           prepare_error(*accelerator, shardtrain::models::make_llama_without_weights(config),
                         shardtrain::testing::micro_batch(2));
@@ -373,7 +373,7 @@ TEST(DistLoadingErrors, MissingWeightsAndFailingSourcesFailOnEveryRankWithAMessa
     }
     {
       // The source fails on rank 1 only: rank 1 reports its cause, rank 0 learns of it (no hang).
-      auto accelerator = accelerator_for(engine_config(true, false), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(true, false), ctx);
       shardtrain::RunInfo run = shardtrain::testing::micro_batch(2);
       const int rank = ctx.rank();
       run.weight_source = [rank](const std::string& name, int64_t, int64_t, at::Tensor out) {
@@ -392,7 +392,7 @@ TEST(DistLoadingErrors, MissingWeightsAndFailingSourcesFailOnEveryRankWithAMessa
     }
     {
       // A source that does not write its output is caught.
-      auto accelerator = accelerator_for(engine_config(false, false), ctx);
+      auto accelerator = accelerator_for(loading_engine_config(false, false), ctx);
       shardtrain::RunInfo run = shardtrain::testing::micro_batch(2);
       run.weight_source = [](const std::string&, int64_t, int64_t, at::Tensor out) { out = at::zeros_like(out); };
       const std::string message =
@@ -427,7 +427,7 @@ TEST_P(DistRankZeroLoadingStrategies, LossesMatchANormalLoad) {
   harness.local_world_size = c.local_world;
   run_on_ranks(c.world, [c](RankContext& ctx) {
     auto train = [&](bool rank0_loads) {
-      shardtrain::TrainingConfig config = engine_config(true, rank0_loads);
+      shardtrain::TrainingConfig config = loading_engine_config(true, rank0_loads);
       config.fsdp.sharding_strategy = c.strategy;
       config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
       if (c.pure) {

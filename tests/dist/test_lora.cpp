@@ -40,18 +40,18 @@ using shardtrain::models::LlamaForCausalLM;
 using shardtrain::testing::attention_lora_r8;
 using shardtrain::testing::RankContext;
 
-constexpr int kWorld = 2;
-const char* const kCase = "llama";
+constexpr int kLoraWorld = 2;
+const char* const kLoraCase = "llama";
 
-shardtrain::TrainingConfig engine_config(bool fsdp) {
+shardtrain::TrainingConfig lora_engine_config(bool fsdp) {
   shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
   shardtrain::testing::use_plain_sgd(config);
   return config;
 }
 
-/// engine_config(true) under another FSDP strategy.
-shardtrain::TrainingConfig fsdp_config(shardtrain::ShardingStrategy strategy) {
-  shardtrain::TrainingConfig config = engine_config(true);
+/// lora_engine_config(true) under another FSDP strategy.
+shardtrain::TrainingConfig lora_fsdp_config(shardtrain::ShardingStrategy strategy) {
+  shardtrain::TrainingConfig config = lora_engine_config(true);
   config.fsdp.sharding_strategy = strategy;
   return config;
 }
@@ -104,14 +104,14 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [fsdp, work = dir](RankContext& ctx) {
-    LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
+  shardtrain::testing::run_on_ranks(kLoraWorld, [fsdp, work = dir](RankContext& ctx) {
+    LlamaForCausalLM model = shardtrain::testing::load_golden_case(kLoraCase);
     std::map<std::string, at::Tensor> base_before;
     for (const auto& item : model->named_parameters()) base_before[item.key()] = item.value().detach().clone();
     const shardtrain::LoraConfig lora = attention_lora_r8();
     shardtrain::apply_lora(*model, lora);
     model->train();
-    auto accelerator = shardtrain::testing::accelerator_for(engine_config(fsdp), ctx);
+    auto accelerator = shardtrain::testing::accelerator_for(lora_engine_config(fsdp), ctx);
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
     torch::manual_seed(100 + ctx.rank());
     for (int step = 0; step < 3; ++step) {
@@ -135,14 +135,14 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
     EXPECT_THROW(accelerator->save_lora_adapter((work / "wrong").string(), not_applied), shardtrain::ConfigError);
     accelerator->save_lora_adapter((work / "adapter").string(), lora);
     accelerator->save_model((work / "merged").string(), "fp32", 5000000000ULL,
-                            shardtrain::testing::golden_dir(kCase) + "/config.json");
+                            shardtrain::testing::golden_dir(kLoraCase) + "/config.json");
     if (ctx.rank() != 0) return;
     // shardtrain's own load of what it saved, in fp64.
-    LlamaForCausalLM reloaded = shardtrain::testing::load_golden_case(kCase);
+    LlamaForCausalLM reloaded = shardtrain::testing::load_golden_case(kLoraCase);
     shardtrain::load_lora_adapter(*reloaded, (work / "adapter").string());
     reloaded->to(torch::kDouble);
     reloaded->eval();
-    const at::Tensor ids = st::Reader(shardtrain::testing::golden_dir(kCase) + "/inputs.safetensors").read("input_ids");
+    const at::Tensor ids = st::Reader(shardtrain::testing::golden_dir(kLoraCase) + "/inputs.safetensors").read("input_ids");
     at::Tensor logits;
     {
       at::NoGradGuard no_grad;
@@ -155,7 +155,7 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
   const std::string command = "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error " +
                               shardtrain::testing::peer_python() + " " +
                               SHARDTRAIN_SOURCE_DIR + "/scripts/peer_peft.py " +
-                              shardtrain::testing::golden_dir(kCase) + " " + dir.string();
+                              shardtrain::testing::golden_dir(kLoraCase) + " " + dir.string();
   // A bound against a hang, far above what this small peer takes.
   const auto peer = shardtrain::testing::run_peer_command(command, dir / "peer.log", std::chrono::seconds(300));
   ASSERT_EQ(peer.result.exit_code, 0) << "the PEFT peer failed: " << command << "\n" << peer.result.output;
@@ -166,7 +166,7 @@ TEST_P(DistLora, AdapterTrainedAtWorldTwoLoadsInPeftWithTheSameLogitsAndMergesAs
   const at::Tensor peft_logits = peft.read("peft_logits");
   ASSERT_EQ(our_logits.sizes(), peft_logits.sizes());
   const auto config =
-      shardtrain::models::LlamaConfig::from_json_file(shardtrain::testing::golden_dir(kCase) + "/config.json");
+      shardtrain::models::LlamaConfig::from_json_file(shardtrain::testing::golden_dir(kLoraCase) + "/config.json");
   const double max_abs = peft_logits.abs().max().item<double>();
   const double tolerance = lora_logit_tolerance(config, our_logits.size(1), max_abs, 8, 4);
   const double diff = (our_logits - peft_logits).abs().max().item<double>();
@@ -225,7 +225,7 @@ struct AdapterRun {
 constexpr int kAdapterSteps = 4;
 /// `bf16_values_in_fp32`: a bf16 base widened back to fp32 (values a bf16 copy holds exactly).
 LlamaForCausalLM adapted_golden_llama(bool bf16_base, bool bf16_values_in_fp32 = false) {
-  LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
+  LlamaForCausalLM model = shardtrain::testing::load_golden_case(kLoraCase);
   if (bf16_base || bf16_values_in_fp32) model->to(torch::kBFloat16);
   if (bf16_values_in_fp32) model->to(torch::kFloat);
   torch::manual_seed(7);  // the same adapter initialisation in every run
@@ -292,7 +292,7 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [dir](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [dir](RankContext& ctx) {
     const shardtrain::TrainingConfig standard = bf16_adapter_config(true);
     // Accelerate's rule: mixed_precision no with a bf16 model is pure low precision.
     shardtrain::TrainingConfig pure = standard;
@@ -306,7 +306,7 @@ TEST(DistLoraPure, AdaptersKeepFp32MastersAndTrainExactlyAsInStandardModeOnABf16
     EXPECT_EQ(run.plan.optimizer_dtype, "fp32");
     EXPECT_EQ(run.plan.shard_dtype, "bf16");
     EXPECT_EQ(run.plan.frozen_copy_bytes, 0.0);
-    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kWorld);
+    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kLoraWorld);
     EXPECT_NE(run.plan.to_string().find("frozen base is held in bf16 only"), std::string::npos)
         << run.plan.to_string();
 
@@ -361,7 +361,7 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [out = dir](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [out = dir](RankContext& ctx) {
     const shardtrain::TrainingConfig fsdp = bf16_adapter_config(true);
     const shardtrain::TrainingConfig zero3 = bf16_adapter_config(false);
     auto zero_stage = [&](int stage) {
@@ -371,7 +371,7 @@ TEST(DistLoraFrozenBase, IsHeldInBf16AloneWhereThePeerHoldsItSoAndTrainsAsWithAn
     };
 
     const AdapterRun reference = train_adapters(ctx, fsdp, false, out / "fsdp");
-    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kWorld);
+    EXPECT_EQ(reference.plan.frozen_copy_bytes, 4.0 / kLoraWorld);
     const int64_t frozen_bf16_bytes = reference.memory.params - reference.memory.optimizer / 4;
     EXPECT_GT(frozen_bf16_bytes, 0);
     // AdamW holds 8 B per trained element and the master 4, the copy 4 per frozen one (twice its bf16 shard).
@@ -455,7 +455,7 @@ TEST(DistLoraOffload, TheFrozenBaseMovesToTheHostWithTheAdaptersAndTrainsBitForB
   shardtrain::testing::MultiRankOptions harness;
   harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [out = dir](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [out = dir](RankContext& ctx) {
     for (const bool fsdp : {false, true}) {
       SCOPED_TRACE(fsdp ? "fsdp standard" : "zero-3");
       shardtrain::TrainingConfig config = bf16_adapter_config(fsdp);
@@ -493,7 +493,7 @@ TEST(DistLoraOffload, TheFrozenBaseMovesToTheHostWithTheAdaptersAndTrainsBitForB
 // that signal every layer stayed gathered to the end of backward: with every
 // layer adapted, the whole model. Eight layers, so the two differ by four.
 TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [](RankContext& ctx) {
     LlamaForCausalLM model = adapted_small_llama(8);
     int64_t root_numel = 0, layer_numel = 0, total_numel = 0;
     for (const auto& item : model->named_parameters()) {
@@ -502,7 +502,7 @@ TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
       if (name.rfind("model.layers.0.", 0) == 0) layer_numel += item.value().numel();
       if (name.find("layers.") == std::string::npos) root_numel += item.value().numel();
     }
-    shardtrain::TrainingConfig config = engine_config(true);
+    shardtrain::TrainingConfig config = lora_engine_config(true);
     config.mixed_precision = shardtrain::MixedPrecision::kBf16;
     config.optimizer.lr = 0.1;
     auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
@@ -533,10 +533,10 @@ TEST(DistLoraMemory, UnderFullShardEachAdaptedLayerIsFreedAfterItsBackward) {
 // NO_SHARD keeps everything, and sums the same two ranks' gradients the same
 // way, so the adapters end equal bit for bit.
 TEST(DistLoraMemory, ALayerRunTwicePerStepIsFreedOnlyAfterBothBackwards) {
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [](RankContext& ctx) {
     auto train = [&](shardtrain::ShardingStrategy strategy) {
       LlamaForCausalLM model = adapted_small_llama(4);
-      auto accelerator = shardtrain::testing::accelerator_for(fsdp_config(strategy), ctx);
+      auto accelerator = shardtrain::testing::accelerator_for(lora_fsdp_config(strategy), ctx);
       auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
       torch::manual_seed(100 + ctx.rank());
       for (int step = 0; step < 2; ++step) {
@@ -578,7 +578,7 @@ TORCH_MODULE(TwoBlocks);
 // since its frozen weights are still read for the input's gradient after its
 // adapter gradients are in. FULL_SHARD equals NO_SHARD bit for bit.
 TEST(DistLoraMemory, AUnitFedALeafInputStaysGatheredUntilBackwardEnds) {
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kLoraWorld, [](RankContext& ctx) {
     auto train = [&](shardtrain::ShardingStrategy strategy) {
       tiny::TinyConfig model_config;
       model_config.hidden = 32;
@@ -589,7 +589,7 @@ TEST(DistLoraMemory, AUnitFedALeafInputStaysGatheredUntilBackwardEnds) {
       lora.target_modules = {"qkv", "proj"};
       shardtrain::apply_lora(*model, lora);
       model->train();
-      shardtrain::TrainingConfig config = fsdp_config(strategy);
+      shardtrain::TrainingConfig config = lora_fsdp_config(strategy);
       config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
       auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
       auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));

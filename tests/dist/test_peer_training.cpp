@@ -70,7 +70,7 @@ void run_peer(const fs::path& dir, const std::string& extra = "") {
 }
 
 /// `zero_stage`: the ZeRO stage where not `fsdp`.
-shardtrain::TrainingConfig engine_config(bool fsdp, const std::string& optimizer, int zero_stage = 3) {
+shardtrain::TrainingConfig peer_engine_config(bool fsdp, const std::string& optimizer, int zero_stage = 3) {
   shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(fsdp);
   if (!fsdp) config.zero.stage = zero_stage;
   // The peer's settings (scripts/peer_train.py OPTIMIZERS).
@@ -193,7 +193,7 @@ void expect_peer_losses(const PeerCase& c, const std::string& peer_name, const s
         shardtrain::safetensors::Reader((peer_dir / "batches.safetensors").string()).read("input_ids");
     ASSERT_EQ(batches.sizes().vec(), (std::vector<int64_t>{kSteps, kWorld, 2, 16}));
 
-    auto accelerator = shardtrain::testing::accelerator_for(engine_config(c.fsdp, c.optimizer, c.zero_stage), ctx);
+    auto accelerator = shardtrain::testing::accelerator_for(peer_engine_config(c.fsdp, c.optimizer, c.zero_stage), ctx);
     LlamaForCausalLM model = shardtrain::testing::load_golden_case(kCase);
     model->train();
     auto prepared = accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
@@ -282,7 +282,7 @@ TEST_P(DistPeerPeft, TwentyFp32LoraStepsMatchPeftLosses) {
     const at::Tensor batches =
         shardtrain::safetensors::Reader((peer_dir / "batches.safetensors").string()).read("input_ids");
 
-    auto accelerator = shardtrain::testing::accelerator_for(engine_config(c.fsdp, "adamw"), ctx);
+    auto accelerator = shardtrain::testing::accelerator_for(peer_engine_config(c.fsdp, "adamw"), ctx);
     const std::string base = (peer_dir / "base").string();
     LlamaForCausalLM model(shardtrain::models::LlamaConfig::from_json_file(base + "/config.json"));
     shardtrain::models::load_hf_weights(model, base);

@@ -35,17 +35,17 @@ using shardtrain::testing::attention_lora_r8;
 using shardtrain::testing::RankContext;
 using shardtrain::testing::use_plain_sgd;
 
-constexpr int kWorld = 2;
-constexpr int kSteps = 3;
+constexpr int kQloraWorld = 2;
+constexpr int kQloraSteps = 3;
 
-shardtrain::models::LlamaConfig model_config() { return shardtrain::testing::small_gqa_llama_config(64); }
+shardtrain::models::LlamaConfig qlora_model_config() { return shardtrain::testing::small_gqa_llama_config(64); }
 
-/// kSteps steps on random ids, seeded per rank; the per-step losses.
+/// kQloraSteps steps on random ids, seeded per rank; the per-step losses.
 template <typename Prepared>
 std::vector<double> train_steps(RankContext& ctx, shardtrain::Accelerator& accelerator, Prepared& prepared) {
   std::vector<double> losses;
   torch::manual_seed(100 + ctx.rank());
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kQloraSteps; ++step) {
     const at::Tensor ids = torch::randint(0, 64, {2, 16}, torch::kLong);
     const at::Tensor loss = shardtrain::models::causal_lm_loss(prepared(ids), ids);
     accelerator.backward(loss);
@@ -58,19 +58,19 @@ std::vector<double> train_steps(RankContext& ctx, shardtrain::Accelerator& accel
 
 struct RunResult {
   std::vector<double> losses;
-  shardtrain::TrafficReport traffic;  // over kSteps steps
+  shardtrain::TrafficReport traffic;  // over kQloraSteps steps
   shardtrain::MemoryReport memory;
   int64_t quantized_weights = 0, nf4_bytes = 0;
 };
 
 /// LoRA r 8 on q/k/v/o, bf16 mixed precision (`bf16_base`: the model built
-/// in bf16 and mixed_precision no, FSDP's pure low precision), kSteps SGD
+/// in bf16 and mixed_precision no, FSDP's pure low precision), kQloraSteps SGD
 /// steps; with `quantize`, the frozen base in NF4 (lm_head kept, as by
 /// default: every quantized weight is then in a decoder layer's unit).
-RunResult train(RankContext& ctx, shardtrain::TrainingConfig config, bool quantize, const fs::path& checkpoint_dir,
+RunResult train_qlora(RankContext& ctx, shardtrain::TrainingConfig config, bool quantize, const fs::path& checkpoint_dir,
                 bool bf16_base = false) {
   torch::manual_seed(11);
-  LlamaForCausalLM model(model_config());
+  LlamaForCausalLM model(qlora_model_config());
   if (bf16_base) model->to(torch::kBFloat16);
   const shardtrain::LoraConfig lora = attention_lora_r8();
   shardtrain::apply_lora(*model, lora);
@@ -134,11 +134,11 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [mode, work = dir](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kQloraWorld, [mode, work = dir](RankContext& ctx) {
     const bool pure = mode == "fsdp_pure";
     const shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(mode != "zero3");
-    const RunResult bf16 = train(ctx, config, false, work / "unused", pure);
-    const RunResult nf4 = train(ctx, config, true, work / "checkpoints", pure);
+    const RunResult bf16 = train_qlora(ctx, config, false, work / "unused", pure);
+    const RunResult nf4 = train_qlora(ctx, config, true, work / "checkpoints", pure);
     if (pure) {
       // No fp32 copy of the frozen base (the bf16 embeddings, norms and
       // lm_head): the fp32 masters are the adapters' alone, 4 B per trained
@@ -162,10 +162,10 @@ TEST_P(DistQlora, TheNf4BaseIsGatheredAsItsBytesAndTheAdaptersTrainOnIt) {
     const double ratio = static_cast<double>(nf4.nf4_bytes) / static_cast<double>(2 * nf4.quantized_weights);
     EXPECT_LE(ratio, 0.5 / 2 + 1.0 / 128 + 6.0 / 2048);  // 4 bits + the absmax byte per 64 + scale, offset, padding
     if (ctx.rank() == 0) {
-      std::cout << mode << " per step: frozen weights gathered " << bf16.traffic.frozen_gather_bytes / kSteps
-                << " B with a bf16 base, " << nf4.traffic.frozen_gather_bytes / kSteps
+      std::cout << mode << " per step: frozen weights gathered " << bf16.traffic.frozen_gather_bytes / kQloraSteps
+                << " B with a bf16 base, " << nf4.traffic.frozen_gather_bytes / kQloraSteps
                 << " B with the NF4 base (the quantized weights: " << ratio << " of their bf16 bytes); all parameters "
-                << bf16.traffic.param_gather_bytes / kSteps << " -> " << nf4.traffic.param_gather_bytes / kSteps << " B\n";
+                << bf16.traffic.param_gather_bytes / kQloraSteps << " -> " << nf4.traffic.param_gather_bytes / kQloraSteps << " B\n";
     }
   }, harness);
 }
@@ -177,18 +177,18 @@ INSTANTIATE_TEST_SUITE_P(DistEngines, DistQlora, ::testing::Values("zero3", "fsd
 // DistOffload.*) the NF4 base's shards live in host memory with the
 // adapters' partition and each gather uploads them as bytes: the same
 // losses, the same traffic, the base unchanged through a checkpoint round
-// trip (train() checks it), and no model state left on the device at rest.
+// trip (train_qlora() checks it), and no model state left on the device at rest.
 TEST(DistQloraOffload, TheNf4BaseMovesToTheHostAndTrainsAsWithoutOffload) {
   const fs::path dir = shardtrain::testing::test_scratch_dir();
   shardtrain::testing::MultiRankOptions harness;
   harness.env["SHARDTRAIN_OFFLOAD_ON_CPU"] = "1";
   harness.timeout = std::chrono::seconds(300);
-  shardtrain::testing::run_on_ranks(kWorld, [work = dir](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kQloraWorld, [work = dir](RankContext& ctx) {
     shardtrain::TrainingConfig config = shardtrain::testing::fp32_llama_engine_config(false);
-    const RunResult on_device = train(ctx, config, true, work / "on_device");
+    const RunResult on_device = train_qlora(ctx, config, true, work / "on_device");
     config.zero.offload_param = shardtrain::OffloadDevice::kCpu;
     config.zero.offload_optimizer = shardtrain::OffloadDevice::kCpu;
-    const RunResult offloaded = train(ctx, config, true, work / "offloaded");
+    const RunResult offloaded = train_qlora(ctx, config, true, work / "offloaded");
     EXPECT_EQ(offloaded.losses, on_device.losses);
     EXPECT_EQ(offloaded.traffic.param_gather_bytes, on_device.traffic.param_gather_bytes);
     EXPECT_EQ(offloaded.traffic.frozen_gather_bytes, on_device.traffic.frozen_gather_bytes);
@@ -209,7 +209,7 @@ struct LoadedRun {
   int64_t adapter_bytes = 0;                ///< the LoRA parameters'
 };
 
-/// The QLoRA run of train(), with `rank0_loads` (fsdp_cpu_ram_efficient_loading
+/// The QLoRA run of train_qlora(), with `rank0_loads` (fsdp_cpu_ram_efficient_loading
 /// or zero3_init_flag): the ranks where materialize_full_weights() is false
 /// build the model without weights and quantize that.
 LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_loads,
@@ -225,8 +225,8 @@ LoadedRun train_loading(RankContext& ctx, const std::string& mode, bool rank0_lo
   torch::manual_seed(11);
   const at::ScalarType dtype = pure ? at::kBFloat16 : at::kFloat;
   LlamaForCausalLM model = accelerator->materialize_full_weights()
-                               ? LlamaForCausalLM(model_config())
-                               : shardtrain::models::make_llama_without_weights(model_config(), dtype);
+                               ? LlamaForCausalLM(qlora_model_config())
+                               : shardtrain::models::make_llama_without_weights(qlora_model_config(), dtype);
   if (accelerator->materialize_full_weights()) model->to(dtype);
   const shardtrain::LoraConfig lora = attention_lora_r8();
   shardtrain::apply_lora(*model, lora);
@@ -251,7 +251,7 @@ class DistQloraRankZeroLoading : public ::testing::TestWithParam<std::string> {}
 // receives its shards of rank 0's NF4 bytes: the training is the same, to the
 // bit, as when every rank loads and quantizes the whole base.
 TEST_P(DistQloraRankZeroLoading, RankOneHoldsNoBaseAndTrainsAsWhenEveryRankLoadsIt) {
-  shardtrain::testing::run_on_ranks(kWorld, [mode = GetParam()](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kQloraWorld, [mode = GetParam()](RankContext& ctx) {
     const LoadedRun everyone = train_loading(ctx, mode, false);
     const LoadedRun rank0 = train_loading(ctx, mode, true);
     if (ctx.rank() == 0) {
@@ -278,7 +278,7 @@ INSTANTIATE_TEST_SUITE_P(DistEngines, DistQloraRankZeroLoading,
 // quantized weight that no rank holds is refused on every rank, by name, and
 // so is one that rank 0 quantized without its values.
 TEST(DistQloraRankZeroLoadingErrors, Nf4WeightsWithoutValuesOnRankZeroAreRefusedOnEveryRank) {
-  shardtrain::testing::run_on_ranks(kWorld, [](RankContext& ctx) {
+  shardtrain::testing::run_on_ranks(kQloraWorld, [](RankContext& ctx) {
     shardtrain::RunInfo run = shardtrain::testing::micro_batch(2);
     run.weight_source = [](const std::string&, int64_t, int64_t, at::Tensor) {};
     try {
@@ -294,7 +294,7 @@ TEST(DistQloraRankZeroLoadingErrors, Nf4WeightsWithoutValuesOnRankZeroAreRefused
     config.fsdp.cpu_ram_efficient_loading = true;
     auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
     torch::manual_seed(11);
-    LlamaForCausalLM model(model_config());
+    LlamaForCausalLM model(qlora_model_config());
     shardtrain::apply_lora(*model, shardtrain::LoraConfig());
     // Every rank, rank 0 too, quantizes the projections without their values.
     for (const auto& item : model->named_parameters()) {
@@ -317,7 +317,7 @@ TEST(DistQloraRankZeroLoadingErrors, Nf4WeightsWithoutValuesOnRankZeroAreRefused
 // Where parameters are not sharded (ZeRO-2 at world 2, zero-0 at world 1)
 // the NF4 bytes are replicated: the parameters view the (whole) shard, the
 // base is never gathered, and the adapters still train on the unchanged base,
-// save and resume (train() checks each).
+// save and resume (train_qlora() checks each).
 TEST(DistQloraUnsharded, ZeroTwoAtWorldTwoAndZeroZeroAtWorldOneTrainOnTheNf4Base) {
   for (const int world : {2, 1}) {
     SCOPED_TRACE("world " + std::to_string(world));
@@ -327,7 +327,7 @@ TEST(DistQloraUnsharded, ZeroTwoAtWorldTwoAndZeroZeroAtWorldOneTrainOnTheNf4Base
     shardtrain::testing::run_on_ranks(world, [world, dir](RankContext& ctx) {
       const shardtrain::TrainingConfig config =
           shardtrain::testing::zero_test_config(world == 2 ? 2 : 0, shardtrain::MixedPrecision::kBf16);
-      const RunResult nf4 = train(ctx, config, true, dir / "checkpoints");
+      const RunResult nf4 = train_qlora(ctx, config, true, dir / "checkpoints");
       // ZeRO-2 all-gathers the adapters' stepped shards after each step, as
       // DeepSpeed does; the frozen base is never sent.
       EXPECT_EQ(nf4.traffic.frozen_gather_bytes, 0) << "the replicated NF4 base was gathered";

@@ -15,7 +15,7 @@
 
 namespace {
 
-std::vector<nlohmann::json> read_lines(const std::string& path) {
+std::vector<nlohmann::json> read_json_lines(const std::string& path) {
   std::vector<nlohmann::json> lines;
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
@@ -48,8 +48,8 @@ TEST(DistTinyMetrics, ReferenceRunWritesTheEngineRunsMetricsFields) {
   options.metrics_out = dir.file("reference.jsonl");
   const tiny::TinyRunResult reference = tiny::run_tiny_reference(options, 1);
 
-  const auto engine_lines = read_lines(dir.file("engine.jsonl"));
-  const auto reference_lines = read_lines(dir.file("reference.jsonl"));
+  const auto engine_lines = read_json_lines(dir.file("engine.jsonl"));
+  const auto reference_lines = read_json_lines(dir.file("reference.jsonl"));
   ASSERT_EQ(engine_lines.size(), 3u);
   ASSERT_EQ(reference_lines.size(), 3u);
   for (std::size_t i = 0; i < 3; ++i) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/multirank.h"
+#include "support/run_outputs.h"
 #include "support/test_scratch.h"
 
 namespace {
@@ -21,13 +22,6 @@ std::vector<double> losses_of(const fs::path& metrics) {
     if (!line.empty()) losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
   }
   return losses;
-}
-
-std::string read_latest(const fs::path& dir) {
-  std::ifstream in(dir / "latest");
-  std::string tag;
-  std::getline(in, tag);
-  return tag;
 }
 
 TEST(FaultCheckpointCrash, SaveKilledAtAnyPointLeavesALoadableCheckpoint) {
@@ -49,13 +43,13 @@ TEST(FaultCheckpointCrash, SaveKilledAtAnyPointLeavesALoadableCheckpoint) {
     const fs::path dir = root / point;
     const auto first = launch(dir, "--steps 2");
     ASSERT_EQ(first.exit_code, 0) << first.output;
-    ASSERT_EQ(read_latest(dir), "step_2");
+    ASSERT_EQ(shardtrain::testing::read_latest_tag(dir), "step_2");
     const auto killed = launch(dir, "--steps 4 --resume " + dir.string(),
                                std::string("SHARDTRAIN_CHECKPOINT_KILL_AT=") + point);
     EXPECT_NE(killed.exit_code, 0) << point << ": the save was not killed\n" << killed.output;
     EXPECT_NE(killed.output.find("rank 0"), std::string::npos) << killed.output;
     // `latest` still names the complete step-2 checkpoint.
-    EXPECT_EQ(read_latest(dir), "step_2") << point;
+    EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_2") << point;
     EXPECT_TRUE(fs::exists(dir / "step_2" / "index.json")) << point;
     const fs::path metrics = dir / "resumed.jsonl";
     const auto resumed = launch(dir, "--steps 4 --resume " + dir.string() + " --metrics-out " + metrics.string());
@@ -64,7 +58,7 @@ TEST(FaultCheckpointCrash, SaveKilledAtAnyPointLeavesALoadableCheckpoint) {
     ASSERT_EQ(losses.size(), 2u) << point;
     EXPECT_EQ(losses[0], expected[2]) << point << ": step 3 after resuming";
     EXPECT_EQ(losses[1], expected[3]) << point << ": step 4 after resuming";
-    EXPECT_EQ(read_latest(dir), "step_4") << point;
+    EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_4") << point;
   }
 }
 

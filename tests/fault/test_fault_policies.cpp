@@ -24,6 +24,7 @@
 #include "shardtrain/accelerator.h"
 #include "shardtrain/error.h"
 #include "support/multirank.h"
+#include "support/run_outputs.h"
 #include "support/scoped_environment.h"
 #include "support/test_scratch.h"
 #include "support/tiny_compare.h"
@@ -83,13 +84,6 @@ bool same_tensors(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
   return true;
 }
 
-std::string read_latest(const fs::path& dir) {
-  std::ifstream in(dir / "latest");
-  std::string tag;
-  std::getline(in, tag);
-  return tag;
-}
-
 std::vector<std::string> leftovers(const fs::path& dir) {
   std::vector<std::string> found;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -138,7 +132,7 @@ TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNot
       }
       EXPECT_EQ(failed, "") << injection.spec << ": the save must report failure on every rank";
       ctx.comm->barrier();
-      EXPECT_EQ(read_latest(dir), "step_2") << injection.spec;
+      EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_2") << injection.spec;
       EXPECT_FALSE(fs::exists(dir / "step_3")) << injection.spec;
       EXPECT_TRUE(leftovers(dir).empty()) << injection.spec << ": left " << leftovers(dir).size() << " entries";
       EXPECT_TRUE(same_tensors(before, loop.parameters())) << injection.spec << ": the save changed the model";
@@ -146,7 +140,7 @@ TEST(FaultCheckpointSave, AFailedSaveAtAnyPhaseOnAnyRankCostsOneCheckpointAndNot
       for (int step = 3; step < 5; ++step) losses.push_back(loop.step(step));
       EXPECT_EQ(losses, expected) << injection.spec;
       EXPECT_EQ(loop.accelerator->save_state(dir.string()), (dir / "step_5").string()) << injection.spec;
-      EXPECT_EQ(read_latest(dir), "step_5");
+      EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_5");
       // The previous complete checkpoint still loads, in a fresh run.
       TinyLoop resumed(zero_test_config(3, MixedPrecision::kNo), ctx);
       resumed.accelerator->load_state(dir.string(), "step_2");
@@ -183,7 +177,7 @@ TEST(FaultCheckpointSave, CheckpointOnErrorStopThrowsOnEveryRankWithTheSameClean
       }
     }
     ctx.comm->barrier();
-    EXPECT_EQ(read_latest(dir), "step_1");
+    EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_1");
     EXPECT_TRUE(leftovers(dir).empty());
   });
 }
@@ -245,7 +239,7 @@ TEST(FaultCheckpointSave, AFullTmpfsFailsTheSaveFreesItsSpaceAndTrainingGoesOn) 
     struct statvfs after {};
     ::statvfs(dir.c_str(), &after);
     EXPECT_EQ(after.f_bfree, before.f_bfree) << "the failed save's partial files must not keep the disk full";
-    EXPECT_EQ(read_latest(dir), "step_1");
+    EXPECT_EQ(shardtrain::testing::read_latest_tag(dir), "step_1");
     EXPECT_TRUE(leftovers(dir).empty());
     const double loss = loop.step(2);
     EXPECT_TRUE(std::isfinite(loss)) << "training goes on";
@@ -373,7 +367,7 @@ TEST(FaultNonFinite, Fp16OverflowOnEveryStepLowersTheScaleToItsMinimumThenStops)
 
 // ---- 2. ranks that disagree are stopped at prepare()
 
-std::string prepare_error(const shardtrain::TrainingConfig& config, RankContext& ctx, int64_t hidden,
+std::string policy_prepare_error(const shardtrain::TrainingConfig& config, RankContext& ctx, int64_t hidden,
                           std::optional<uint64_t> seed = std::nullopt) {
   auto accelerator = accelerator_for(config, ctx);
   tiny::TinyConfig model_config;
@@ -394,25 +388,25 @@ TEST(FaultRankAgreement, ADifferentConfigModelOrSeedOnOneRankIsAnErrorNamingTheF
   run_on_ranks(2, [&](RankContext& ctx) {
     tiny::TinyConfig defaults;
     const bool odd = ctx.rank() == 1;
-    const std::string stage = prepare_error(zero_test_config(odd ? 2 : 3, MixedPrecision::kBf16), ctx, defaults.hidden);
+    const std::string stage = policy_prepare_error(zero_test_config(odd ? 2 : 3, MixedPrecision::kBf16), ctx, defaults.hidden);
     EXPECT_NE(stage.find("ranks disagree on the resolved config"), std::string::npos) << stage;
     EXPECT_NE(stage.find("rank 0 has '  stage: 3'"), std::string::npos) << stage;
     EXPECT_NE(stage.find("rank 1 has '  stage: 2'"), std::string::npos) << stage;
 
-    const std::string dtype = prepare_error(zero_test_config(3, odd ? MixedPrecision::kNo : MixedPrecision::kBf16),
+    const std::string dtype = policy_prepare_error(zero_test_config(3, odd ? MixedPrecision::kNo : MixedPrecision::kBf16),
                                             ctx, defaults.hidden);
     EXPECT_NE(dtype.find("mixed_precision"), std::string::npos) << dtype;
 
     const std::string model =
-        prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, odd ? defaults.hidden * 2 : defaults.hidden);
+        policy_prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, odd ? defaults.hidden * 2 : defaults.hidden);
     EXPECT_NE(model.find("ranks disagree on the model"), std::string::npos) << model;
     EXPECT_NE(model.find("param "), std::string::npos) << model;
 
     const std::string seed =
-        prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, defaults.hidden, odd ? 2u : 1u);
+        policy_prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, defaults.hidden, odd ? 2u : 1u);
     EXPECT_NE(seed.find("rank 0 has 'seed: 1' and rank 1 has 'seed: 2'"), std::string::npos) << seed;
 
-    EXPECT_EQ(prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, defaults.hidden, 7u), "")
+    EXPECT_EQ(policy_prepare_error(zero_test_config(3, MixedPrecision::kBf16), ctx, defaults.hidden, 7u), "")
         << "identical ranks pass";
   });
 }

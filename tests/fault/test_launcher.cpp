@@ -77,7 +77,7 @@ std::vector<pid_t> still_alive_after_settling(const std::vector<pid_t>& pids) {
   return alive;
 }
 
-std::string join(const std::vector<pid_t>& pids) {
+std::string join_pids(const std::vector<pid_t>& pids) {
   std::ostringstream out;
   for (pid_t pid : pids) out << pid << " ";
   return out.str();
@@ -109,7 +109,7 @@ TEST(FaultLauncher, FailingWorkerStopsTheWholeJob) {
   const std::vector<pid_t> recorded = read_pids(pids);
   EXPECT_EQ(recorded.size(), 4u) << result.output;
   const std::vector<pid_t> alive = still_alive_after_settling(recorded);
-  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join_pids(alive) << "\n" << result.output;
 }
 
 TEST(FaultLauncher, WorkerKilledBySignalIsNamed) {
@@ -139,7 +139,7 @@ TEST(FaultLauncher, SigtermToLauncherStopsEveryWorker) {
   EXPECT_EQ(recorded.size(), 4u) << result.output;
   recorded.push_back(read_pids(launcher_pid).at(0));
   const std::vector<pid_t> alive = still_alive_after_settling(recorded);
-  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join_pids(alive) << "\n" << result.output;
 }
 
 TEST(FaultLauncher, WorkersDieWithAKilledLauncher) {
@@ -155,7 +155,7 @@ TEST(FaultLauncher, WorkersDieWithAKilledLauncher) {
   const std::vector<pid_t> recorded = read_pids(pids);
   EXPECT_EQ(recorded.size(), 2u) << result.output;
   const std::vector<pid_t> alive = still_alive_after_settling(recorded);
-  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join_pids(alive) << "\n" << result.output;
 }
 
 TEST(FaultLauncher, SigkillAfterGracePeriodForWorkersIgnoringSigterm) {
@@ -173,7 +173,7 @@ TEST(FaultLauncher, SigkillAfterGracePeriodForWorkersIgnoringSigterm) {
   EXPECT_TRUE(contains(result.output, "exited with status 4")) << result.output;
   EXPECT_TRUE(contains(result.output, "needed SIGKILL")) << result.output;
   const std::vector<pid_t> alive = still_alive_after_settling(read_pids(pids));
-  EXPECT_TRUE(alive.empty()) << "left alive: " << join(alive) << "\n" << result.output;
+  EXPECT_TRUE(alive.empty()) << "left alive: " << join_pids(alive) << "\n" << result.output;
 }
 
 TEST(FaultLauncher, OutputLinesArePrefixedWithRank) {

@@ -50,7 +50,7 @@ using shardtrain::testing::ScopedEnvironment;
 const std::vector<const char*> kLauncherVariables = {"SHARDTRAIN_CONFIG_FILE", "SHARDTRAIN_DEEPSPEED_CONFIG_FILE",
                                                      "SHARDTRAIN_MIXED_PRECISION", "SHARDTRAIN_DISTRIBUTED_TYPE"};
 
-std::string error_of(const std::function<void()>& body) {
+std::string config_error_of(const std::function<void()>& body) {
   try {
     body();
   } catch (const ConfigError& e) {
@@ -272,7 +272,7 @@ TEST(UnitConfigErrors, EveryMalformedConfigFailsWithItsMessage) {
     SCOPED_TRACE(bad.file);
     covered.insert(bad.file);
     const std::string message =
-        error_of([&] { shardtrain::load_config((kBadDir / bad.file).string()); });
+        config_error_of([&] { shardtrain::load_config((kBadDir / bad.file).string()); });
     ASSERT_FALSE(message.empty()) << "no ConfigError";
     for (const auto& expected : bad.expected) {
       EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in: " << message;
@@ -289,7 +289,7 @@ TEST(UnitConfigErrors, BatchTripleMismatchNamesAllValuesAndWorldSize) {
       R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})", "json");
   AutoContext context;
   context.world_size = 2;
-  const std::string message = error_of([&] { shardtrain::resolve_auto(config, context); });
+  const std::string message = config_error_of([&] { shardtrain::resolve_auto(config, context); });
   EXPECT_NE(message.find("train_batch_size 32 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 "
                          "* world size 2 = 16"),
             std::string::npos)
@@ -301,18 +301,18 @@ TEST(UnitConfigErrors, UnderivableBatchAndMissingRunFactsAreErrors) {
   context.world_size = 2;
   const TrainingConfig indivisible =
       shardtrain::parse_config(R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})", "json");
-  EXPECT_NE(error_of([&] { shardtrain::resolve_auto(indivisible, context); })
+  EXPECT_NE(config_error_of([&] { shardtrain::resolve_auto(indivisible, context); })
                 .find("train_batch_size 30 is not a multiple of train_micro_batch_size_per_gpu 4 * world size 2"),
             std::string::npos);
 
   const TrainingConfig no_micro = shardtrain::parse_config(R"({"train_micro_batch_size_per_gpu": "auto"})", "json");
-  EXPECT_NE(error_of([&] { shardtrain::resolve_auto(no_micro, context); }).find("--micro-batch"), std::string::npos);
+  EXPECT_NE(config_error_of([&] { shardtrain::resolve_auto(no_micro, context); }).find("--micro-batch"), std::string::npos);
 
   const TrainingConfig decay = shardtrain::parse_config(
       R"({"train_micro_batch_size_per_gpu": 2,
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}})",
       "json");
-  EXPECT_NE(error_of([&] { shardtrain::resolve_auto(decay, context); })
+  EXPECT_NE(config_error_of([&] { shardtrain::resolve_auto(decay, context); })
                 .find("scheduler WarmupDecayLR needs scheduler.params.total_num_steps"),
             std::string::npos);
   context.total_steps = 50;
@@ -326,7 +326,7 @@ TEST(UnitConfigErrors, PrecisionConflictsAcrossYamlAndJson) {
   const std::string yaml = dir.write("acc.yaml",
                                      "distributed_type: DEEPSPEED\nmixed_precision: fp16\n"
                                      "deepspeed_config:\n  deepspeed_config_file: ds.json\n");
-  EXPECT_NE(error_of([&] { shardtrain::load_config(yaml); }).find("conflicts with fp16.enabled: false"),
+  EXPECT_NE(config_error_of([&] { shardtrain::load_config(yaml); }).find("conflicts with fp16.enabled: false"),
             std::string::npos);
 
   // A config built in code is checked by resolve_auto as well.
@@ -334,32 +334,32 @@ TEST(UnitConfigErrors, PrecisionConflictsAcrossYamlAndJson) {
   config.fp16.enabled = true;
   config.bf16 = true;
   config.train_micro_batch_size_per_gpu = 1;
-  EXPECT_NE(error_of([&] { shardtrain::resolve_auto(config, AutoContext{}); })
+  EXPECT_NE(config_error_of([&] { shardtrain::resolve_auto(config, AutoContext{}); })
                 .find("fp16.enabled and bf16.enabled are both true"),
             std::string::npos);
 }
 
 TEST(UnitConfigErrors, WrongTypesNameKeyValueAndExpectation) {
-  EXPECT_NE(error_of([] { shardtrain::parse_config("num_processes: two\n", "yaml"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config("num_processes: two\n", "yaml"); })
                 .find("num_processes must be a positive integer, got \"two\""),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config(R"({"bf16": {"enabled": "maybe"}})", "json"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config(R"({"bf16": {"enabled": "maybe"}})", "json"); })
                 .find("bf16.enabled must be true or false, got \"maybe\""),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config(R"({"zero_optimization": [3]})", "json"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config(R"({"zero_optimization": [3]})", "json"); })
                 .find("zero_optimization must be a mapping"),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
                                                    "json"); })
                 .find("optimizer.params.betas must be a list of two numbers"),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config("distributed_type: XLA\n", "yaml"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config("distributed_type: XLA\n", "yaml"); })
                 .find("distributed_type: XLA is not supported by shardtrain"),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config("machine_rank: 2\nnum_machines: 2\n", "yaml"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config("machine_rank: 2\nnum_machines: 2\n", "yaml"); })
                 .find("machine_rank: 2 ((yaml text):1) is out of range for num_machines: 2 ((yaml text):2)"),
             std::string::npos);
-  EXPECT_NE(error_of([] { shardtrain::parse_config("machine_rank: 1\n", "yaml"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config("machine_rank: 1\n", "yaml"); })
                 .find("machine_rank: 1 ((yaml text):1) is out of range for num_machines 1 (the default)"),
             std::string::npos);
 }
@@ -385,7 +385,7 @@ TEST(UnitConfigWarnings, UnknownKeySuggestsTheNearestKnownKey) {
 
 TEST(UnitConfigWarnings, StrictTurnsUnknownKeysIntoErrorsInEitherFormat) {
   const std::string message =
-      error_of([] { shardtrain::parse_config("strict: true\ndistributed_type: FSDP\nfsdp_confg: {}\n", "yaml"); });
+      config_error_of([] { shardtrain::parse_config("strict: true\ndistributed_type: FSDP\nfsdp_confg: {}\n", "yaml"); });
   EXPECT_NE(message.find("unknown key 'fsdp_confg'"), std::string::npos) << message;
   EXPECT_NE(message.find("did you mean 'fsdp_config'?"), std::string::npos) << message;
   // Not-implemented keys are known keys: strict leaves them warnings.
@@ -834,7 +834,7 @@ TEST(UnitConfigConvert, OffloadLoadingCheckpointAndPrecisionCarryOver) {
                              pure_notes);
   EXPECT_TRUE(has_note(pure_notes, "fsdp_pure_low_precision has no DeepSpeed equivalent"));
 
-  EXPECT_NE(error_of([&] { shardtrain::convert_config(fsdp, "megatron", notes); })
+  EXPECT_NE(config_error_of([&] { shardtrain::convert_config(fsdp, "megatron", notes); })
                 .find("convert target megatron is not one of fsdp, deepspeed"),
             std::string::npos);
 }
@@ -884,7 +884,7 @@ TEST(UnitConfigEnvironment, LauncherVariablesSelectFilesAndOverride) {
                            {"SHARDTRAIN_DEEPSPEED_CONFIG_FILE", json},
                            {"SHARDTRAIN_MIXED_PRECISION", "bf16"},
                            {"SHARDTRAIN_DISTRIBUTED_TYPE", "DEEPSPEED"}});
-    const std::string message = error_of([] { shardtrain::config_from_environment(); });
+    const std::string message = config_error_of([] { shardtrain::config_from_environment(); });
     EXPECT_NE(message.find("SHARDTRAIN_MIXED_PRECISION=bf16 conflicts with fp16.enabled: true"), std::string::npos)
         << message;
   }
@@ -903,7 +903,7 @@ TEST(UnitConfigEnvironment, LauncherVariablesSelectFilesAndOverride) {
                            {"SHARDTRAIN_DEEPSPEED_CONFIG_FILE", std::nullopt},
                            {"SHARDTRAIN_MIXED_PRECISION", "fp8"},
                            {"SHARDTRAIN_DISTRIBUTED_TYPE", std::nullopt}});
-    EXPECT_NE(error_of([] { shardtrain::config_from_environment(); }).find("SHARDTRAIN_MIXED_PRECISION: fp8"),
+    EXPECT_NE(config_error_of([] { shardtrain::config_from_environment(); }).find("SHARDTRAIN_MIXED_PRECISION: fp8"),
               std::string::npos);
   }
 }
@@ -999,7 +999,7 @@ TEST(UnitConfigHabits, DeepSpeedFileResolvesFromTheWorkingDirectoryThenNextToThe
   // Neither: the error names both places it looked.
   fs::remove(dir.file("run/configs/ds.json"));
   in_directory(dir.file("run"), [&] {
-    const std::string message = error_of([&] { shardtrain::load_config(yaml); });
+    const std::string message = config_error_of([&] { shardtrain::load_config(yaml); });
     const std::string cwd = fs::weakly_canonical(dir.file("run")).string();
     EXPECT_NE(message.find(cwd + "/ds.json"), std::string::npos) << message;
     EXPECT_NE(message.find(cwd + "/configs/ds.json"), std::string::npos) << message;
@@ -1015,7 +1015,7 @@ TEST(UnitConfigHabits, DuplicateYamlKeyKeepsTheLastValueAndNamesBothLines) {
   EXPECT_NE(warning.find(":4: duplicate key 'mixed_precision' (first given at line 2)"), std::string::npos)
       << warning;
   // DeepSpeed reads JSON with dict_raise_error_on_duplicate_keys: still an error there.
-  EXPECT_NE(error_of([] { shardtrain::parse_config(R"({"steps_per_print": 1, "steps_per_print": 2})", "json"); })
+  EXPECT_NE(config_error_of([] { shardtrain::parse_config(R"({"steps_per_print": 1, "steps_per_print": 2})", "json"); })
                 .find("duplicate key 'steps_per_print'"),
             std::string::npos);
 }
@@ -1057,14 +1057,14 @@ TEST(UnitConfigHabits, FeaturesShardtrainLacksAreRecognisedNotUnknown) {
   EXPECT_NE(mesh.warnings[1].find("parallelism_config_dp_shard_size: 2 is recognised but not implemented"),
             std::string::npos)
       << mesh.warnings[1];
-  const std::string tensor_parallel = error_of([] {
+  const std::string tensor_parallel = config_error_of([] {
     shardtrain::parse_config("distributed_type: FSDP\nparallelism_config:\n  parallelism_config_tp_size: 2\n", "yaml");
   });
   EXPECT_NE(tensor_parallel.find("asks for tensor parallelism, which shardtrain recognises but does not implement"),
             std::string::npos)
       << tensor_parallel;
   EXPECT_EQ(tensor_parallel.find("unknown key"), std::string::npos) << tensor_parallel;
-  const std::string fp8 = error_of([] { shardtrain::parse_config("mixed_precision: fp8\n", "yaml"); });
+  const std::string fp8 = config_error_of([] { shardtrain::parse_config("mixed_precision: fp8\n", "yaml"); });
   EXPECT_NE(fp8.find("fp8 is recognised but not implemented"), std::string::npos) << fp8;
   // Older `accelerate config` files carry empty plugin blocks: nothing to say.
   EXPECT_TRUE(shardtrain::parse_config("distributed_type: MULTI_GPU\nmegatron_lm_config: {}\nfp8_config: {}\n", "yaml")
@@ -1168,7 +1168,7 @@ std::string nested_json(int depth) {
 TEST(UnitConfigHostile, AYamlAliasBombIsRefusedByItsExpandedSize) {
   const std::string bomb = hostile::alias_bomb();
   ASSERT_LT(bomb.size(), 600u);
-  const std::string message = error_of([&] { shardtrain::parse_config(bomb, "yaml"); });
+  const std::string message = config_error_of([&] { shardtrain::parse_config(bomb, "yaml"); });
   EXPECT_NE(message.find("expands to more than 100000 values"), std::string::npos) << message;
   EXPECT_NE(message.find("YAML aliases"), std::string::npos) << message;
 }
@@ -1178,24 +1178,24 @@ TEST(UnitConfigHostile, AliasesOfALongValueAreRefusedByTheirExpandedBytes) {
   std::string text = "long: &long \"" + std::string(1 << 20, 'x') + "\"\nrepeats: [";
   for (int k = 0; k < 20; ++k) text += (k ? ", " : "") + std::string("*long");
   text += "]\n";
-  const std::string message = error_of([&] { shardtrain::parse_config(text, "yaml"); });
+  const std::string message = config_error_of([&] { shardtrain::parse_config(text, "yaml"); });
   EXPECT_NE(message.find("expand to more than 16 MiB"), std::string::npos) << message;
 }
 
 TEST(UnitConfigHostile, DeepNestingIsRefusedByNameInYamlAndJson) {
   // Within yaml-cpp's own guard: shardtrain's limit speaks.
-  std::string message = error_of([&] { shardtrain::parse_config(hostile::nested_yaml(100), "yaml"); });
+  std::string message = config_error_of([&] { shardtrain::parse_config(hostile::nested_yaml(100), "yaml"); });
   EXPECT_NE(message.find("nest deeper than 64 levels"), std::string::npos) << message;
   // Beyond it (yaml-cpp alone said "bad file"): still named as nesting.
-  message = error_of([&] { shardtrain::parse_config(hostile::nested_yaml(10000), "yaml"); });
+  message = config_error_of([&] { shardtrain::parse_config(hostile::nested_yaml(10000), "yaml"); });
   EXPECT_NE(message.find("nest deeper than yaml-cpp reads"), std::string::npos) << message;
   // 15,000 levels of JSON crashed the reader with SIGSEGV.
-  message = error_of([&] { shardtrain::parse_config(hostile::nested_json(15000), "json"); });
+  message = config_error_of([&] { shardtrain::parse_config(hostile::nested_json(15000), "json"); });
   EXPECT_NE(message.find("nests objects and arrays deeper than 64 levels"), std::string::npos) << message;
   // The limit, not a smaller one: 64 levels are read (and the nested key is then unknown).
   const TrainingConfig deep = shardtrain::parse_config(hostile::nested_json(64), "json");
   EXPECT_TRUE(has_warning(deep, "unknown key 'a'")) << all_warnings(deep);
-  message = error_of([&] { shardtrain::parse_config(hostile::nested_json(65), "json"); });
+  message = config_error_of([&] { shardtrain::parse_config(hostile::nested_json(65), "json"); });
   EXPECT_NE(message.find("deeper than 64 levels"), std::string::npos) << message;
 }
 
@@ -1208,7 +1208,7 @@ TEST(UnitConfigHostile, AFileOverTheSizeLimitIsRefusedBeforeItIsRead) {
     const std::string comment = "# " + std::string(1000, 'x') + "\n";
     for (int k = 0; k < 5000; ++k) out << comment;  // ~5 MB, all comments
   }
-  const std::string message = error_of([&] { shardtrain::load_config(path.string()); });
+  const std::string message = config_error_of([&] { shardtrain::load_config(path.string()); });
   EXPECT_NE(message.find("over the 4 MiB a config file may be"), std::string::npos) << message;
   EXPECT_NE(message.find(path.string()), std::string::npos) << message;
 }

@@ -22,7 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kSourceDir = SHARDTRAIN_SOURCE_DIR;
+const fs::path kRepoRoot = SHARDTRAIN_SOURCE_DIR;
 
 struct Expectation {
   std::string outcome;             ///< loads | warns | fails
@@ -64,10 +64,10 @@ std::map<std::string, Expectation> read_expectations(const fs::path& manifest) {
 /// Every config file under `directory`, as a path from the repository root.
 std::vector<std::string> configs_under(const fs::path& directory) {
   std::vector<std::string> files;
-  for (const auto& entry : fs::recursive_directory_iterator(kSourceDir / directory)) {
+  for (const auto& entry : fs::recursive_directory_iterator(kRepoRoot / directory)) {
     const std::string extension = entry.path().extension().string();
     if (entry.is_regular_file() && (extension == ".yaml" || extension == ".yml" || extension == ".json")) {
-      files.push_back(fs::relative(entry.path(), kSourceDir).generic_string());
+      files.push_back(fs::relative(entry.path(), kRepoRoot).generic_string());
     }
   }
   std::sort(files.begin(), files.end());
@@ -84,7 +84,7 @@ std::vector<std::string> warning_lines(const std::string& output) {
 }
 
 TEST(UnitConfigCorpus, ConfigCheckOfEveryShippedAndCollectedFileHasItsRecordedOutcome) {
-  const fs::path manifest = kSourceDir / "tests/data/configs/EXPECTED";
+  const fs::path manifest = kRepoRoot / "tests/data/configs/EXPECTED";
   const std::map<std::string, Expectation> expectations = read_expectations(manifest);
   std::vector<std::string> files = configs_under("configs");
   for (const std::string& file : configs_under("tests/data/configs")) files.push_back(file);
@@ -101,7 +101,7 @@ TEST(UnitConfigCorpus, ConfigCheckOfEveryShippedAndCollectedFileHasItsRecordedOu
     // From the repository root, as a user in a checkout runs it: a relative
     // deepspeed_config_file resolves against the working directory first.
     const auto result = shardtrain::testing::run_command(
-        "cd '" + kSourceDir.string() + "' && '" + SHARDTRAIN_BIN_DIR + "/shardtrain' config check '" + file + "' 2>&1",
+        "cd '" + kRepoRoot.string() + "' && '" + SHARDTRAIN_BIN_DIR + "/shardtrain' config check '" + file + "' 2>&1",
         std::chrono::seconds(60));
     const std::vector<std::string> warnings = warning_lines(result.output);
     if (expected.outcome == "fails") {

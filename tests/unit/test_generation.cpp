@@ -35,8 +35,8 @@ namespace {
 
 using shardtrain::testing::fp64_logit_tolerance;
 using shardtrain::testing::golden_dir;
+using shardtrain::testing::load_golden_case;
 
-sm::LlamaForCausalLM load_case(const std::string& name) { return shardtrain::testing::load_golden_case(name); }
 
 struct GreedyGolden {
   std::vector<int64_t> prompt, ids;
@@ -87,7 +87,7 @@ sm::StepFunction recompute_step(sm::LlamaForCausalLM model) {
 // In fp64, where the two differ only by summation order (see
 // fp64_logit_tolerance); a cache error moves logits by > 1e-3.
 TEST(UnitGeneration, CachedLogitsMatchFullForwardLlamaGqa) {
-  auto model = load_case("llama");
+  auto model = load_golden_case("llama");
   model->to(at::kDouble);
   ASSERT_LT(model->config.num_key_value_heads, model->config.num_attention_heads) << "the case must use GQA";
   torch::NoGradGuard no_grad;
@@ -116,7 +116,7 @@ TEST(UnitGeneration, CachedLogitsMatchFullForwardLlamaGqa) {
 }
 
 TEST(UnitGeneration, CachedLogitsMatchFullForwardMistralSlidingWindow) {
-  auto model = load_case("mistral_swa");
+  auto model = load_golden_case("mistral_swa");
   model->to(at::kDouble);  // as above
   ASSERT_TRUE(model->config.sliding_window.has_value());
   const int64_t W = *model->config.sliding_window;
@@ -151,7 +151,7 @@ TEST(UnitGeneration, CachedLogitsMatchFullForwardMistralSlidingWindow) {
 
 TEST(UnitGeneration, GreedyWithCacheEqualsGreedyWithoutCache) {
   for (const std::string name : {"llama", "mistral_swa", "llama_tied_llama3"}) {
-    auto model = load_case(name);
+    auto model = load_golden_case(name);
     torch::NoGradGuard no_grad;
     sm::GenerationOptions options;
     options.max_new_tokens = 14;
@@ -167,7 +167,7 @@ TEST(UnitGeneration, GreedyWithCacheEqualsGreedyWithoutCache) {
 TEST(UnitGeneration, GreedyMatchesIndependentImplementation) {
   for (const std::string name : {"llama", "mistral_swa"}) {
     const GreedyGolden golden = read_greedy(name);
-    auto model = load_case(name);
+    auto model = load_golden_case(name);
     torch::NoGradGuard no_grad;
     sm::GenerationOptions options;
     options.max_new_tokens = golden.max_new_tokens;
@@ -178,7 +178,7 @@ TEST(UnitGeneration, GreedyMatchesIndependentImplementation) {
 }
 
 TEST(UnitGeneration, SamplingIsReproducibleAndTinyTopPIsGreedy) {
-  auto model = load_case("llama");
+  auto model = load_golden_case("llama");
   torch::NoGradGuard no_grad;
   const std::vector<int64_t> prompt = {1, 5, 9};
   sm::GenerationOptions sample;
@@ -300,7 +300,7 @@ TEST(UnitGeneration, PaddedVocabularyIdsAreNeverProduced) {
 
 std::string generate_bin() { return std::string(SHARDTRAIN_BIN_DIR) + "/generate"; }
 
-std::string join(const std::vector<int64_t>& ids) {
+std::string join_ids(const std::vector<int64_t>& ids) {
   std::string out;
   for (std::size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
   return out;
@@ -320,11 +320,11 @@ TEST(UnitGenerateProgram, PrintIdsMatchesIndependentImplementation) {
   for (const std::string name : {"llama", "mistral_swa"}) {
     const GreedyGolden golden = read_greedy(name);
     const std::string command = generate_bin() + " --model-dir " + golden_dir(name) + " --prompt-ids " +
-                                join(golden.prompt) + " --max-new-tokens " + std::to_string(golden.max_new_tokens) +
+                                join_ids(golden.prompt) + " --max-new-tokens " + std::to_string(golden.max_new_tokens) +
                                 " --print-ids 2>/dev/null";
     const auto run = shardtrain::testing::run_command(command, std::chrono::seconds(120));
     ASSERT_EQ(run.exit_code, 0) << command << "\n" << run.output;
-    EXPECT_EQ(last_line(run.output), join(golden.ids)) << name;
+    EXPECT_EQ(last_line(run.output), join_ids(golden.ids)) << name;
   }
 }
 
@@ -364,7 +364,7 @@ TEST(UnitGenerateProgram, PromptTextIsTokenizedWithBosAndChatFormat) {
                              "' --max-new-tokens 6 --ignore-eos " + c.flags;
     auto run = shardtrain::testing::run_command(base + " --print-ids 2>/dev/null", std::chrono::seconds(60));
     ASSERT_EQ(run.exit_code, 0) << base << "\n" << run.output;
-    EXPECT_EQ(last_line(run.output), join(expected.tokens)) << c.flags;
+    EXPECT_EQ(last_line(run.output), join_ids(expected.tokens)) << c.flags;
     run = shardtrain::testing::run_command(base + " 2>/dev/null", std::chrono::seconds(60));
     ASSERT_EQ(run.exit_code, 0) << base << "\n" << run.output;
     EXPECT_EQ(run.output, tokenizer->decode(expected.tokens) + "\n") << c.flags;

@@ -86,7 +86,7 @@ std::vector<int64_t> row_vector(const at::Tensor& t, int64_t row) {
 
 /// The message of the shardtrain::Error that `fn` throws ("" if none).
 template <typename Fn>
-std::string error_of(Fn&& fn) {
+std::string data_error_of(Fn&& fn) {
   try {
     fn();
   } catch (const shardtrain::Error& e) {
@@ -184,7 +184,7 @@ TEST(UnitInstructionTemplate, NoneFormatIsBosPromptResponseEos) {
   EXPECT_EQ(plain.input_ids, cat({chars(" Q"), chars(" A")}));
   EXPECT_EQ(plain.labels, cat({ignored(2), chars(" A")}));
   const std::string message =
-      error_of([&] { sm::format_instruction(bare, sm::ChatFormat::kLlama2, "Q", "A"); });
+      data_error_of([&] { sm::format_instruction(bare, sm::ChatFormat::kLlama2, "Q", "A"); });
   EXPECT_NE(message.find("chat format 'llama2' needs BOS and EOS ids"), std::string::npos) << message;
   EXPECT_NE(message.find("use chat format 'none'"), std::string::npos) << message;
 }
@@ -236,11 +236,11 @@ TEST(UnitInstructionData, MalformedRecordsNameFileLineAndProblem) {
   for (const Case& c : cases) {
     // The bad record is on line 3, after a good record and a blank line.
     const std::string path = dir.write("bad.jsonl", "{\"text\": \"fine\"}\n\n" + c.line + "\n");
-    const std::string message = error_of([&] { sm::read_instruction_jsonl(path); });
+    const std::string message = data_error_of([&] { sm::read_instruction_jsonl(path); });
     EXPECT_NE(message.find(path + ":3: "), std::string::npos) << c.line << " -> " << message;
     EXPECT_NE(message.find(c.expected), std::string::npos) << c.line << " -> " << message;
   }
-  const std::string missing = error_of([&] { sm::read_instruction_jsonl(dir.path() + "/nope.jsonl"); });
+  const std::string missing = data_error_of([&] { sm::read_instruction_jsonl(dir.path() + "/nope.jsonl"); });
   EXPECT_NE(missing.find("cannot open instruction data file"), std::string::npos) << missing;
 }
 
@@ -250,7 +250,7 @@ TEST(UnitInstructionData, RecordsNeedingATokenizerAreRejectedWithoutOne) {
       dir.write("t.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"prompt\": \"p\", \"response\": \"r\"}\n");
   sm::InstructionDataOptions options;
   options.seq_len = 16;
-  const std::string message = error_of([&] { sm::load_instruction_examples(path, nullptr, options); });
+  const std::string message = data_error_of([&] { sm::load_instruction_examples(path, nullptr, options); });
   EXPECT_NE(message.find(path + ":2: a {\"prompt\", \"response\"} record needs a tokenizer but none was given"),
             std::string::npos)
       << message;
@@ -264,7 +264,7 @@ TEST(UnitInstructionData, PretokenizedIdsOutsideTheVocabularyAreRejected) {
   auto load_error = [&](const std::string& line, const shardtrain::Tokenizer* tokenizer, int64_t vocab) {
     options.vocab_size = vocab;
     const std::string path = dir.write("ids.jsonl", line + "\n");
-    return error_of([&] { sm::load_instruction_examples(path, tokenizer, options); });
+    return data_error_of([&] { sm::load_instruction_examples(path, tokenizer, options); });
   };
   // The tokenizer's vocab_size bounds the ids...
   std::string message = load_error("{\"input_ids\": [1, 260]}", &tok, 0);
@@ -440,7 +440,7 @@ TEST(UnitInstructionPacking, WithoutPackingEachExampleGetsItsOwnPaddedRow) {
   EXPECT_EQ(row_vector(rows.document_ids, 1), (std::vector<int64_t>{0, 0, 0, 0, 1, 1}));
   EXPECT_EQ(row_vector(rows.document_ids, 2), (std::vector<int64_t>{0, 0, 0, 0, 0, 0}));  // full row, no padding
   // An example longer than seq_len is the loader's job, not something to split here.
-  const std::string message = error_of([&] { sm::pack_examples(examples, 5, 0, true); });
+  const std::string message = data_error_of([&] { sm::pack_examples(examples, 5, 0, true); });
   EXPECT_NE(message.find("example 2 has 6 tokens, more than seq_len 5"), std::string::npos) << message;
 }
 
@@ -464,9 +464,9 @@ TEST(UnitInstructionPacking, MakeBatchStacksTheChosenRows) {
     EXPECT_EQ(row_vector(batch.labels, b), row_vector(rows.labels, r));
     EXPECT_EQ(row_vector(batch.document_ids, b), row_vector(rows.document_ids, r));
   }
-  std::string message = error_of([&] { sm::make_batch(rows, {0, 3}); });
+  std::string message = data_error_of([&] { sm::make_batch(rows, {0, 3}); });
   EXPECT_NE(message.find("row index 3 (entry 1) is outside [0, 3)"), std::string::npos) << message;
-  message = error_of([&] { sm::make_batch(rows, {}); });
+  message = data_error_of([&] { sm::make_batch(rows, {}); });
   EXPECT_NE(message.find("no row indices"), std::string::npos) << message;
 }
 
@@ -592,7 +592,7 @@ TEST(UnitInstructionPacking, BuildRowsEndToEnd) {
 
   // A file without usable examples is an error, not an empty dataset.
   const std::string empty = dir.write("empty.jsonl", "\n\n");
-  const std::string message = error_of([&] { sm::build_instruction_rows(empty, &tok, options); });
+  const std::string message = data_error_of([&] { sm::build_instruction_rows(empty, &tok, options); });
   EXPECT_NE(message.find("no usable examples"), std::string::npos) << message;
 }
 

@@ -34,7 +34,7 @@ using shardtrain::testing::ScopedEnvironment;
 using shardtrain::testing::ScratchDir;
 
 /// The message of the ConfigError that parsing `args` throws ("" if none).
-std::string config_error_of(const std::vector<std::string>& args) {
+std::string launch_error_of(const std::vector<std::string>& args) {
   try {
     parse_launch_options(args);
   } catch (const ConfigError& e) {
@@ -123,8 +123,8 @@ TEST(UnitLaunchOptions, RendezvousTokenComesFromTheFlagTheEnvironmentOrIsMade) {
   EXPECT_TRUE(made.rdzv_token_generated);
   EXPECT_EQ(made.rdzv_token.size(), 64u);
   EXPECT_NE(parse_launch_options({"./train"}).rdzv_token, made.rdzv_token) << "a token must be fresh per job";
-  EXPECT_NE(config_error_of({"--rdzv_token", "", "./train"}).find("--rdzv_token is empty"), std::string::npos);
-  const std::string missing = config_error_of({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+  EXPECT_NE(launch_error_of({"--rdzv_token", "", "./train"}).find("--rdzv_token is empty"), std::string::npos);
+  const std::string missing = launch_error_of({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
                                                "--main_process_ip", "10.0.0.1", "./train"});
   EXPECT_NE(missing.find("machine 1 of 2 has no rendezvous token"), std::string::npos) << missing;
   ::setenv("SHARDTRAIN_RDZV_TOKEN", "from-the-environment", 1);
@@ -208,7 +208,7 @@ TEST(UnitLaunchOptions, YamlDistributedTypes) {
   EXPECT_EQ(single.distributed_type, "NO");
   EXPECT_EQ(single.mixed_precision, "no");
   const std::string xla = dir.write("xla.yaml", "distributed_type: XLA\n");
-  const std::string message = config_error_of({"--config_file", xla, "./t"});
+  const std::string message = launch_error_of({"--config_file", xla, "./t"});
   EXPECT_NE(message.find("distributed_type: XLA"), std::string::npos) << message;
   EXPECT_NE(message.find("DEEPSPEED, FSDP"), std::string::npos) << message;
 }
@@ -291,7 +291,7 @@ TEST(UnitLaunchOptions, TheLauncherReadsTheConfigAsItsWorkersDo) {
 TEST(UnitLaunchOptions, AConfigItsWorkersWouldRefuseIsRefusedBeforeAnyStarts) {
   ScratchDir dir;
   const std::string typo = dir.write("typo.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHRAD\n");
-  std::string message = config_error_of({"--config_file", typo, "./t"});
+  std::string message = launch_error_of({"--config_file", typo, "./t"});
   EXPECT_NE(message.find(typo + ":3: fsdp_config.fsdp_sharding_strategy: FULL_SHRAD is not one of"), std::string::npos)
       << message;
   EXPECT_NE(message.find("did you mean FULL_SHARD?"), std::string::npos) << message;
@@ -299,17 +299,17 @@ TEST(UnitLaunchOptions, AConfigItsWorkersWouldRefuseIsRefusedBeforeAnyStarts) {
   const std::string json = dir.write("fp16.json", "{\"fp16\": {\"enabled\": true}}");
   const std::string yaml = dir.write("bf16.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\n"
                                                   "deepspeed_config:\n  deepspeed_config_file: " + json + "\n");
-  message = config_error_of({"--config_file", yaml, "./t"});
+  message = launch_error_of({"--config_file", yaml, "./t"});
   EXPECT_NE(message.find("mixed_precision: bf16 (" + yaml + ":2) conflicts with fp16.enabled: true"),
             std::string::npos)
       << message;
-  message = config_error_of({"--config_file", yaml, "--mixed_precision", "fp16", "./t"});
+  message = launch_error_of({"--config_file", yaml, "--mixed_precision", "fp16", "./t"});
   EXPECT_EQ(message, "") << "the flag settles the conflict for the launcher and its workers alike";
 }
 
 TEST(UnitLaunchOptions, ErrorNotAMultipleOfMachines) {
   const std::string message =
-      config_error_of({"--num_processes", "5", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "./t"});
+      launch_error_of({"--num_processes", "5", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "./t"});
   EXPECT_NE(message.find("--num_processes 5 is not a multiple of --num_machines 2: every machine runs the "
                          "same number of processes"),
             std::string::npos)
@@ -317,53 +317,53 @@ TEST(UnitLaunchOptions, ErrorNotAMultipleOfMachines) {
 }
 
 TEST(UnitLaunchOptions, ErrorMachineRankOutOfRange) {
-  std::string message = config_error_of(
+  std::string message = launch_error_of(
       {"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "10.0.0.1", "./t"});
   EXPECT_NE(message.find("--machine_rank 2 is out of range"), std::string::npos) << message;
   EXPECT_NE(message.find("0 .. 1"), std::string::npos) << message;
-  message = config_error_of({"--machine_rank", "-1", "./t"});
+  message = launch_error_of({"--machine_rank", "-1", "./t"});
   EXPECT_NE(message.find("--machine_rank -1 is out of range"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorSeveralMachinesNeedMainProcessIp) {
-  const std::string message = config_error_of({"--num_processes", "4", "--num_machines", "2", "./t"});
+  const std::string message = launch_error_of({"--num_processes", "4", "--num_machines", "2", "./t"});
   EXPECT_NE(message.find("--num_machines 2 needs --main_process_ip"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorMissingProgram) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{}, {"--num_processes", "2"}, {"--num_processes", "2", "--"}}) {
-    const std::string message = config_error_of(args);
+    const std::string message = launch_error_of(args);
     EXPECT_NE(message.find("missing PROGRAM"), std::string::npos) << message;
   }
 }
 
 TEST(UnitLaunchOptions, ErrorUnknownOptionBeforeProgram) {
-  const std::string message = config_error_of({"--num_procs", "2", "./t"});
+  const std::string message = launch_error_of({"--num_procs", "2", "./t"});
   EXPECT_NE(message.find("unknown option --num_procs"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorMixedPrecisionNamesAllowedValues) {
   // In the config reader's words, as a worker would say them of SHARDTRAIN_MIXED_PRECISION.
-  std::string message = config_error_of({"--mixed_precision", "fp32", "./t"});
+  std::string message = launch_error_of({"--mixed_precision", "fp32", "./t"});
   EXPECT_NE(message.find("--mixed_precision: fp32 is not one of no, fp16, bf16"), std::string::npos) << message;
-  message = config_error_of({"--mixed_precision", "fp8", "./t"});
+  message = launch_error_of({"--mixed_precision", "fp8", "./t"});
   EXPECT_NE(message.find("--mixed_precision: fp8 is recognised but not implemented"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorDeepspeedAndFsdpTogether) {
-  const std::string message = config_error_of({"--use_deepspeed", "--use_fsdp", "./t"});
+  const std::string message = launch_error_of({"--use_deepspeed", "--use_fsdp", "./t"});
   EXPECT_NE(message.find("--use_deepspeed and --use_fsdp are mutually exclusive"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorDeepspeedConfigFileMissing) {
-  const std::string message = config_error_of({"--deepspeed_config", "/nonexistent/ds.json", "./t"});
+  const std::string message = launch_error_of({"--deepspeed_config", "/nonexistent/ds.json", "./t"});
   EXPECT_NE(message.find("/nonexistent/ds.json"), std::string::npos) << message;
   EXPECT_NE(message.find("not found"), std::string::npos) << message;
 }
 
 TEST(UnitLaunchOptions, ErrorConfigFileNotFound) {
-  const std::string message = config_error_of({"--config_file", "/nonexistent/accelerate.yaml", "./t"});
+  const std::string message = launch_error_of({"--config_file", "/nonexistent/accelerate.yaml", "./t"});
   EXPECT_NE(message.find("--config_file /nonexistent/accelerate.yaml: file not found"), std::string::npos)
       << message;
 }
@@ -371,7 +371,7 @@ TEST(UnitLaunchOptions, ErrorConfigFileNotFound) {
 TEST(UnitLaunchOptions, ErrorMalformedYamlNamesFileAndLine) {
   ScratchDir dir;
   const std::string config = dir.write("broken.yaml", "num_processes: 2\nnum_machines: [1\nmachine_rank: 0\n");
-  const std::string message = config_error_of({"--config_file", config, "./t"});
+  const std::string message = launch_error_of({"--config_file", config, "./t"});
   EXPECT_NE(message.find(config), std::string::npos) << message;
   EXPECT_NE(message.find("malformed YAML at line"), std::string::npos) << message;
 }
@@ -379,7 +379,7 @@ TEST(UnitLaunchOptions, ErrorMalformedYamlNamesFileAndLine) {
 TEST(UnitLaunchOptions, ErrorBadYamlValueNamesKeyAndLine) {
   ScratchDir dir;
   const std::string config = dir.write("typo.yaml", "mixed_precision: bf16\nnum_processes: two\n");
-  const std::string message = config_error_of({"--config_file", config, "./t"});
+  const std::string message = launch_error_of({"--config_file", config, "./t"});
   EXPECT_NE(message.find(config + ":2: num_processes must be a positive integer, got \"two\""), std::string::npos)
       << message;
 }
@@ -387,18 +387,18 @@ TEST(UnitLaunchOptions, ErrorBadYamlValueNamesKeyAndLine) {
 TEST(UnitLaunchOptions, ErrorFromYamlNamesTheFile) {
   ScratchDir dir;
   const std::string config = dir.write("odd.yaml", "num_processes: 3\nnum_machines: 2\nmain_process_ip: 1.2.3.4\n");
-  const std::string message = config_error_of({"--config_file", config, "./t"});
+  const std::string message = launch_error_of({"--config_file", config, "./t"});
   EXPECT_NE(message.find("num_processes: 3 (" + config + ":1) is not a multiple of num_machines: 2 (" + config + ":2)"),
             std::string::npos)
       << message;
 }
 
 TEST(UnitLaunchOptions, ErrorPortAndCountsOutOfRange) {
-  EXPECT_NE(config_error_of({"--main_process_port", "70000", "./t"}).find("--main_process_port 70000"),
+  EXPECT_NE(launch_error_of({"--main_process_port", "70000", "./t"}).find("--main_process_port 70000"),
             std::string::npos);
-  EXPECT_NE(config_error_of({"--num_processes", "0", "./t"}).find("--num_processes 0 must be at least 1"),
+  EXPECT_NE(launch_error_of({"--num_processes", "0", "./t"}).find("--num_processes 0 must be at least 1"),
             std::string::npos);
-  EXPECT_NE(config_error_of({"--grace_period", "-1", "./t"}).find("--grace_period -1"), std::string::npos);
+  EXPECT_NE(launch_error_of({"--grace_period", "-1", "./t"}).find("--grace_period -1"), std::string::npos);
 }
 
 TEST(UnitLaunchOptions, MalformedFlagValueIsAParseError) {
@@ -432,16 +432,16 @@ TEST(UnitLaunchOptions, RendezvousTokenFromAPrivateFileAndAWarningForArgv) {
     EXPECT_NE(log.text().find("visible to every user of this machine"), std::string::npos) << log.text();
     EXPECT_NE(log.text().find("--rdzv_token_file"), std::string::npos) << log.text();
   }
-  EXPECT_NE(config_error_of({"--rdzv_token", "x", "--rdzv_token_file", path, "./train"}).find("keep one"),
+  EXPECT_NE(launch_error_of({"--rdzv_token", "x", "--rdzv_token_file", path, "./train"}).find("keep one"),
             std::string::npos);
   ::chmod(path.c_str(), 0644);
-  const std::string readable = config_error_of({"--rdzv_token_file", path, "./train"});
+  const std::string readable = launch_error_of({"--rdzv_token_file", path, "./train"});
   EXPECT_NE(readable.find("has mode 0644"), std::string::npos) << readable;
   EXPECT_NE(readable.find("chmod 600 " + path), std::string::npos) << readable;
   ::chmod(path.c_str(), 0600);
   { std::ofstream truncate(path, std::ios::trunc); }
-  EXPECT_NE(config_error_of({"--rdzv_token_file", path, "./train"}).find("is empty"), std::string::npos);
-  EXPECT_NE(config_error_of({"--rdzv_token_file", dir.path(), "./train"}).find("not a regular file"),
+  EXPECT_NE(launch_error_of({"--rdzv_token_file", path, "./train"}).find("is empty"), std::string::npos);
+  EXPECT_NE(launch_error_of({"--rdzv_token_file", dir.path(), "./train"}).find("not a regular file"),
             std::string::npos);
 }
 
@@ -462,7 +462,7 @@ TEST(UnitLaunchOptions, EachJobGetsItsOwnRendezvousId) {
     ScopedEnvironment id({{"SHARDTRAIN_RDZV_ID", "from-env"}});
     EXPECT_EQ(parse_launch_options({"./train"}).rdzv_id, "from-env");
   }
-  EXPECT_NE(config_error_of({"--rdzv_id", std::string(129, 'x'), "./train"}).find("at most 128"), std::string::npos);
+  EXPECT_NE(launch_error_of({"--rdzv_id", std::string(129, 'x'), "./train"}).find("at most 128"), std::string::npos);
 }
 
 }  // namespace

@@ -28,8 +28,8 @@ namespace {
 using shardtrain::testing::fp64_logit_tolerance;
 using shardtrain::testing::fp64_loss_tolerance;
 using shardtrain::testing::golden_dir;
+using shardtrain::testing::load_golden_case;
 
-sm::LlamaForCausalLM load_case(const std::string& name) { return shardtrain::testing::load_golden_case(name); }
 
 class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
 
@@ -41,7 +41,7 @@ class UnitLlamaGolden : public ::testing::TestWithParam<std::string> {};
 // tolerance.
 TEST_P(UnitLlamaGolden, LogitsAndLossMatch) {
   const std::string name = GetParam();
-  auto model = load_case(name);
+  auto model = load_golden_case(name);
   st::Reader golden(shardtrain::testing::golden_reference_dir(name) + "/golden.safetensors");
   at::Tensor input_ids = golden.read("input_ids");
   torch::NoGradGuard no_grad;
@@ -130,7 +130,7 @@ TEST(UnitLlama, DecoderLayersAreNamedUnits) {
 
 TEST(UnitLlama, HfNamesRoundTrip) {
   for (const std::string name : {"llama", "llama_tied_llama3", "mistral_swa"}) {
-    auto model = load_case(name);
+    auto model = load_golden_case(name);
     st::Reader weights(golden_dir(name) + "/model.safetensors");
     auto state = sm::hf_state_dict(model);
     std::set<std::string> model_names, file_names;
@@ -149,7 +149,7 @@ TEST(UnitLlama, HfNamesRoundTrip) {
 
 TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
   for (const std::string name : {"llama", "mistral_swa"}) {
-    auto model = load_case(name);
+    auto model = load_golden_case(name);
     model->to(at::kDouble);  // see fp64_logit_tolerance
     torch::NoGradGuard no_grad;
     const int64_t V = model->config.vocab_size;
@@ -190,7 +190,7 @@ TEST(UnitLlama, DocumentPackingMatchesSeparateRuns) {
 TEST(UnitLlama, TheMasklessCausalPathIsTheOneDocumentMaskBitForBit) {
   for (const std::string name : {"llama", "mistral_swa"}) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-      auto model = load_case(name);
+      auto model = load_golden_case(name);
       model->to(dtype);
       const int64_t T = name == "mistral_swa" ? 4 : 15;  // mistral_swa's window is 4
       ASSERT_TRUE(!model->config.sliding_window || *model->config.sliding_window >= T);
@@ -239,7 +239,7 @@ TEST(UnitLlama, PackedSequencesStartAtEachRowAndEachNewDocument) {
   EXPECT_TRUE(at::equal(sm::packed_sequences(recurring, 1, 6, at::kCPU, std::nullopt).cu_seqlens,
                         at::tensor({0, 2, 4, 6}, at::kInt)));
   {
-    auto model = load_case("llama");
+    auto model = load_golden_case("llama");
     torch::NoGradGuard no_grad;
     const at::Tensor ids = at::randint(model->config.vocab_size, {1, 6}, at::TensorOptions().dtype(at::kLong));
     EXPECT_TRUE(at::equal(model->forward(ids, {}, recurring), model->forward(ids, {}, renumbered)));
@@ -333,7 +333,7 @@ TEST_F(UnitLlamaLoad, ShardedIndexAndDtypeConversion) {
   std::ofstream(dir_ / "model.safetensors.index.json") << "{\"metadata\":{},\"weight_map\":{" << map << "}}";
   sm::LlamaForCausalLM model(config_);
   sm::load_hf_weights(model, dir_.string());
-  auto reference = load_case("llama");
+  auto reference = load_golden_case("llama");
   auto got = sm::hf_state_dict(model);
   auto want = sm::hf_state_dict(reference);
   ASSERT_EQ(got.size(), want.size());

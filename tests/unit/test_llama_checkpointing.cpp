@@ -42,7 +42,7 @@ constexpr int64_t kHeads = 4;
 
 /// Small random models: GQA (4 query heads over 2 key/value heads) and a
 /// Mistral whose window (5) is shorter than the documents packed below.
-sm::LlamaConfig small_config(const std::string& model_type) {
+sm::LlamaConfig small_model_config(const std::string& model_type) {
   sm::LlamaConfig c;
   c.model_type = model_type;
   c.vocab_size = 101;
@@ -106,7 +106,7 @@ TEST(UnitLlamaCheckpointing, SelectiveGivesTheSameLossAndGradients) {
   for (const std::string& model_type : kModelTypes) {
     SCOPED_TRACE(model_type);
     torch::manual_seed(7);
-    sm::LlamaForCausalLM model(small_config(model_type));
+    sm::LlamaForCausalLM model(small_model_config(model_type));
     ASSERT_EQ(model->activation_checkpointing(), ActivationCheckpointing::kNone) << "the default";
     const LossAndGrads plain = loss_and_grads(model);
 
@@ -126,7 +126,7 @@ TEST(UnitLlamaCheckpointing, SelectiveGivesTheSameLossAndGradients) {
 // bits must not change for it.
 TEST(UnitLlamaCheckpointing, SelectiveOverTheWidenedFp16AttentionGivesTheSameLossAndGradients) {
   torch::manual_seed(8);
-  sm::LlamaForCausalLM model(small_config("llama"));
+  sm::LlamaForCausalLM model(small_model_config("llama"));
   model->to(at::kHalf);
   const LossAndGrads plain = loss_and_grads(model);
   ASSERT_EQ(plain.grads.front().second.scalar_type(), at::kHalf);
@@ -141,7 +141,7 @@ TEST(UnitLlamaCheckpointing, CoreAttentionIsRecomputedOncePerLayerInBackward) {
   for (const std::string& model_type : kModelTypes) {
     SCOPED_TRACE(model_type);
     torch::manual_seed(3);
-    sm::LlamaForCausalLM model(small_config(model_type));
+    sm::LlamaForCausalLM model(small_model_config(model_type));
     const int64_t layers = model->config.num_hidden_layers;
     at::Tensor ids = input_ids();
 
@@ -315,7 +315,7 @@ int64_t probability_blocks_explicit_attention_keeps() {
 
 TEST(UnitLlamaCheckpointing, SelectiveKeepsNoAttentionProbabilitiesBetweenForwardAndBackward) {
   torch::manual_seed(5);
-  sm::LlamaConfig config = small_config("llama");
+  sm::LlamaConfig config = small_model_config("llama");
   sm::LlamaForCausalLM model(config);
 
   // The block size is unique to the fp32 probabilities (no other activation
@@ -437,7 +437,7 @@ TEST(UnitLlamaCheckpointing, SelectiveComposesWithFullLayerRecomputation) {
   for (const std::string& model_type : kModelTypes) {
     SCOPED_TRACE(model_type);
     torch::manual_seed(11);
-    sm::LlamaForCausalLM model(small_config(model_type));
+    sm::LlamaForCausalLM model(small_model_config(model_type));
     const int64_t layers = model->config.num_hidden_layers;
     const LossAndGrads plain = loss_and_grads(model);
 
@@ -486,7 +486,7 @@ TEST(DistLlamaCheckpointing, SelectiveWithZero3GradientCheckpointingTrainsIdenti
       config.gradient_checkpointing = runs[r].gradient_checkpointing;
       auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
       torch::manual_seed(13);
-      sm::LlamaForCausalLM model(small_config("mistral"));
+      sm::LlamaForCausalLM model(small_model_config("mistral"));
       model->set_activation_checkpointing(runs[r].mode);
       shardtrain::RunInfo run = shardtrain::testing::micro_batch(kBatch);
       run.hidden_size = model->config.hidden_size;
@@ -501,7 +501,7 @@ TEST(DistLlamaCheckpointing, SelectiveWithZero3GradientCheckpointingTrainsIdenti
       recomputations[r] = model->core_attention_recomputations();
       weights[r] = accelerator->full_state_dict();
     }
-    const int64_t layers = small_config("mistral").num_hidden_layers;
+    const int64_t layers = small_model_config("mistral").num_hidden_layers;
     EXPECT_EQ(recomputations[0], 0);
     EXPECT_EQ(recomputations[1], 3 * layers);
     EXPECT_EQ(recomputations[2], 3 * layers);

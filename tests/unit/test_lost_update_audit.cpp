@@ -52,16 +52,16 @@ Counts counts_of(const UpdateAudit& audit) {
 // n elements at 1.0 with gradients +1, -1, ... and the last `zero` of them 0.
 // Adam's first bias-corrected step moves an element by lr * g / (|g| + eps),
 // which is lr to 8 digits for |g| = 1 (eps 1e-8), and 0 for g = 0.
-constexpr int64_t kN = 1000, kZeroGrads = 100;
+constexpr int64_t kElements = 1000, kZeroGrads = 100;
 at::Tensor unit_gradients() {
-  at::Tensor g = at::ones({kN}, at::kFloat);
-  g.slice(0, 1, kN, 2).fill_(-1.0f);
-  g.slice(0, kN - kZeroGrads, kN).zero_();
+  at::Tensor g = at::ones({kElements}, at::kFloat);
+  g.slice(0, 1, kElements, 2).fill_(-1.0f);
+  g.slice(0, kElements - kZeroGrads, kElements).zero_();
   return g;
 }
 
 Counts first_adam_step(at::ScalarType state, double lr) {
-  at::Tensor p = at::ones({kN}, state), m = at::zeros({kN}, state), v = at::zeros({kN}, state);
+  at::Tensor p = at::ones({kElements}, state), m = at::zeros({kElements}, state), v = at::zeros({kElements}, state);
   AdamParams params;
   params.lr = lr;
   params.weight_decay = 0.0;
@@ -75,22 +75,22 @@ Counts first_adam_step(at::ScalarType state, double lr) {
 }
 
 TEST(UnitLostUpdateAudit, AnUpdateBelowHalfAnUlpOfTheStoredTypeIsCountedLost) {
-  const int64_t moving = kN - kZeroGrads;
+  const int64_t moving = kElements - kZeroGrads;
   // Around 1.0 the spacings are: fp32 2^-23 above / 2^-24 below, fp16 2^-10 /
   // 2^-11, bf16 2^-7 / 2^-8. An update is lost when it is below half of the
   // spacing on its side: 1e-3 is below bf16's 2^-9 = 1.95e-3 but above fp16's
   // 2^-12 = 2.4e-4; 1e-2 is above both of bf16's; 1e-8 is below fp32's 2^-25 = 3e-8.
-  EXPECT_EQ(first_adam_step(at::kFloat, 1e-3), (Counts{kN, 0, moving})) << "fp32 master keeps it; bf16 would not";
-  EXPECT_EQ(first_adam_step(at::kFloat, 1e-2), (Counts{kN, 0, 0}));
-  EXPECT_EQ(first_adam_step(at::kFloat, 1e-8), (Counts{kN, moving, moving})) << "below fp32's half ulp";
-  EXPECT_EQ(first_adam_step(at::kBFloat16, 1e-3), (Counts{kN, moving, moving})) << "pure bf16 loses every update";
-  EXPECT_EQ(first_adam_step(at::kBFloat16, 1e-2), (Counts{kN, 0, 0}));
-  EXPECT_EQ(first_adam_step(at::kHalf, 1e-3), (Counts{kN, 0, moving})) << "fp16 has 3 more bits than bf16";
+  EXPECT_EQ(first_adam_step(at::kFloat, 1e-3), (Counts{kElements, 0, moving})) << "fp32 master keeps it; bf16 would not";
+  EXPECT_EQ(first_adam_step(at::kFloat, 1e-2), (Counts{kElements, 0, 0}));
+  EXPECT_EQ(first_adam_step(at::kFloat, 1e-8), (Counts{kElements, moving, moving})) << "below fp32's half ulp";
+  EXPECT_EQ(first_adam_step(at::kBFloat16, 1e-3), (Counts{kElements, moving, moving})) << "pure bf16 loses every update";
+  EXPECT_EQ(first_adam_step(at::kBFloat16, 1e-2), (Counts{kElements, 0, 0}));
+  EXPECT_EQ(first_adam_step(at::kHalf, 1e-3), (Counts{kElements, 0, moving})) << "fp16 has 3 more bits than bf16";
 }
 
 TEST(UnitLostUpdateAudit, SgdUpdatesAreCountedByTheSameRule) {
-  for (const auto& [lr, expected] : {std::pair{1e-3, Counts{kN, 0, kN - kZeroGrads}}, {1e-2, Counts{kN, 0, 0}}}) {
-    at::Tensor p = at::ones({kN}, at::kFloat);
+  for (const auto& [lr, expected] : {std::pair{1e-3, Counts{kElements, 0, kElements - kZeroGrads}}, {1e-2, Counts{kElements, 0, 0}}}) {
+    at::Tensor p = at::ones({kElements}, at::kFloat);
     SgdParams params;
     params.lr = lr;
     UpdateAudit audit = new_audit();
@@ -167,12 +167,12 @@ TEST(UnitLostUpdateAudit, VectorCountsEqualTheOneLaneRuleOnAwkwardValuesAtAnySam
 TEST(UnitLostUpdateAudit, CountsAccumulateOverCallsAndBadCountersAreAClearError) {
   UpdateAudit audit = new_audit();
   for (int call = 0; call < 2; ++call) {
-    at::Tensor p = at::ones({kN}, at::kBFloat16), m = at::zeros({kN}, at::kBFloat16), v = at::zeros({kN}, at::kBFloat16);
+    at::Tensor p = at::ones({kElements}, at::kBFloat16), m = at::zeros({kElements}, at::kBFloat16), v = at::zeros({kElements}, at::kBFloat16);
     AdamParams params;
     params.lr = 1e-3;
     kernels::adam_step_low_precision(p, m, v, unit_gradients().to(at::kBFloat16), params, &audit);
   }
-  EXPECT_EQ(counts_of(audit), (Counts{2 * kN, 2 * (kN - kZeroGrads), 2 * (kN - kZeroGrads)}));
+  EXPECT_EQ(counts_of(audit), (Counts{2 * kElements, 2 * (kElements - kZeroGrads), 2 * (kElements - kZeroGrads)}));
 
   at::Tensor p = at::ones({8}), m = at::zeros({8}), v = at::zeros({8}), g = at::ones({8});
   UpdateAudit wrong;

@@ -24,7 +24,7 @@ shardtrain::DistEnv detect(const Vars& vars) {
   });
 }
 
-std::string error_of(const Vars& vars) {
+std::string env_error_of(const Vars& vars) {
   try {
     detect(vars);
   } catch (const shardtrain::ConfigError& e) {
@@ -80,7 +80,7 @@ TEST(UnitRendezvousEnv, ErrorsNameTheVariableAndTheFix) {
     return all;
   };
   auto expect_error = [&](const Vars& vars, const std::string& needle) {
-    std::string message = error_of(vars);
+    std::string message = env_error_of(vars);
     EXPECT_NE(message.find(needle), std::string::npos) << "expected '" << needle << "' in: " << message;
   };
   expect_error(with({{"RANK", "0"}}), "WORLD_SIZE is not set");
@@ -106,7 +106,7 @@ TEST(UnitRendezvousEnv, TheJobIdComesFromShardtrainTorchrunOrSlurm) {
   EXPECT_EQ(detect({{"SHARDTRAIN_RDZV_ID", "mine"}, {"TORCHELASTIC_RUN_ID", "run-7"}, {"SLURM_JOB_ID", "4242"}})
                 .rdzv_job_id,
             "mine");
-  EXPECT_NE(error_of({{"SHARDTRAIN_RDZV_ID", std::string(200, 'x')}}).find("at most 128"), std::string::npos);
+  EXPECT_NE(env_error_of({{"SHARDTRAIN_RDZV_ID", std::string(200, 'x')}}).find("at most 128"), std::string::npos);
 }
 
 TEST(UnitRendezvousEnv, TheTokenMayComeFromAPrivateFile) {
@@ -121,11 +121,11 @@ TEST(UnitRendezvousEnv, TheTokenMayComeFromAPrivateFile) {
   // The variable wins over the file, as an explicit value over a reference.
   EXPECT_EQ(detect({{"SHARDTRAIN_RDZV_TOKEN", "inline"}, {"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).rdzv_token, "inline");
   ::chmod(path.c_str(), 0640);
-  const std::string open_file = error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}});
+  const std::string open_file = env_error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}});
   EXPECT_NE(open_file.find("has mode 0640"), std::string::npos) << open_file;
   EXPECT_NE(open_file.find("chmod 600 " + path), std::string::npos) << open_file;
   std::remove(path.c_str());  // and a file that is not there
-  EXPECT_NE(error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).find("cannot be read"), std::string::npos);
+  EXPECT_NE(env_error_of({{"SHARDTRAIN_RDZV_TOKEN_FILE", path}}).find("cannot be read"), std::string::npos);
 }
 
 }  // namespace

@@ -33,8 +33,8 @@ namespace {
 
 using shardtrain::testing::ScratchDir;
 
-const std::string kBundled = std::string(SHARDTRAIN_SOURCE_DIR) + "/examples/tiny_llama";
-const std::string kModel = kBundled + "/tokenizer.model";
+const std::string kTinyLlamaDir = std::string(SHARDTRAIN_SOURCE_DIR) + "/examples/tiny_llama";
+const std::string kModel = kTinyLlamaDir + "/tokenizer.model";
 const std::string kLibDir = std::string(SHARDTRAIN_BIN_DIR) + "/../lib";
 
 /// Sets (or unsets, with nullopt) an environment variable for one scope.
@@ -61,7 +61,7 @@ class ScopedEnv {
   std::optional<std::string> old_;
 };
 
-std::string error_of(const std::function<void()>& fn) {
+std::string tokenizer_error_of(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const shardtrain::Error& e) {
@@ -123,8 +123,8 @@ TEST(UnitTokenizer, SpecialIdsFollowLlamaAndMatchTheBundledConfig) {
 
   // The model's embedding table is sized from config.json: it must agree
   // with the tokenizer it is trained with.
-  std::ifstream in(kBundled + "/config.json");
-  ASSERT_TRUE(in.good()) << kBundled << "/config.json";
+  std::ifstream in(kTinyLlamaDir + "/config.json");
+  ASSERT_TRUE(in.good()) << kTinyLlamaDir << "/config.json";
   const auto config = nlohmann::json::parse(in);
   EXPECT_EQ(config.at("vocab_size").get<int64_t>(), tokenizer->vocab_size());
   EXPECT_EQ(config.at("bos_token_id").get<int64_t>(), tokenizer->bos_id());
@@ -217,15 +217,15 @@ TEST(UnitTokenizer, DecodeInvertsEncodeAndDropsControlTokens) {
 
 TEST(UnitTokenizer, DecodeRejectsIdsOutsideTheVocabulary) {
   auto tokenizer = bundled();
-  const std::string message = error_of([&] { tokenizer->decode({308, 384}); });
+  const std::string message = tokenizer_error_of([&] { tokenizer->decode({308, 384}); });
   EXPECT_TRUE(contains(message, "token id 384 at position 1")) << message;
   EXPECT_TRUE(contains(message, "[0, 384)")) << message;
-  EXPECT_TRUE(contains(error_of([&] { tokenizer->decode({-1}); }), "token id -1"));
+  EXPECT_TRUE(contains(tokenizer_error_of([&] { tokenizer->decode({-1}); }), "token id -1"));
 }
 
 TEST(UnitTokenizer, MissingModelFileIsNamed) {
-  const std::string path = kBundled + "/no-such-tokenizer.model";
-  const std::string message = error_of([&] { shardtrain::load_sentencepiece(path); });
+  const std::string path = kTinyLlamaDir + "/no-such-tokenizer.model";
+  const std::string message = tokenizer_error_of([&] { shardtrain::load_sentencepiece(path); });
   EXPECT_TRUE(contains(message, "tokenizer model '" + path + "' does not exist")) << message;
 }
 
@@ -235,7 +235,7 @@ TEST(UnitTokenizer, GarbageFileIsNotASentencepieceModel) {
   for (const std::string content : {std::string("{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\"}}"),
                                     std::string("\x08\x96\x01\xff\xff\xff garbage", 14)}) {
     const std::string path = scratch.write("tokenizer.model", content);
-    const std::string message = error_of([&] { shardtrain::load_sentencepiece(path); });
+    const std::string message = tokenizer_error_of([&] { shardtrain::load_sentencepiece(path); });
     EXPECT_TRUE(contains(message, "cannot load '" + path + "' as a sentencepiece model")) << message;
     // sentencepiece's own reason comes through the shim.
     EXPECT_TRUE(contains(message, "ParseFromArray")) << message;
@@ -247,7 +247,7 @@ TEST(UnitTokenizer, BadShimOverrideIsReported) {
   {
     const std::string path = "/nonexistent/libshardtrain_spm.so";
     ScopedEnv env("SHARDTRAIN_SPM_SHIM", path);
-    const std::string message = error_of([&] { shardtrain::load_sentencepiece(kModel); });
+    const std::string message = tokenizer_error_of([&] { shardtrain::load_sentencepiece(kModel); });
     EXPECT_TRUE(contains(message, "SHARDTRAIN_SPM_SHIM='" + path + "' does not name a file")) << message;
   }
   {
@@ -255,7 +255,7 @@ TEST(UnitTokenizer, BadShimOverrideIsReported) {
     ScratchDir scratch;
     const std::string path = scratch.write("libshardtrain_spm.so", "not an ELF file");
     ScopedEnv env("SHARDTRAIN_SPM_SHIM", path);
-    const std::string message = error_of([&] { shardtrain::load_sentencepiece(kModel); });
+    const std::string message = tokenizer_error_of([&] { shardtrain::load_sentencepiece(kModel); });
     EXPECT_TRUE(contains(message, "cannot load the sentencepiece shim '" + path + "' (from SHARDTRAIN_SPM_SHIM)"))
         << message;
     EXPECT_TRUE(contains(message, "invalid ELF header") || contains(message, "file too short")) << message;
@@ -264,7 +264,7 @@ TEST(UnitTokenizer, BadShimOverrideIsReported) {
     // A real shared library without the shim's entry points.
     const std::string path = kLibDir + "/libshardtrain.so";
     ScopedEnv env("SHARDTRAIN_SPM_SHIM", path);
-    const std::string message = error_of([&] { shardtrain::load_sentencepiece(kModel); });
+    const std::string message = tokenizer_error_of([&] { shardtrain::load_sentencepiece(kModel); });
     EXPECT_TRUE(contains(message, "is not a shardtrain sentencepiece shim")) << message;
     EXPECT_TRUE(contains(message, "st_spm_abi_version")) << message;
   }
@@ -295,7 +295,7 @@ TEST(UnitTokenizer, BadShimOverrideIsReported) {
 // ---- the bundled tiny Llama (examples/tiny_llama) -----------------------------
 
 TEST(UnitTinyLlamaBundle, ConfigIsASmallLlamaSizedForTheTokenizer) {
-  const auto config = shardtrain::models::LlamaConfig::from_json_file(kBundled + "/config.json");
+  const auto config = shardtrain::models::LlamaConfig::from_json_file(kTinyLlamaDir + "/config.json");
   EXPECT_EQ(config.model_type, "llama");
   EXPECT_EQ(config.vocab_size, bundled()->vocab_size());
   shardtrain::models::LlamaForCausalLM model(config);
@@ -307,8 +307,8 @@ TEST(UnitTinyLlamaBundle, ConfigIsASmallLlamaSizedForTheTokenizer) {
 }
 
 TEST(UnitTinyLlamaBundle, EvalQuestionsAreHeldOutAndFitTheRows) {
-  const auto train = read_jsonl(kBundled + "/data/train.jsonl");
-  const auto eval = read_jsonl(kBundled + "/data/eval.jsonl");
+  const auto train = read_jsonl(kTinyLlamaDir + "/data/train.jsonl");
+  const auto eval = read_jsonl(kTinyLlamaDir + "/data/eval.jsonl");
   ASSERT_GE(train.size(), 10000u);
   ASSERT_GE(eval.size(), 100u);
   std::set<std::string> train_prompts;
@@ -340,7 +340,7 @@ TEST(UnitTinyLlamaBundle, ScriptReproducesTheCommittedFiles) {
   for (const std::string file : {"data/train.jsonl", "data/eval.jsonl", "tokenizer.model"}) {
     const std::string made = read_bytes(scratch.path() + "/" + file);
     EXPECT_FALSE(made.empty()) << file;
-    EXPECT_TRUE(made == read_bytes(kBundled + "/" + file)) << file << " differs from what the script makes";
+    EXPECT_TRUE(made == read_bytes(kTinyLlamaDir + "/" + file)) << file << " differs from what the script makes";
   }
 }
 
