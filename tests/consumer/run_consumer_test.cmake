@@ -29,10 +29,10 @@ if(NOT LAST_OUTPUT MATCHES "consumer ok: shardtrain [0-9]+\\.[0-9]+\\.[0-9]+, wo
 endif()
 message(STATUS "${LAST_OUTPUT}")
 # The outside program runs LibTorch on the CUDA runtime LibTorch ships (the
-# wheel's nvidia/cu13/lib), which the installed libshardtrain's RUNPATH names,
+# wheel's nvidia/cu13/lib), which the installed libshardtrain's RPATH names,
 # not a toolkit's copy found first (CMakeLists.txt, CMAKE_INSTALL_RPATH).
 run(ldd ${WORK_DIR}/build/consumer)
-if(NOT LAST_OUTPUT MATCHES "libcudart\\.so\\.[0-9]+ => [^\n]*/site-packages/[^\n]*nvidia/")
+if(NOT LAST_OUTPUT MATCHES "libcudart\\.so\\.[0-9]+ => [^\n]*/nvidia/")
   string(REGEX MATCH "libcudart[^\n]*" cudart_line "${LAST_OUTPUT}")
   message(FATAL_ERROR "the installed package resolves another CUDA runtime than LibTorch's: ${cudart_line}")
 endif()

@@ -39,7 +39,7 @@ uint32_t bits_of(float x) {
 using shardtrain::testing::awkward_values;
 
 /// Bitwise equality of two float tensors, NaN payloads included.
-void expect_same_bits(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
+void expect_tensor_bits_equal(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
   ASSERT_EQ(a.numel(), b.numel()) << what;
   const at::Tensor x = a.contiguous(), y = b.contiguous();
   ASSERT_EQ(std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.numel() * x.element_size())), 0)
@@ -103,9 +103,9 @@ TEST(UnitKernelMath, SharedAdamMathIsTheCpuKernelBitForBit) {
           } else {
             scalar_adam<false>(p_scalar, m_scalar, v_scalar, grad, params);
           }
-          expect_same_bits(p_kernel, p_scalar, what + " master step " + std::to_string(step));
-          expect_same_bits(m_kernel, m_scalar, what + " exp_avg step " + std::to_string(step));
-          expect_same_bits(v_kernel, v_scalar, what + " exp_avg_sq step " + std::to_string(step));
+          expect_tensor_bits_equal(p_kernel, p_scalar, what + " master step " + std::to_string(step));
+          expect_tensor_bits_equal(m_kernel, m_scalar, what + " exp_avg step " + std::to_string(step));
+          expect_tensor_bits_equal(v_kernel, v_scalar, what + " exp_avg_sq step " + std::to_string(step));
           // The compute copy is element_math's bf16 rounding of the master.
           for (int64_t i = 0; i < kN; ++i) {
             ASSERT_EQ(lp.data_ptr<c10::BFloat16>()[i].x, kmath::bf16_bits_from_float(p_kernel.data_ptr<float>()[i]))
@@ -161,8 +161,8 @@ TEST(UnitKernelMath, SharedSgdMathIsTheCpuKernelBitForBit) {
           }
           const std::string what = "momentum " + std::to_string(momentum) + " nesterov " + std::to_string(nesterov) +
                                    " wd " + std::to_string(wd) + " step " + std::to_string(step);
-          expect_same_bits(p_kernel, p_scalar, what);
-          if (momentum != 0.0) expect_same_bits(b_kernel, b_scalar, what + " buffer");
+          expect_tensor_bits_equal(p_kernel, p_scalar, what);
+          if (momentum != 0.0) expect_tensor_bits_equal(b_kernel, b_scalar, what + " buffer");
         }
       }
     }
@@ -192,9 +192,9 @@ TEST(UnitKernelMath, SharedPureLowPrecisionAdamIsTheCpuKernelBitForBit) {
       ms = ms.to(type).to(at::kFloat);
       vs = vs.to(type).to(at::kFloat);
       const std::string what = std::string(c10::toString(type)) + " step " + std::to_string(step);
-      expect_same_bits(p.to(at::kFloat), ps, what + " param");
-      expect_same_bits(m.to(at::kFloat), ms, what + " exp_avg");
-      expect_same_bits(v.to(at::kFloat), vs, what + " exp_avg_sq");
+      expect_tensor_bits_equal(p.to(at::kFloat), ps, what + " param");
+      expect_tensor_bits_equal(m.to(at::kFloat), ms, what + " exp_avg");
+      expect_tensor_bits_equal(v.to(at::kFloat), vs, what + " exp_avg_sq");
     }
   }
 }
@@ -359,7 +359,7 @@ TEST(UnitKernelDispatch, CpuTensorsRunTheCpuKernelsAndResultsStayOnTheirDevice) 
   params.weight_decay = 0.01;
   k::adam_step(master, m, v, grad, &lp, params);
   kcpu::fused_adam(master_ref, m_ref, v_ref, grad, &lp_ref, params);
-  expect_same_bits(master, master_ref, "adam_step");
+  expect_tensor_bits_equal(master, master_ref, "adam_step");
   EXPECT_TRUE(at::equal(lp, lp_ref));
 
   const at::Tensor norm = k::sum_of_squares(grad);
