@@ -8,11 +8,11 @@
 #    not_run with its reason and every CPU half left its numbers; $OUT holds
 #    the JSON and at most six logs, nothing else;
 #  - a 15 s budget stops it cleanly: it ends within the budget and a margin,
-#    and its JSON says which steps ran and which did not fit. 15 s is the
-#    least that still runs a step after the environment (5 s + the kernels'
-#    10 s; scripts/gpu-check's BOUNDS) and leaves the engines' and the
-#    benchmark's out; a larger budget would only repeat the engines' 20 s
-#    of the whole run above, in a test that runs alone.
+#    and its JSON says which steps ran and which did not fit. 15 s leaves the
+#    kernels' step the 10 s it needs to start after an environment step of up
+#    to 5 s, and is too short for the engines' 20 s and the benchmark's 40 s
+#    (scripts/gpu-check's BOUNDS); a larger budget would only repeat the
+#    engines' step of the whole run above, in a test that runs alone.
 # Usage: run.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -euo pipefail
 src=$1 build=$2 work=$3

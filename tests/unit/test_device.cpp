@@ -111,8 +111,9 @@ TEST(UnitPlatform, TheProcessHoldsExactlyOneLibncclTheWheelsAtTheVersionBuiltAga
 // the wheel ships (nvidia/cu13/lib). A process maps one file per soname, the
 // first found: linked against the toolkit's (/usr/local/cuda), shardtrain
 // made every C++ program run LibTorch on the toolkit's runtime instead of
-// the one the wheel was built and tested with. Package.OneCudaRuntimeAndNccl...
-// runs both tests again with the toolkit on LD_LIBRARY_PATH.
+// the one the wheel was built and tested with.
+// Package.OneCudaRuntimeAndNcclWithTheToolkitOnTheLibraryPath runs both tests
+// again with the toolkit on LD_LIBRARY_PATH.
 TEST(UnitPlatform, TheProcessHoldsExactlyOneLibcudartTheOneLibTorchShips) {
   const std::set<std::string> cudart = mapped_libraries_named("libcudart");
   ASSERT_EQ(cudart.size(), 1u) << "libcudart copies mapped: " << ::testing::PrintToString(cudart);
