@@ -29,27 +29,6 @@ if(NOT _st_cuda_mode STREQUAL "OFF")
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(SHARDTRAIN_WITH_CUDA_KERNELS ON)
-    # The CUDA runtime LibTorch loads comes first too, for NCCL's reason below:
-    # a process maps one libcudart.so.13, the first found, and every library
-    # in it calls that one. The wheel's libtorch_cuda finds its own
-    # (site-packages/nvidia/cu13/lib) through its RPATH; CUDA::cudart is the
-    # toolkit's, whose directory then came first on libshardtrain's RUNPATH,
-    # so LibTorch ran on the toolkit's runtime in every shardtrain program.
-    # Which file libtorch_cuda resolves is asked of the loader (ldd), not
-    # guessed from the wheel's layout. libshardtrain's search path is an
-    # RPATH (CMakeLists.txt), so an LD_LIBRARY_PATH naming the toolkit does
-    # not put its copy back in front.
-    execute_process(COMMAND ldd "${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so"
-      OUTPUT_VARIABLE _st_torch_cuda_needs ERROR_QUIET)
-    if(_st_torch_cuda_needs MATCHES "libcudart\\.so\\.[0-9]+ => (/[^\n]*) \\(0x")
-      set(SHARDTRAIN_CUDART_LIBRARY "${CMAKE_MATCH_1}")
-      set_property(TARGET CUDA::cudart PROPERTY IMPORTED_LOCATION "${SHARDTRAIN_CUDART_LIBRARY}")
-      message(STATUS "shardtrain: CUDA runtime ${SHARDTRAIN_CUDART_LIBRARY} (the one LibTorch loads)")
-    else()
-      message(STATUS "shardtrain: CUDA runtime of the toolkit (${CUDAToolkit_LIBRARY_DIR}): ldd names no "
-        "libcudart.so for ${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so (a LibTorch that bundles its runtime "
-        "under another name, or a cross build)")
-    endif()
     # The NCCL LibTorch loads comes first: a pip wheel's (nvidia/nccl, which
     # ships libnccl.so.2 without the unversioned link), else the one next to
     # LibTorch's own CUDA libraries. Two NCCL copies in one process share

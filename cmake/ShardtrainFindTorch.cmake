@@ -144,6 +144,19 @@ if(NOT TARGET torch_cuda)
   message(FATAL_ERROR "shardtrain: LibTorch ${_st_torch_version} at ${_st_torch_root} has no torch_cuda library (a "
     "CPU-only build): ${_st_setup_hint}")
 endif()
+# The CUDA runtime and NVRTC LibTorch loads, not the toolkit's copies
+# (ShardtrainCudaRuntimes.cmake says why). libshardtrain's search path is an
+# RPATH (CMakeLists.txt), so an LD_LIBRARY_PATH naming the toolkit does not
+# put its copy back in front.
+include(ShardtrainCudaRuntimes)
+shardtrain_use_torch_cuda_runtimes("${TORCH_INSTALL_PREFIX}" SHARDTRAIN_CUDART_LIBRARY)
+if(SHARDTRAIN_CUDART_LIBRARY)
+  message(STATUS "shardtrain: CUDA runtime ${SHARDTRAIN_CUDART_LIBRARY} (the one LibTorch loads)")
+else()
+  message(STATUS "shardtrain: the CUDA toolkit's runtime: ldd names no libcudart.so for "
+    "${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so (a LibTorch that bundles its runtime under another name, "
+    "or a cross build)")
+endif()
 # LibTorch 2.12 and later need C++20 in their headers.
 if(_st_torch_version VERSION_GREATER_EQUAL 2.12 AND CMAKE_CXX_STANDARD LESS 20)
   set(CMAKE_CXX_STANDARD 20)

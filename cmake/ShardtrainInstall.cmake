@@ -23,4 +23,5 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/shardtrainConfigVersion.c
 install(FILES ${PROJECT_BINARY_DIR}/shardtrainConfig.cmake
   ${PROJECT_BINARY_DIR}/shardtrainConfigVersion.cmake
   ${PROJECT_SOURCE_DIR}/cmake/ShardtrainFmtPin.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/ShardtrainCudaRuntimes.cmake
   DESTINATION ${SHARDTRAIN_CMAKE_DIR})

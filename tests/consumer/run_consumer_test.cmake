@@ -29,10 +29,40 @@ if(NOT LAST_OUTPUT MATCHES "consumer ok: shardtrain [0-9]+\\.[0-9]+\\.[0-9]+, wo
 endif()
 message(STATUS "${LAST_OUTPUT}")
 # The outside program runs LibTorch on the CUDA runtime LibTorch ships (the
-# wheel's nvidia/cu13/lib), which the installed libshardtrain's RPATH names,
-# not a toolkit's copy found first (CMakeLists.txt, CMAKE_INSTALL_RPATH).
+# wheel's nvidia/cu13/lib), not a toolkit's copy found first: through the
+# installed libshardtrain's RPATH (CMakeLists.txt, CMAKE_INSTALL_RPATH), and,
+# since the program calls the CUDA runtime itself and so NEEDs libcudart
+# through its own RUNPATH, through the CUDA::cudart that shardtrainConfig.cmake
+# points at LibTorch's copy (cmake/ShardtrainCudaRuntimes.cmake).
+if(NOT LAST_OUTPUT MATCHES "consumer calls the CUDA runtime [0-9]+")
+  message(FATAL_ERROR "the consumer was built without its CUDA runtime call (no CUDA::cudart after "
+    "find_package(shardtrain)): ${LAST_OUTPUT}")
+endif()
+run(readelf -d ${WORK_DIR}/build/consumer)
+if(NOT LAST_OUTPUT MATCHES "NEEDED[^\n]*libcudart\\.so")
+  message(FATAL_ERROR "the consumer does not need libcudart itself, so this test would not see which copy "
+    "its own search path finds:\n${LAST_OUTPUT}")
+endif()
+if(NOT LAST_OUTPUT MATCHES "\\((RUN)?PATH\\)[^\n]*\\[([^]\n]*)\\]")
+  message(FATAL_ERROR "the consumer has no library search path:\n${LAST_OUTPUT}")
+endif()
+string(REPLACE ":" ";" search_path "${CMAKE_MATCH_2}")
 run(ldd ${WORK_DIR}/build/consumer)
-if(NOT LAST_OUTPUT MATCHES "libcudart\\.so\\.[0-9]+ => [^\n]*/nvidia/")
+if(NOT LAST_OUTPUT MATCHES "libcudart\\.so\\.[0-9]+ => ([^\n]*/nvidia/[^\n]*) \\(0x")
   string(REGEX MATCH "libcudart[^\n]*" cudart_line "${LAST_OUTPUT}")
   message(FATAL_ERROR "the installed package resolves another CUDA runtime than LibTorch's: ${cudart_line}")
 endif()
+file(REAL_PATH "${CMAKE_MATCH_1}" torch_cudart)
+# Which of two libcudart directories on one search path comes first is left
+# to CMake's ordering of link directories, which moves with the link line;
+# the program is safe only when no second copy is on its path at all.
+foreach(dir IN LISTS search_path)
+  file(GLOB copies "${dir}/libcudart.so.[0-9]*")
+  foreach(copy IN LISTS copies)
+    file(REAL_PATH "${copy}" copy_target)
+    if(NOT copy_target STREQUAL torch_cudart)
+      message(FATAL_ERROR "the consumer's library search path holds a second CUDA runtime, ${copy}, besides "
+        "LibTorch's ${torch_cudart}; a change of link order would load it")
+    endif()
+  endforeach()
+endforeach()
