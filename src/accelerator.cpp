@@ -523,7 +523,7 @@ MemoryReport Accelerator::memory() const {
 }
 
 void Accelerator::reset_memory_peaks() {
-  if (state_->engine) state_->engine->reset_gathered_peak();
+  if (state_->engine) state_->engine->reset_memory_peaks();
 }
 
 TrafficReport Accelerator::traffic() const { return state_->engine ? state_->engine->traffic() : TrafficReport(); }

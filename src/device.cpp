@@ -5,8 +5,9 @@
 #include <algorithm>
 #include <cctype>
 
-#include "torch_cuda.h"
+#include "local_gpu.h"
 #include "shardtrain/error.h"
+#include "torch_cuda.h"
 
 namespace shardtrain {
 namespace {
@@ -16,27 +17,48 @@ std::string lower(std::string s) {
   return s;
 }
 
-c10::Device cuda_device(int index) {
+int visible_gpus() {
   const int count = torch_cuda::cuda_device_count();
   ST_CHECK_T(ConfigError, count > 0, "--device cuda: this process sees no GPU (no device, no driver, or "
              "CUDA_VISIBLE_DEVICES hides them); use --device cpu");
-  ST_CHECK_T(ConfigError, index >= 0 && index < count, "--device: GPU ", index, " does not exist; this process sees ",
-             count, " (one process per GPU: launch at most ", count, " processes per machine)");
+  return count;
+}
+
+c10::Device cuda_device(int index) {
   return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+/// cuda:N as the user named it: that device or an error, no fallback.
+c10::Device named_cuda_device(int index) {
+  const int count = visible_gpus();
+  ST_CHECK_T(ConfigError, index >= 0 && index < count, "--device: GPU ", index, " does not exist; this process sees ",
+             count, " (CUDA_VISIBLE_DEVICES counts from 0 in each process)");
+  return cuda_device(index);
+}
+
+/// The local rank's GPU (gpu_for_local_rank).
+c10::Device local_rank_cuda_device(int local_rank) {
+  const int count = visible_gpus();
+  const std::optional<int> index = gpu_for_local_rank(local_rank, count);
+  ST_CHECK_T(ConfigError, index.has_value(), "--device cuda: local rank ", local_rank, " has no GPU; this process "
+             "sees ", count, " (one process per GPU: launch at most ", count, " processes per machine)");
+  return cuda_device(*index);
 }
 
 }  // namespace
 
 c10::Device resolve_device(const std::string& name, int local_rank) {
   if (name == "cpu") return c10::Device(c10::DeviceType::CPU);
-  if (name == "cuda") return cuda_device(local_rank);
+  if (name == "cuda") return local_rank_cuda_device(local_rank);
   if (name.rfind("cuda:", 0) == 0) {
     const std::string digits = name.substr(5);
     ST_CHECK_T(ConfigError, !digits.empty() && std::all_of(digits.begin(), digits.end(), ::isdigit),
                "--device '", name, "': expected cuda:N with N a GPU index");
-    return cuda_device(std::stoi(digits));
+    return named_cuda_device(std::stoi(digits));
   }
-  if (name == "auto") return torch_cuda::cuda_device_count() > 0 ? cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
+  if (name == "auto") {
+    return torch_cuda::cuda_device_count() > 0 ? local_rank_cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
+  }
   ST_THROW(ConfigError, "--device '", name, "' is not one of cpu, cuda, cuda:N, auto");
 }
 

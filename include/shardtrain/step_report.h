@@ -49,6 +49,10 @@ struct MemoryReport {
   /// uploaded for gathers in flight under the parameter offload.
   int64_t gathered = 0;
   int64_t gathered_peak = 0;  ///< maximum of `gathered` since the last reset
+  /// The most bytes gradient reductions in flight held at once since the last
+  /// reset: the unsharded gradients handed to them and their sharded results
+  /// (none between steps: backward waits for every reduction).
+  int64_t reducing_peak = 0;
   /// The most bytes of unsharded parameter values this rank held at once
   /// while prepare() sharded the model: the module's own parameter storage
   /// not yet replaced by shards, plus the engine's gathered and loading

@@ -97,7 +97,8 @@ class Engine : public UnitHooks {
   virtual void visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) = 0;
   /// Every field but peak_rss (the process's, which the Accelerator adds).
   virtual MemoryReport memory() const = 0;
-  virtual void reset_gathered_peak() = 0;
+  /// Starts MemoryReport::gathered_peak and reducing_peak over from what is held now.
+  virtual void reset_memory_peaks() = 0;
   virtual TrafficReport traffic() const = 0;
   virtual void reset_traffic() = 0;
 

@@ -263,37 +263,51 @@ void GradientReducer::flush_bucket() {
     }
     issue_even();
   }
+  if (in_flight_.size() == kMaxBucketsInFlight) finish_oldest_bucket();
+  live_bytes_ += bucket.bytes();
+  peak_bytes_ = std::max(peak_bytes_, live_bytes_);
   in_flight_.push_back(std::move(bucket));
+}
+
+int64_t GradientReducer::Bucket::bytes() const {
+  int64_t total = bytes_of(output);
+  for (const auto& e : entries) total += bytes_of(e.input);
+  return total;
 }
 
 void GradientReducer::finish_reductions() {
   flush_bucket();
+  while (!in_flight_.empty()) finish_oldest_bucket();
+}
+
+void GradientReducer::finish_oldest_bucket() {
   comm::Communicator* replicate = groups_.replicate();
-  for (auto& bucket : in_flight_) {
-    for (auto& work : bucket.works) work->wait();
-    // The reduced values: the bucket's output, or (unsharded) the inputs in place.
-    std::vector<at::Tensor> reduced;
-    int64_t offset = 0;
-    for (const auto& e : bucket.entries) {
-      reduced.push_back(plan_.shard_params ? bucket.output.narrow(0, offset, e.length) : e.input);
-      offset += e.length;
-    }
-    if (replicate != nullptr) {
-      const ReduceOp op = plan_.average ? ReduceOp::kAvg : ReduceOp::kSum;
-      if (plan_.shard_params) {
-        replicate->all_reduce(bucket.output, op);
-      } else {
-        replicate->all_reduce_coalesced_async(reduced, op)->wait();
-      }
-    }
-    for (std::size_t k = 0; k < bucket.entries.size(); ++k) {
-      const auto& e = bucket.entries[k];
-      if (plan_.postdivide != 1.0) reduced[k].div_(plan_.postdivide);
-      const at::Tensor& shard_grad = storage_.unit(e.unit).grad;
-      add_reduced(shard_grad.narrow(0, e.grad_offset, e.length), reduced[k].reshape({-1}));
+  // Stays in in_flight_ until done: a failed wait leaves it to settle_in_flight.
+  Bucket& bucket = in_flight_.front();
+  for (auto& work : bucket.works) work->wait();
+  // The reduced values: the bucket's output, or (unsharded) the inputs in place.
+  std::vector<at::Tensor> reduced;
+  int64_t offset = 0;
+  for (const auto& e : bucket.entries) {
+    reduced.push_back(plan_.shard_params ? bucket.output.narrow(0, offset, e.length) : e.input);
+    offset += e.length;
+  }
+  if (replicate != nullptr) {
+    const ReduceOp op = plan_.average ? ReduceOp::kAvg : ReduceOp::kSum;
+    if (plan_.shard_params) {
+      replicate->all_reduce(bucket.output, op);
+    } else {
+      replicate->all_reduce_coalesced_async(reduced, op)->wait();
     }
   }
-  in_flight_.clear();
+  for (std::size_t k = 0; k < bucket.entries.size(); ++k) {
+    const auto& e = bucket.entries[k];
+    if (plan_.postdivide != 1.0) reduced[k].div_(plan_.postdivide);
+    const at::Tensor& shard_grad = storage_.unit(e.unit).grad;
+    add_reduced(shard_grad.narrow(0, e.grad_offset, e.length), reduced[k].reshape({-1}));
+  }
+  live_bytes_ -= bucket.bytes();
+  in_flight_.pop_front();
 }
 
 void GradientReducer::reduce_accumulator(int i) {

@@ -6,6 +6,7 @@
 // boundary accumulators, the bucket being filled and the ones in flight.
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -52,6 +53,10 @@ class GradientReducer {
   void clear_window();
   /// Bytes of ZeRO-1's boundary accumulators (gradients at rest).
   int64_t accumulator_bytes() const;
+  /// The most bytes that gradient reductions in flight held at once (their
+  /// unsharded inputs and sharded outputs) since the last reset_peak().
+  int64_t peak_bytes() const { return peak_bytes_; }
+  void reset_peak() { peak_bytes_ = live_bytes_; }
   /// Waits for reductions still in flight (they write into buffers this
   /// reducer owns); failures are logged, as this runs on the engine's destruction.
   void settle_in_flight(const std::string& engine_name) noexcept;
@@ -72,6 +77,7 @@ class GradientReducer {
     int64_t numel = 0;                 ///< input elements queued
     std::vector<comm::WorkPtr> works;  ///< in issue order
     at::Tensor output;                 ///< sharded: the reduced chunks, entry after entry
+    int64_t bytes() const;             ///< what it holds while in flight
   };
   /// One entry's gradients on their way.
   struct Pending {
@@ -108,7 +114,11 @@ class GradientReducer {
   void enqueue_full_layout(int i, const at::Tensor& full_input);
   /// Issues the queued reductions as one coalesced collective: reduce-scatters
   /// of the pieces into one output buffer, or (unsharded) all-reduces in place.
+  /// With kMaxBucketsInFlight issued already, finishes the oldest first.
   void flush_bucket();
+  /// Waits for the oldest bucket in flight and adds its results into the
+  /// gradient shards.
+  void finish_oldest_bucket();
   void finish_reductions();
   /// zero 1: queues the reduction of one entry's accumulator (a copy in the
   /// reduce dtype) and zeroes it for the next window.
@@ -126,7 +136,16 @@ class GradientReducer {
   /// on_grad_accumulated's hooks on the trainable parameters; removed with the reducer.
   std::vector<std::unique_ptr<GradReadyHook>> hooks_;
   Bucket filling_;
-  std::vector<Bucket> in_flight_;
+  /// Buckets issued and not yet finished, oldest first. Each holds its
+  /// unsharded gradients until it is finished, so with no bound a backward
+  /// under overlap_comm would hold every unit's (FSDP issues a bucket per
+  /// unit): the whole model's gradients, unsharded, at the end of backward.
+  /// Two, as FSDP2 keeps one reduce-scatter in flight while the next unit's
+  /// gradients are computed and DeepSpeed ZeRO-3 alternates two buckets.
+  static constexpr std::size_t kMaxBucketsInFlight = 2;
+  std::deque<Bucket> in_flight_;
+  int64_t live_bytes_ = 0;  ///< Bucket::bytes() of in_flight_
+  int64_t peak_bytes_ = 0;
   /// Per unit that holds frozen weights, from its forwards to the end of the
   /// backward: its trainable gradients are all in; its inputs hooked, and how
   /// many of their gradients have arrived.

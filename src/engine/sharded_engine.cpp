@@ -318,11 +318,15 @@ MemoryReport ShardedEngine::memory() const {
   m.grads += s.reducer.accumulator_bytes();
   m.gathered = s.gather.live_bytes();
   m.gathered_peak = s.gather.peak_bytes();
+  m.reducing_peak = s.reducer.peak_bytes();
   m.load_peak = s.loader.peak_bytes();
   return m;
 }
 
-void ShardedEngine::reset_gathered_peak() { state_->gather.reset_peak(); }
+void ShardedEngine::reset_memory_peaks() {
+  state_->gather.reset_peak();
+  state_->reducer.reset_peak();
+}
 
 TrafficReport ShardedEngine::traffic() const { return state_->gather.traffic(); }
 

@@ -53,7 +53,7 @@ class ShardedEngine : public Engine {
   std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes() const override;
   void visit_full_parameters(const std::function<void(const std::string&, const at::Tensor&)>& visit) override;
   MemoryReport memory() const override;
-  void reset_gathered_peak() override;
+  void reset_memory_peaks() override;
   TrafficReport traffic() const override;
   void reset_traffic() override;
 

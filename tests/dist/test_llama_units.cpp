@@ -41,6 +41,7 @@ struct TrainedRun {
   std::vector<std::pair<std::string, at::Tensor>> weights;
   std::vector<std::string> units;
   int64_t gathered_peak = 0;
+  int64_t reducing_peak = 0;
   int64_t gathered_between_steps = 0;
   int64_t param_gather_bytes = 0;   ///< over the three steps
   int64_t frozen_gather_bytes = 0;  ///< over the three steps
@@ -94,6 +95,7 @@ TrainedRun train(const shardtrain::TrainingConfig& config, const sm::LlamaConfig
     run.losses.push_back(loss.item<double>());
   }
   run.gathered_peak = accelerator->memory().gathered_peak;
+  run.reducing_peak = accelerator->memory().reducing_peak;
   run.gathered_between_steps = accelerator->memory().gathered;
   run.param_gather_bytes = accelerator->traffic().param_gather_bytes;
   run.frozen_gather_bytes = accelerator->traffic().frozen_gather_bytes;
@@ -135,9 +137,10 @@ shardtrain::TrainingConfig zero3_freeing_after_forward() {
   return config;
 }
 
-sm::LlamaConfig model_config(bool tied) {
+sm::LlamaConfig model_config(bool tied, int64_t layers = 2) {
   sm::LlamaConfig c = shardtrain::testing::small_gqa_llama_config(kVocab);
   c.tie_word_embeddings = tied;
+  c.num_hidden_layers = layers;
   return c;
 }
 
@@ -181,6 +184,26 @@ TEST(DistLlamaUnits, EmbeddingsAndHeadAreUnitsUnderZeroAndWhenTheWrapListNamesTh
     expect_same_training(with_edges, layers_only, "fsdp with the edges as units");
     expect_same_training(zero3, layers_only, "zero-3");
     expect_same_training(unnamed, layers_only, "fsdp naming no class");
+  });
+}
+
+// FSDP (overlap_comm) issues a unit's reduce-scatter as soon as its gradients
+// are in, and the reduction holds them, unsharded, until it is finished. At
+// most two reductions are in flight (GradientReducer::kMaxBucketsInFlight),
+// so the gradients held at once are two units', not the whole model's, which
+// an unbounded queue held at the end of backward.
+TEST(DistLlamaUnits, ReductionsInFlightHoldAtMostTwoUnitsGradients) {
+  shardtrain::testing::run_on_ranks(2, [](RankContext& ctx) {
+    const TrainedRun run =
+        train(fsdp_wrapping({"LlamaDecoderLayer", "Embedding", "Linear"}), model_config(false, /*layers=*/8), ctx);
+    // The largest units are the tables: a fp32 gradient and its half after
+    // the reduce-scatter at world 2.
+    const int64_t largest_reduction = kTableBytes + kTableBytes / 2;
+    // Every unit's gradients with their halves: what the unbounded queue held.
+    const int64_t every_reduction = run.model_bytes + run.model_bytes / 2;
+    ASSERT_GT(every_reduction, 2 * largest_reduction) << "the model is too small to tell the two apart";
+    EXPECT_GT(run.reducing_peak, 0);
+    EXPECT_LE(run.reducing_peak, 2 * largest_reduction);
   });
 }
 

@@ -12,6 +12,7 @@
 #include <torch/cuda.h>
 
 #include "comm/nccl/nccl_factory.h"
+#include "local_gpu.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 
@@ -51,6 +52,23 @@ TEST(UnitDevice, UnknownOrUnusableDevicesAreConfigErrorsThatNameTheFix) {
     EXPECT_THROW(shardtrain::resolve_device("cuda", static_cast<int>(torch::cuda::device_count())),
                  shardtrain::ConfigError);
   }
+}
+
+// The one rule that resolve_device("cuda") and the NCCL backend share.
+TEST(UnitDevice, EachLocalRankUsesItsGpuAndAProcessSeeingOneGpuUsesThatOne) {
+  using shardtrain::gpu_for_local_rank;
+  EXPECT_EQ(gpu_for_local_rank(0, 8), 0);
+  EXPECT_EQ(gpu_for_local_rank(5, 8), 5);
+  EXPECT_EQ(gpu_for_local_rank(7, 8), 7);
+  // One GPU per task (Slurm --gpus-per-task=1): every local rank's device 0.
+  EXPECT_EQ(gpu_for_local_rank(0, 1), 0);
+  EXPECT_EQ(gpu_for_local_rank(3, 1), 0);
+  // More processes than GPUs, or none visible.
+  EXPECT_EQ(gpu_for_local_rank(2, 2), std::nullopt);
+  EXPECT_EQ(gpu_for_local_rank(8, 8), std::nullopt);
+  EXPECT_EQ(gpu_for_local_rank(0, 0), std::nullopt);
+  EXPECT_EQ(gpu_for_local_rank(-1, 4), std::nullopt);
+  EXPECT_EQ(gpu_for_local_rank(-1, 1), std::nullopt);
 }
 
 TEST(UnitDevice, KnownPeaksAreTheDatasheetDenseRates) {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <utility>
 #include <stdexcept>
@@ -30,6 +31,7 @@
 #include "comm/nccl/nccl_factory.h"
 #include "comm/work_util.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "local_gpu.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "torch_cuda.h"
@@ -49,6 +51,27 @@ namespace shardtrain::comm {
 namespace nccl_detail {
 
 namespace kcuda = ::shardtrain::kernels::cuda;
+
+/// The one stream every communicator of this process enqueues on for
+/// `device`. One, because collectives of two communicators (HYBRID_SHARD's
+/// shard and replicate groups, the world) on two streams may run in an order
+/// that differs from rank to rank, which NCCL documents can deadlock; on one
+/// stream they run in issue order, which is the same on every rank as long as
+/// one thread at a time issues them (the engines do: the training thread, or
+/// autograd's while backward() holds it). A pool stream,
+/// never destroyed, because the caching allocator keeps the stream that
+/// record_cuda_stream named for a block until the block is freed, which may
+/// be after its communicator is gone (a buffer Accelerator::gather_for_metrics
+/// returned). Non-blocking with the legacy default stream; ordering with the
+/// caller's stream is by events.
+cudaStream_t communication_stream(int device) {
+  static std::mutex mutex;
+  static std::map<int, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, created] = streams.try_emplace(device, nullptr);
+  if (created) it->second = static_cast<cudaStream_t>(torch_cuda::pool_cuda_stream(device));
+  return it->second;
+}
 
 /// The stream the caller's CUDA work runs on. `device` must be current: the
 /// legacy default stream (and ATen's default stream, which is the same
@@ -225,11 +248,10 @@ struct NcclState {
     return reason;
   }
 
-  /// Creates the stream, events, barrier buffer and the watchdog.
+  /// Takes the device's communication stream; creates the events, barrier
+  /// buffer and the watchdog.
   void create_resources() {
-    // Non-blocking: it must not synchronise with the legacy default stream,
-    // which a caller without a CUDA LibTorch computes on; ordering is by events.
-    ST_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    stream = nccl_detail::communication_stream(device);
     ST_CHECK_CUDA(cudaEventCreateWithFlags(&ready_event, cudaEventDisableTiming));
     ST_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_buffer), sizeof(float)));
     ST_CHECK_CUDA(cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream));
@@ -247,6 +269,15 @@ NcclState::~NcclState() {
   TeardownDeviceGuard guard(device);
   if (!guard.usable()) return;
   finish_abort(std::exchange(doomed, nullptr));  // defensive: the watchdog finishes what it marks
+  if (comm != nullptr && std::uncaught_exceptions() > 0) {
+    // An error unwinds this rank: its peers are probably inside a collective
+    // it will never join, and ncclCommFinalize, a collective itself, would
+    // wait the whole timeout for them. Aborting now fails their collectives
+    // instead, and the launcher ends the job without that wait.
+    ST_LOG_WARN("nccl communicator {}: torn down while an error unwinds; aborting it", name);
+    (void)ncclCommAbort(comm);
+    comm = nullptr;
+  }
   if (comm != nullptr) {
     // Collectives whose Work was dropped without wait() may still be queued;
     // NCCL's buffers must outlive them. Bounded: a peer may never arrive.
@@ -279,7 +310,6 @@ NcclState::~NcclState() {
   }
   if (barrier_buffer != nullptr) (void)cudaFree(barrier_buffer);
   if (ready_event != nullptr) (void)cudaEventDestroy(ready_event);
-  if (stream != nullptr) (void)cudaStreamDestroy(stream);
 }
 
 /// What the enqueue step of one collective sees. NCCL/CUDA results go through
@@ -824,17 +854,13 @@ CommunicatorPtr make_nccl_communicator(comm::StorePtr store, int rank, int world
   }
   int count = 0;
   ST_CHECK_CUDA(cudaGetDeviceCount(&count));
-  int device = device_index;
-  if (device >= count && count == 1) {
-    // Launchers that bind one GPU per task (Slurm --gpus-per-task=1) leave each
-    // process exactly one visible device, whatever its local rank.
-    device = 0;
-  }
-  if (device < 0 || device >= count) {
+  const std::optional<int> local_gpu = gpu_for_local_rank(device_index, count);
+  if (!local_gpu) {
     ST_THROW(ConfigError, "NCCL rank ", rank, " should use cuda:", device_index, " (its local rank), but this "
              "process sees ", count, " CUDA device(s): run at most ", count,
              " processes per machine (one per GPU), or fix CUDA_VISIBLE_DEVICES");
   }
+  const int device = *local_gpu;
   // The process's default device from now on, as torch.cuda.set_device(local_rank)
   // would make it: the engines allocate their CUDA tensors on the current device.
   ST_CHECK_CUDA(cudaSetDevice(device));
