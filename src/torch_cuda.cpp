@@ -20,10 +20,6 @@ void* current_cuda_stream(int device_index) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index)).stream();
 }
 
-void* pool_cuda_stream(int device_index) {
-  return c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_index)).stream();
-}
-
 void synchronize_cuda_stream(int device_index, void* stream) {
   c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device_index))
       .synchronize();

@@ -26,11 +26,6 @@ int cuda_device_count();
 /// collectives order themselves after it.
 void* current_cuda_stream(int device_index);
 
-/// A high-priority stream of ATen's stream pool for `device_index`, as a
-/// cudaStream_t: it does not synchronise with the legacy default stream, and
-/// it lives as long as the process (ATen never destroys pool streams).
-void* pool_cuda_stream(int device_index);
-
 /// The GPU's product name as the driver reports it ("NVIDIA H200").
 std::string cuda_device_name(int device_index);
 

@@ -227,8 +227,21 @@ void GradientReducer::release_frozen_unit_if_done(const Unit& unit) {
 
 void GradientReducer::flush_bucket() {
   if (filling_.entries.empty()) return;
-  Bucket bucket = std::move(filling_);
+  // The oldest finishes before this one goes out: never more than
+  // kMaxBucketsInFlight issued at once.
+  if (in_flight_.size() == kMaxBucketsInFlight) finish_oldest_bucket();
+  // In in_flight_ before anything is issued: a failure part way leaves what
+  // went out to settle_in_flight.
+  in_flight_.push_back(std::move(filling_));
   filling_ = Bucket();
+  Bucket& bucket = in_flight_.back();
+  if (plan_.shard_params) {
+    int64_t total = 0;
+    for (const auto& e : bucket.entries) total += e.length;
+    bucket.output = at::empty({total}, bucket.entries[0].input.options());
+  }
+  live_bytes_ += bucket.bytes();
+  peak_bytes_ = std::max(peak_bytes_, live_bytes_);
   comm::Communicator& comm = groups_.shard();
   const std::size_t more = bucket.entries.size() - 1;
   comm::CollectiveScope scope("reduce gradients of " + units_[bucket.entries[0].unit].label() +
@@ -238,35 +251,28 @@ void GradientReducer::flush_bucket() {
     std::vector<at::Tensor> inputs;
     for (const auto& e : bucket.entries) inputs.push_back(e.input);
     bucket.works.push_back(comm.all_reduce_coalesced_async(inputs, op));
-  } else {
-    int64_t total = 0;
-    for (const auto& e : bucket.entries) total += e.length;
-    bucket.output = at::empty({total}, bucket.entries[0].input.options());
-    // Consecutive even pieces go out as one coalesced call; uneven ones on their own.
-    std::vector<at::Tensor> inputs, outputs;
-    auto issue_even = [&] {
-      if (!inputs.empty()) bucket.works.push_back(comm.reduce_scatter_coalesced_async(outputs, inputs, op));
-      inputs.clear();
-      outputs.clear();
-    };
-    int64_t offset = 0;
-    for (const auto& e : bucket.entries) {
-      at::Tensor out = bucket.output.narrow(0, offset, e.length);
-      offset += e.length;
-      if (e.splits.empty()) {
-        inputs.push_back(e.input);
-        outputs.push_back(out);
-        continue;
-      }
-      issue_even();
-      bucket.works.push_back(comm.reduce_scatter_v_async(out, e.input, e.splits, op));
+    return;
+  }
+  // Consecutive even pieces go out as one coalesced call; uneven ones on their own.
+  std::vector<at::Tensor> inputs, outputs;
+  auto issue_even = [&] {
+    if (!inputs.empty()) bucket.works.push_back(comm.reduce_scatter_coalesced_async(outputs, inputs, op));
+    inputs.clear();
+    outputs.clear();
+  };
+  int64_t offset = 0;
+  for (const auto& e : bucket.entries) {
+    at::Tensor out = bucket.output.narrow(0, offset, e.length);
+    offset += e.length;
+    if (e.splits.empty()) {
+      inputs.push_back(e.input);
+      outputs.push_back(out);
+      continue;
     }
     issue_even();
+    bucket.works.push_back(comm.reduce_scatter_v_async(out, e.input, e.splits, op));
   }
-  if (in_flight_.size() == kMaxBucketsInFlight) finish_oldest_bucket();
-  live_bytes_ += bucket.bytes();
-  peak_bytes_ = std::max(peak_bytes_, live_bytes_);
-  in_flight_.push_back(std::move(bucket));
+  issue_even();
 }
 
 int64_t GradientReducer::Bucket::bytes() const {

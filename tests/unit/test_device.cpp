@@ -47,10 +47,13 @@ TEST(UnitDevice, UnknownOrUnusableDevicesAreConfigErrorsThatNameTheFix) {
     } catch (const shardtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("use --device cpu"), std::string::npos) << e.what();
     }
-  } else {
+  } else if (torch::cuda::device_count() > 1) {
     // One process per GPU: a local rank past the last GPU is a launch error.
     EXPECT_THROW(shardtrain::resolve_device("cuda", static_cast<int>(torch::cuda::device_count())),
                  shardtrain::ConfigError);
+  } else {
+    // One GPU visible (one per task): every local rank uses it.
+    EXPECT_EQ(shardtrain::resolve_device("cuda", 3), c10::Device(c10::DeviceType::CUDA, 0));
   }
 }
 

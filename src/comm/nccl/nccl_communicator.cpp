@@ -58,19 +58,26 @@ namespace kcuda = ::shardtrain::kernels::cuda;
 /// that differs from rank to rank, which NCCL documents can deadlock; on one
 /// stream they run in issue order, which is the same on every rank as long as
 /// one thread at a time issues them (the engines do: the training thread, or
-/// autograd's while backward() holds it). A pool stream,
-/// never destroyed, because the caching allocator keeps the stream that
-/// record_cuda_stream named for a block until the block is freed, which may
-/// be after its communicator is gone (a buffer Accelerator::gather_for_metrics
-/// returned). Non-blocking with the legacy default stream; ordering with the
-/// caller's stream is by events.
+/// autograd's while backward() holds it). Never destroyed, because the
+/// caching allocator keeps the stream that record_cuda_stream named for a
+/// block until the block is freed, which may be after its communicator is
+/// gone (a buffer Accelerator::gather_for_metrics returned). Its own, not one
+/// of ATen's pool, which hands its streams out again in turn to whoever asks.
+/// Highest priority, as c10d's NCCL streams; non-blocking with the legacy
+/// default stream; ordering with the caller's stream is by events.
 cudaStream_t communication_stream(int device) {
   static std::mutex mutex;
   static std::map<int, cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mutex);
-  auto [it, created] = streams.try_emplace(device, nullptr);
-  if (created) it->second = static_cast<cudaStream_t>(torch_cuda::pool_cuda_stream(device));
-  return it->second;
+  auto found = streams.find(device);
+  if (found != streams.end()) return found->second;
+  const CudaDeviceGuard guard(device);
+  int least = 0, greatest = 0;
+  ST_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t stream = nullptr;
+  ST_CHECK_CUDA(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
+  streams.emplace(device, stream);
+  return stream;
 }
 
 /// The stream the caller's CUDA work runs on. `device` must be current: the
@@ -272,8 +279,10 @@ NcclState::~NcclState() {
   if (comm != nullptr && std::uncaught_exceptions() > 0) {
     // An error unwinds this rank: its peers are probably inside a collective
     // it will never join, and ncclCommFinalize, a collective itself, would
-    // wait the whole timeout for them. Aborting now fails their collectives
-    // instead, and the launcher ends the job without that wait.
+    // wait the whole timeout for them. Aborting now lets this process exit
+    // at once, and the launcher then stops the peers (which NCCL does not
+    // tell: over sockets they may see an error, over NVLink they wait for
+    // their own watchdog).
     ST_LOG_WARN("nccl communicator {}: torn down while an error unwinds; aborting it", name);
     (void)ncclCommAbort(comm);
     comm = nullptr;
@@ -302,8 +311,8 @@ NcclState::~NcclState() {
       clean = finalized == ncclSuccess && ncclCommDestroy(comm) == ncclSuccess;
     }
     if (!clean) {
-      ST_LOG_WARN("nccl communicator {}: work did not drain within {} ms at teardown; aborting it", name,
-                  timeout.count());
+      ST_LOG_WARN("nccl communicator {}: the communication stream (shared by every communicator on this GPU) "
+                  "did not drain within {} ms at teardown; aborting it", name, timeout.count());
       (void)ncclCommAbort(comm);
     }
     comm = nullptr;

@@ -1,6 +1,7 @@
 #pragma once
-// NCCL backend of the Communicator (CUDA tensors): direct NCCL calls on a
-// dedicated CUDA stream per communicator.
+// NCCL backend of the Communicator (CUDA tensors): direct NCCL calls on one
+// communication stream per GPU, shared by every communicator of the process
+// (nccl_communicator.cpp, communication_stream, says why).
 //
 //  * Ordering with the caller is by CUDA events, both ways: a collective
 //    starts after everything already enqueued on the caller's current stream

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/cuda_dispatch.h"
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -32,8 +33,18 @@ cuda::DType cuda_type(const at::Tensor& t, const char* name) {
   }
 }
 
+/// The kernels access whole elements: at an address that is not a multiple
+/// of the element size (only a from_blob pointer can be there) a load faults,
+/// and the fault poisons the process's CUDA context for good.
+void check_element_aligned(const at::Tensor& t, const char* name) {
+  ST_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % t.element_size() == 0, name,
+           " starts at an address that is not a multiple of its element size (", t.element_size(),
+           " bytes); the CUDA kernels need element-aligned data");
+}
+
 void check_cuda_operand(const at::Tensor& reference, const at::Tensor& t, const char* name) {
   check_same_device(reference, t, name);
+  check_element_aligned(t, name);
   ST_CHECK(t.is_contiguous(), name, " must be contiguous (these kernels stream flat buffers)");
   ST_CHECK(t.numel() == reference.numel(), name, " has ", t.numel(), " elements, expected ", reference.numel());
 }
@@ -45,6 +56,7 @@ void check_float32(const at::Tensor& t, const char* name) {
 /// Runs a launcher on t's device and stream, and turns a launch error into an exception.
 template <class Launch>
 void on_cuda(const at::Tensor& t, const char* what, Launch&& launch) {
+  check_element_aligned(t, what);
   const c10::DeviceGuard guard(t.device());
   auto stream = static_cast<cudaStream_t>(torch_cuda::current_cuda_stream(t.device().index()));
   const cudaError_t status = launch(stream);

@@ -13,8 +13,9 @@
 // it. Invalid arguments (negative sizes, null pointers, unknown dtypes) give
 // cudaErrorInvalidValue without launching anything. Kernels run on the
 // current CUDA device: the pointers and `stream` must belong to it. Pointers
-// need no particular alignment (views into flat buffers start anywhere); see
-// launch_plan.h for how aligned stretches get vector accesses.
+// need no alignment beyond their element size (views into flat buffers start
+// at any element; cuda_dispatch.cpp refuses anything else, which would
+// fault); see launch_plan.h for how aligned stretches get vector accesses.
 //
 // Numerics: the steps evaluate kernels/element_math.h's updates with every
 // multiply-add fused, from constants the host computed (math::AdamScalars,
