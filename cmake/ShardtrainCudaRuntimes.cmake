@@ -1,6 +1,6 @@
 # The CUDA libraries a shardtrain program links are the files LibTorch loads,
 # never a second copy from the CUDA toolkit. Used by shardtrain's own build
-# (ShardtrainCuda.cmake) and, installed, by shardtrainConfig.cmake, so an
+# (ShardtrainFindTorch.cmake) and, installed, by shardtrainConfig.cmake, so an
 # outside program gets the same.
 #
 # Why: a process maps one file per soname, the first found, and every library

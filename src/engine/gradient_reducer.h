@@ -143,9 +143,9 @@ class GradientReducer {
   /// Two: while backward computes a unit's gradients, the reductions of the
   /// two units before it run; issuing a third waits for the oldest (DeepSpeed
   /// ZeRO-3 alternates two buckets; FSDP2 keeps one reduce-scatter in
-  /// flight). On a GPU the limit is on buckets issued, not
-  /// on device memory: a finished bucket's blocks return to the caching
-  /// allocator once the communication stream is past them.
+  /// flight). On a GPU the limit is on buckets issued, not on device memory:
+  /// a finished bucket's blocks return to the caching allocator once the
+  /// communication stream is past them.
   static constexpr std::size_t kMaxBucketsInFlight = 2;
   std::deque<Bucket> in_flight_;
   int64_t live_bytes_ = 0;  ///< Bucket::bytes() of in_flight_
