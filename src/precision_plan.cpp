@@ -106,6 +106,7 @@ PrecisionPlan precision_plan_of(const engine::EnginePlan& engine_plan, int64_t n
     plan.moved_bytes =
         plan.master_bytes + plan.optimizer_bytes + grad_partition + (params_moved ? plan.params_bytes : 0.0);
     plan.offloads_params = params_moved;
+    plan.host_memory_pinned = engine_plan.offload_pin_memory;
   } else if (engine_plan.offload_optimizer) {
     plan.offload = "asked for, nothing to move: the model is on the CPU";
   }
@@ -199,8 +200,9 @@ std::string PrecisionPlan::to_string() const {
     out << "  offload: " << offload << "\n";
   }
   if (host_bytes > 0) {
-    out << "    " << std::left << std::setw(23) << "on the device" << human(device_bytes_per_rank()) << " per rank\n";
-    out << "    " << std::setw(23) << "in pinned host memory" << human(host_bytes_per_rank())
+    out << "    " << std::left << std::setw(25) << "on the device" << human(device_bytes_per_rank()) << " per rank\n";
+    out << "    " << std::setw(25) << (host_memory_pinned ? "in pinned host memory" : "in pageable host memory")
+        << human(host_bytes_per_rank())
         << " per rank (a copy of the parameter partition among it, unless the partition itself moved)\n";
   }
   if (!notes.empty()) out << "  note: " << notes << "\n";

@@ -5,12 +5,18 @@
 
 #include "torch_cuda.h"
 
+#include <cstring>
+
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "shardtrain/error.h"
 
 namespace shardtrain::torch_cuda {
 
@@ -43,6 +49,37 @@ int cuda_compute_capability(int device_index) {
 
 void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes) {
   at::native::resize_bytes_cuda(storage, bytes);
+}
+
+at::Tensor pinned_host_zeros(int64_t numel, c10::ScalarType dtype, int device_index) {
+  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  const auto device = static_cast<c10::DeviceIndex>(device_index);
+  void* data = nullptr;
+  {
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaError_t status = cudaHostAlloc(&data, bytes, cudaHostAllocDefault);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();  // an allocation failure is not sticky; leave none behind
+      ST_THROW(Error, "cannot pin ", bytes, " bytes of host memory (cudaHostAlloc: ", cudaGetErrorString(status),
+               ")");
+    }
+  }
+  // Written by the host here, before any stream can read it: no copy is queued on it yet.
+  std::memset(data, 0, bytes);
+  // cudaFreeHost waits for the device's queued work, so no copy still in
+  // flight reads freed memory; the guard keeps a thread that never chose a
+  // GPU (an allocator's, autograd's) from creating a context on GPU 0 for it.
+  // A deleter must not throw (c10's guard does on a failing runtime, as at
+  // exit): the memory is then the process's until it ends.
+  auto release = [device](void* pointer) noexcept {
+    try {
+      const c10::cuda::CUDAGuard guard(device);
+      if (cudaFreeHost(pointer) != cudaSuccess) (void)cudaGetLastError();
+    } catch (...) {
+      (void)cudaGetLastError();
+    }
+  };
+  return at::from_blob(data, {numel}, release, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 CudaMemoryStats cuda_memory_stats(int device_index) {

@@ -11,6 +11,7 @@
 
 namespace c10 {
 struct StorageImpl;
+enum class ScalarType : int8_t;
 }
 namespace at {
 class Tensor;
@@ -44,6 +45,17 @@ void record_cuda_stream(const at::Tensor& tensor, void* stream);
 /// Frees (bytes = 0) or re-allocates a CUDA tensor's storage in place through
 /// the caching allocator, keeping the StorageImpl.
 void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes);
+
+/// `numel` zeroed elements of `dtype` in page-locked host memory, exactly
+/// that many bytes, as a CPU tensor whose last reference hands the memory
+/// back to the driver. For buffers that live as long as an engine (the
+/// offloaded partitions): LibTorch's pinned allocator
+/// (`pinned_memory(true)`) rounds every block up to a power of two and keeps
+/// it cached, which can nearly double a multi-GB partition. Allocated with
+/// `device_index` current, so that no rank creates a CUDA context on another
+/// rank's GPU. Throws shardtrain::Error with the driver's reason when the
+/// memory cannot be pinned.
+at::Tensor pinned_host_zeros(int64_t numel, c10::ScalarType dtype, int device_index);
 
 /// The caching allocator's byte counts for one device.
 struct CudaMemoryStats {

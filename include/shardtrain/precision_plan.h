@@ -46,7 +46,7 @@ struct PrecisionPlan {
   /// Bytes of frozen weights held quantized (QLoRA's NF4 base, one copy): a
   /// row of their own, their shard at rest and what stages 1/2 keep gathered.
   int64_t frozen_nf4_bytes = 0;
-  /// What the offload keeps in pinned host memory, in words (or that it has
+  /// What the offload keeps in host memory, in words (or that it has
   /// nothing to move, with the model on the CPU); empty without offload.
   std::string offload;
   /// Bytes per trainable parameter per rank that the offload keeps in host
@@ -54,6 +54,10 @@ struct PrecisionPlan {
   /// parameter partition (a host copy the step writes, or under the
   /// parameter offload the partition itself). 0 without offload.
   double host_bytes = 0;
+  /// Whether that host memory is page-locked (pinned): the default, and
+  /// FSDP's; a DeepSpeed config's offload_optimizer.pin_memory: false keeps
+  /// it pageable.
+  bool host_memory_pinned = true;
   /// Of the rows above, the bytes per trainable parameter per rank the
   /// offload takes off the device (master, optimizer state and gradient
   /// partition, and the parameter partition under the parameter offload).

@@ -116,6 +116,11 @@ struct EnginePlan {
   /// shard_params and offload_optimizer (the host step writes the partition
   /// where it lives); ShardStorage checks both.
   bool offload_params = false;
+  /// The offloaded states in page-locked host memory, each buffer its exact
+  /// size (torch_cuda::pinned_host_zeros): copies to and from the GPU run at
+  /// full bus speed and can overlap. false keeps them in pageable memory, where
+  /// page-locked memory is scarce: DeepSpeed's offload_optimizer.pin_memory.
+  bool offload_pin_memory = true;
   /// Unit selection among the model's shardtrain::Unit modules (outermost wins):
   /// no wrapping at all, by class name, by size, or (all empty/zero) every marked unit.
   bool wrap_units = true;

@@ -20,14 +20,16 @@ namespace {
 /// Adds a reduced gradient into its place in the shard's gradient, in that
 /// gradient's dtype and where it lives: under offload in host memory, so the
 /// value comes down first (the copy waits for the reduction on the stream).
-void add_reduced(const at::Tensor& place, const at::Tensor& reduced) {
+void add_reduced(const at::Tensor& place, const at::Tensor& reduced, bool land_pinned) {
   if (reduced.device() == place.device()) {
     place.add_(reduced.to(place.scalar_type()));
     return;
   }
-  // Into pinned memory (the host allocator caches it): one direct copy
-  // instead of one staged through a pageable buffer.
-  at::Tensor landed = at::empty(reduced.sizes(), place.options().dtype(reduced.scalar_type()).pinned_memory(true));
+  // Into pinned memory where the offload pins (the host allocator caches a
+  // bucket's worth): one direct copy instead of one staged through a
+  // pageable buffer.
+  at::Tensor landed =
+      at::empty(reduced.sizes(), place.options().dtype(reduced.scalar_type()).pinned_memory(land_pinned));
   landed.copy_(reduced);
   place.add_(landed.to(place.scalar_type()));
 }
@@ -165,7 +167,7 @@ void GradientReducer::unit_grads_ready(int i) {
       if (!g.defined()) continue;
       at::Tensor place = shard_grad.narrow(0, u.layout->param_offset_in_full(k), g.numel()).view(g.sizes());
       // Through the reduce dtype into the gradient's, as the collective path does.
-      add_reduced(place, g.to(plan_.reduce_dtype));
+      add_reduced(place, g.to(plan_.reduce_dtype), storage_.host_pinned());
     }
   } else if (plan_.reduce_at_boundary_only && (accumulated_in_window_ || !boundary_backward_)) {
     // Accumulated unreduced, each gradient into its slice of the full layout;
@@ -310,7 +312,7 @@ void GradientReducer::finish_oldest_bucket() {
     const auto& e = bucket.entries[k];
     if (plan_.postdivide != 1.0) reduced[k].div_(plan_.postdivide);
     const at::Tensor& shard_grad = storage_.unit(e.unit).grad;
-    add_reduced(shard_grad.narrow(0, e.grad_offset, e.length), reduced[k].reshape({-1}));
+    add_reduced(shard_grad.narrow(0, e.grad_offset, e.length), reduced[k].reshape({-1}), storage_.host_pinned());
   }
   live_bytes_ -= bucket.bytes();
   in_flight_.pop_front();

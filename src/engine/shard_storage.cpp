@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "shardtrain/error.h"
+#include "torch_cuda.h"
 
 namespace shardtrain::engine {
 namespace {
@@ -63,12 +64,12 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
   offloaded_ = plan.offload_optimizer && offload_moves_states(!device_.is_cpu());
   params_offloaded_ = offloaded_ && plan.offload_params;
   const at::TensorOptions fp32 = fp32_options();
-  // Pinned, as DeepSpeed's offload buffers are: copies between pinned host
-  // memory and the device run at full bus speed and can overlap. Offloaded
-  // states are allocated there directly: a model that fits its GPU only
-  // because of the offload must never hold them on the device, not even
-  // while prepare() builds them.
-  const at::TensorOptions host = fp32.device(at::kCPU).pinned_memory(device_.is_cuda());
+  // Offloaded states are allocated in host memory directly: a model that
+  // fits its GPU only because of the offload must never hold them on the
+  // device, not even while prepare() builds them. zeros() pins them there
+  // (plan.offload_pin_memory) when the model is on a GPU.
+  const at::TensorOptions host = fp32.device(at::kCPU);
+  host_pinned_ = offloaded_ && device_.is_cuda() && plan.offload_pin_memory;
   // Under offload the step runs on the host, on the master, the moments and
   // a gradient partition there: each reduction's result comes down as it is
   // added in (GradientReducer), as DeepSpeed's offload keeps its fp32
@@ -76,31 +77,31 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
   const at::TensorOptions stepped_on = offloaded_ ? host : fp32;
   const at::TensorOptions state_options = pure ? stepped_on.dtype(plan.param_dtype) : stepped_on;
   const int64_t total_shard = units.trainable_shard_numel();
-  if (!pure) master_ = at::zeros({total_shard}, stepped_on);
+  if (!pure) master_ = zeros(total_shard, stepped_on);
   // keep_low_precision_grads: the reduced gradient stays in param_dtype (the
   // optimizer kernels widen it as they read it), as FSDP1 leaves flat_param.grad.
   const bool low_grads = pure || (plan.keep_low_precision_grads && plan.param_dtype != at::kFloat);
-  grad_ = at::zeros({total_shard}, low_grads ? stepped_on.dtype(plan.param_dtype) : stepped_on);
+  grad_ = zeros(total_shard, low_grads ? stepped_on.dtype(plan.param_dtype) : stepped_on);
   // The partition the model gathers: under the parameter offload in host
   // memory, where the step writes it and each gather uploads it from; else
   // on the device. fp32 parameters are the master itself where both live
   // in one place.
   const at::TensorOptions partition_on = params_offloaded_ ? host : fp32;
   const bool lp_is_master = !pure && plan.param_dtype == at::kFloat && (params_offloaded_ || !offloaded_);
-  lp_ = lp_is_master ? master_ : at::zeros({total_shard}, partition_on.dtype(plan.param_dtype));
+  lp_ = lp_is_master ? master_ : zeros(total_shard, partition_on.dtype(plan.param_dtype));
   // The optimizer offload alone: pure low precision steps this host copy of
   // its partition in place; a 16-bit param_dtype rounds the fp32 master into
   // it; fp32 parameters need none (the host master is uploaded as it is).
   if (offloaded_ && !params_offloaded_ && (pure || plan.param_dtype != at::kFloat)) {
-    host_lp_ = at::zeros({total_shard}, host.dtype(plan.param_dtype));
+    host_lp_ = zeros(total_shard, host.dtype(plan.param_dtype));
   }
   const std::string& opt = plan.optimizer.type;
   if (!plan.optimizer.custom_factory) {
     if (opt == "AdamW" || opt == "Adam") {
-      exp_avg_ = at::zeros({total_shard}, state_options);
-      exp_avg_sq_ = at::zeros({total_shard}, state_options);
+      exp_avg_ = zeros(total_shard, state_options);
+      exp_avg_sq_ = zeros(total_shard, state_options);
     } else if (opt == "SGD") {
-      if (plan.optimizer.momentum != 0.0) momentum_ = at::zeros({total_shard}, stepped_on);
+      if (plan.optimizer.momentum != 0.0) momentum_ = zeros(total_shard, stepped_on);
     } else {
       ST_THROW(ConfigError, "optimizer type '", opt, "' is not one of AdamW, Adam, SGD");
     }
@@ -120,11 +121,23 @@ ShardStorage::ShardStorage(const EnginePlan& plan, const UnitTable& units, const
         shard.exp_avg_sq = exp_avg_sq_.narrow(0, u.shard_offset, S);
       }
     } else if (u.packed) {
-      shard.lp = at::zeros({S}, partition_on.dtype(at::kByte));
+      shard.lp = zeros(S, partition_on.dtype(at::kByte));
     } else {
-      shard.lp = at::zeros({S}, partition_on.dtype(plan.param_dtype));
-      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : at::zeros({S}, partition_on);
+      shard.lp = zeros(S, partition_on.dtype(plan.param_dtype));
+      if (plan.frozen_fp32_copy) shard.master = plan.param_dtype == at::kFloat ? shard.lp : zeros(S, partition_on);
     }
+  }
+}
+
+at::Tensor ShardStorage::zeros(int64_t numel, const at::TensorOptions& options) const {
+  if (!options.device().is_cpu() || !host_pinned_) return at::zeros({numel}, options);
+  try {
+    return torch_cuda::pinned_host_zeros(numel, options.dtype().toScalarType(), device_.index());
+  } catch (const Error& e) {
+    ST_THROW(Error, plan_.name, ": offloading a partition of ", numel * static_cast<int64_t>(options.dtype().itemsize()),
+             " bytes: ", e.what(), ". Free host memory or raise the locked-memory limit (ulimit -l), or keep the "
+             "offloaded states in pageable memory, at the cost of slower copies to and from the GPU: pin_memory: false "
+             "under zero_optimization.offload_optimizer in a DeepSpeed config");
   }
 }
 

@@ -89,6 +89,9 @@ class ShardStorage {
   /// Zeroes the gradients whatever they hold (after a step, applied or skipped).
   void clear_grads();
 
+  /// Whether the offloaded states are in page-locked host memory.
+  bool host_pinned() const { return host_pinned_; }
+
   /// Bytes held at rest, by kind (MemoryReport' params, master, grads, optimizer).
   void add_memory(MemoryReport& stats) const;
 
@@ -103,12 +106,17 @@ class ShardStorage {
   static at::Tensor unallocated_buffer(int64_t numel, const at::TensorOptions& options);
 
  private:
+  /// `numel` zeros with `options`; in host memory pinned to its exact size
+  /// where the offload pins (host_pinned_).
+  at::Tensor zeros(int64_t numel, const at::TensorOptions& options) const;
+
   const EnginePlan& plan_;
   at::Device device_{at::kCPU};
   at::Tensor master_, lp_, grad_, exp_avg_, exp_avg_sq_, momentum_;
   at::Tensor host_lp_;
   bool offloaded_ = false;
   bool params_offloaded_ = false;
+  bool host_pinned_ = false;
   std::vector<UnitShard> shards_;
   bool grads_zero_ = true;
 };

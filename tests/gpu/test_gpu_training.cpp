@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <gtest/gtest.h>
 
 #include "accelerator_internals.h"
@@ -23,9 +24,11 @@
 #include "gpu_test_device.h"
 #include "shardtrain/accelerator.h"
 #include "shardtrain/device.h"
+#include "shardtrain/error.h"
 #include "support/scratch_dir.h"
 #include "tiny/tiny_model.h"
 #include "tiny/tiny_train.h"
+#include "torch_cuda.h"
 
 namespace {
 
@@ -331,46 +334,62 @@ TEST(GpuTrainingOffload, OptimizerAndParameterOffloadTrainAsTheRunWithoutThem) {
 
 // Where the states live, read from the engine itself rather than from its
 // report: under offload_param the bf16 partition, the fp32 master and the
-// gradient partition are in pinned host memory, and the module's gathered
-// parameters on the GPU, where a step then runs. (In the dry run the CPU is
-// the device: nothing moves.)
-TEST(GpuTrainingOffload, UnderOffloadParamThePartitionAndTheMasterAreInPinnedHostMemory) {
+// gradient partition are in host memory, and the module's gathered
+// parameters on the GPU, where a step then runs. Pinned by default, each
+// partition its exact size: none of it comes from LibTorch's caching host
+// allocator, which would round each up to a power of two (its bytes in use
+// are the same before prepare() and after it). With pin_memory: false they
+// are pageable and the step is the same. (In the dry run the CPU is the
+// device: nothing moves.)
+TEST(GpuTrainingOffload, UnderOffloadParamThePartitionAndTheMasterAreInHostMemoryPinnedToTheirSize) {
   shardtrain::testing::ScratchDir scratch;
   REQUIRE_TEST_DEVICE();
   const at::Device device = shardtrain::testing::test_device();
   const bool moves = device.is_cuda();
-  shardtrain::AcceleratorOptions options;
-  options.config_path = scratch.write("offload_param.json", R"({"train_micro_batch_size_per_gpu": "auto",
+  auto cached_pinned_bytes = [&] {
+    return moves ? at::getHostAllocator(at::kCUDA)->get_stats().allocated_bytes.current : int64_t{0};
+  };
+  for (const bool pin : {true, false}) {
+    SCOPED_TRACE(pin ? "pin_memory: true" : "pin_memory: false");
+    const std::string pin_memory = pin ? "true" : "false";
+    shardtrain::AcceleratorOptions options;
+    options.config_path = scratch.write("offload_param_" + pin_memory + ".json",
+                                        R"({"train_micro_batch_size_per_gpu": "auto",
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": true},
-      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})");
-  options.init.backend = shardtrain::backend_for(device);
-  options.print_plan = false;
-  shardtrain::Accelerator accelerator(options);
-  tiny::TinyConfig model_config;
-  tiny::TinyModel model(model_config);
-  model->to(device);
-  shardtrain::RunInfo run;
-  run.micro_batch_size = 2;
-  auto prepared = accelerator.prepare(model, {}, run);
-  auto& engine = dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
-  for (const auto& [what, partition] :
-       {std::pair{"bf16 partition", engine.low_precision_partition()}, std::pair{"master", engine.master_partition()},
-        std::pair{"gradient partition", engine.gradient_partition()}}) {
-    EXPECT_EQ(partition.device(), moves ? at::Device(at::kCPU) : device) << what;
-    EXPECT_EQ(partition.is_pinned(), moves) << what;
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": )" +
+                                            pin_memory + R"(}, "offload_param": {"device": "cpu"}}})");
+    options.init.backend = shardtrain::backend_for(device);
+    options.print_plan = false;
+    shardtrain::Accelerator accelerator(options);
+    tiny::TinyConfig model_config;
+    tiny::TinyModel model(model_config);
+    model->to(device);
+    shardtrain::RunInfo run;
+    run.micro_batch_size = 2;
+    const int64_t cached_before = cached_pinned_bytes();
+    auto prepared = accelerator.prepare(model, {}, run);
+    EXPECT_EQ(cached_pinned_bytes(), cached_before) << "a partition came from the caching host allocator";
+    auto& engine =
+        dynamic_cast<shardtrain::engine::ShardedEngine&>(shardtrain::AcceleratorInternals::engine(accelerator));
+    for (const auto& [what, partition] :
+         {std::pair{"bf16 partition", engine.low_precision_partition()}, std::pair{"master", engine.master_partition()},
+          std::pair{"gradient partition", engine.gradient_partition()}}) {
+      EXPECT_EQ(partition.device(), moves ? at::Device(at::kCPU) : device) << what;
+      EXPECT_EQ(partition.is_pinned(), moves && pin) << what;
+    }
+    const at::Tensor tokens =
+        at::stack({tiny::synthetic_sample(1, 0, model_config), tiny::synthetic_sample(1, 1, model_config)}).to(device);
+    const at::Tensor logits = prepared(tokens);
+    EXPECT_EQ(logits.device(), device);
+    const int64_t vocab = logits.size(-1), positions = tokens.size(1) - 1;
+    const at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, positions).reshape({-1, vocab}),
+                                                   tokens.narrow(1, 1, positions).reshape({-1}));
+    const at::Tensor before = engine.low_precision_partition().clone();
+    accelerator.backward(loss);
+    accelerator.step();
+    EXPECT_FALSE(at::equal(engine.low_precision_partition(), before)) << "the step did not write the host partition";
+    EXPECT_EQ(engine.low_precision_partition().device(), moves ? at::Device(at::kCPU) : device);
   }
-  const at::Tensor tokens =
-      at::stack({tiny::synthetic_sample(1, 0, model_config), tiny::synthetic_sample(1, 1, model_config)}).to(device);
-  const at::Tensor logits = prepared(tokens);
-  EXPECT_EQ(logits.device(), device);
-  const int64_t vocab = logits.size(-1), positions = tokens.size(1) - 1;
-  const at::Tensor loss = at::cross_entropy_loss(logits.narrow(1, 0, positions).reshape({-1, vocab}),
-                                                 tokens.narrow(1, 1, positions).reshape({-1}));
-  const at::Tensor before = engine.low_precision_partition().clone();
-  accelerator.backward(loss);
-  accelerator.step();
-  EXPECT_FALSE(at::equal(engine.low_precision_partition(), before)) << "the step did not write the host partition";
-  EXPECT_EQ(engine.low_precision_partition().device(), moves ? at::Device(at::kCPU) : device);
 }
 
 // A checkpoint keeps each rank's random streams, the device's included (LoRA
@@ -396,6 +415,32 @@ TEST(GpuTrainingCheckpoint, LoadingRestoresTheDevicesRandomStream) {
   accelerator.load_state(scratch.file("ckpt"));
   const at::Tensor after_load = at::rand({64}, at::TensorOptions().device(device));
   EXPECT_TRUE(at::equal(after_load.cpu(), after_save.cpu()));
+}
+
+// The offload's host buffers: zeroed, page-locked, exactly the size asked
+// for, and usable by an asynchronous copy both ways. A size no machine can
+// pin (1 PiB, beyond x86-64's user address space) is refused with the
+// driver's reason and the size, and leaves the device usable.
+TEST(GpuTrainingMemory, PinnedHostBuffersAreZeroedAndARefusalNamesTheSize) {
+  REQUIRE_CUDA();
+  const c10::Device gpu = shardtrain::resolve_device("cuda", 0);
+  const at::Tensor buffer = shardtrain::torch_cuda::pinned_host_zeros(1000, at::kFloat, gpu.index());
+  EXPECT_TRUE(buffer.is_pinned());
+  EXPECT_EQ(buffer.device(), at::Device(at::kCPU));
+  EXPECT_EQ(buffer.nbytes(), 4000u);
+  EXPECT_TRUE(at::equal(buffer, at::zeros({1000})));
+  const at::Tensor values = at::arange(1000, at::TensorOptions().dtype(at::kFloat).device(gpu));
+  buffer.copy_(values, /*non_blocking=*/true);
+  const at::Tensor back = at::empty({1000}, values.options()).copy_(buffer, /*non_blocking=*/true);
+  EXPECT_TRUE(at::equal(back.cpu(), values.cpu()));
+  try {
+    (void)shardtrain::torch_cuda::pinned_host_zeros(int64_t{1} << 48, at::kFloat, gpu.index());
+    ADD_FAILURE() << "pinning 1 PiB succeeded";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot pin 1125899906842624 bytes of host memory"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(at::ones({4}, values.options()).sum().item<float>(), 4.0f);
 }
 
 TEST(GpuTrainingMemory, PeakMemoryComesFromTheCachingAllocator) {

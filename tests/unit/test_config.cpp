@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -1103,7 +1104,8 @@ TEST(UnitConfigCli, CheckWithoutRunFlagsShowsWhatTheRunDecidesAndFlagsFillItIn) 
 // the moments, the gradient and the 16-bit partition (a copy the step
 // writes, or the partition itself under offload_param): 4.5 GB. The device
 // keeps the partition (500 MB) unless offload_param moved it too (nothing).
-// On the CPU nothing moves, and the plan says so.
+// With pin_memory: false the same bytes are in pageable host memory. On the
+// CPU nothing moves, and the plan says so.
 TEST(UnitConfigCli, CheckOnCudaSplitsAnOffloadedRunBetweenTheDeviceAndPinnedHostMemory) {
   const std::string both = (kConfigsDir / "zero3_offload_cpu.json").string();
   std::ifstream in(both);
@@ -1115,17 +1117,25 @@ TEST(UnitConfigCli, CheckOnCudaSplitsAnOffloadedRunBetweenTheDeviceAndPinnedHost
   const std::size_t at_block = optimizer_only.find(param_block);
   ASSERT_NE(at_block, std::string::npos) << "zero3_offload_cpu.json changed its offload_param block";
   optimizer_only.replace(at_block, param_block.size(), R"("offload_param": {"device": "none"})");
+  std::string pageable = optimizer_only;
+  const std::string pinned_key = R"("pin_memory": true)";
+  const std::size_t at_key = pageable.find(pinned_key);
+  ASSERT_NE(at_key, std::string::npos) << "zero3_offload_cpu.json no longer says " << pinned_key;
+  pageable.replace(at_key, pinned_key.size(), R"("pin_memory": false)");
   ScratchDir dir;
   const std::string flags = " --world-size 4 --num-params 1000000000 --hidden-size 8 --micro-batch 1";
-  for (const auto& [file, device_gb] :
-       {std::pair{both, "0.00 B"}, std::pair{dir.write("optimizer_only.json", optimizer_only), "500.00 MB"}}) {
+  for (const auto& [file, device_gb, host_row] :
+       {std::tuple{both, "0.00 B", "in pinned host memory    "},
+        std::tuple{dir.write("optimizer_only.json", optimizer_only), "500.00 MB", "in pinned host memory    "},
+        std::tuple{dir.write("pageable.json", pageable), "500.00 MB", "in pageable host memory  "}}) {
+    SCOPED_TRACE(file);
     const auto [status, output] = run_cli("config check " + file + flags + " --device cuda");
     ASSERT_EQ(status, 0) << output;
     EXPECT_NE(output.find("total model states       4.500 B/param/rank  = 4.50 GB per rank"), std::string::npos)
         << output;
-    EXPECT_NE(output.find(std::string("#     on the device          ") + device_gb + " per rank"), std::string::npos)
+    EXPECT_NE(output.find(std::string("#     on the device            ") + device_gb + " per rank"), std::string::npos)
         << output;
-    EXPECT_NE(output.find("#     in pinned host memory  4.50 GB per rank"), std::string::npos) << output;
+    EXPECT_NE(output.find(std::string("#     ") + host_row + "4.50 GB per rank"), std::string::npos) << output;
   }
   const auto [status, output] = run_cli("config check " + both + flags);
   ASSERT_EQ(status, 0) << output;

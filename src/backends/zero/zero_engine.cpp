@@ -37,6 +37,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   // offload_param, and a config file says so when it is read (config_load).
   o.offload_params = stage == 3 && z.offload_param != OffloadDevice::kNone;
   o.offload_optimizer = z.offload_optimizer != OffloadDevice::kNone || o.offload_params;
+  o.offload_pin_memory = z.offload_pin_memory;
   if (o.offload_params && z.offload_optimizer == OffloadDevice::kNone) {
     o.notices.push_back("zero_optimization.offload_param without offload_optimizer: the optimizer is offloaded to "
                         "CPU memory too, since its step writes the offloaded parameter partition where it lives");
