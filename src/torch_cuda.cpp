@@ -53,6 +53,7 @@ void resize_cuda_storage_bytes(c10::StorageImpl* storage, std::size_t bytes) {
 
 at::Tensor pinned_host_zeros(int64_t numel, c10::ScalarType dtype, int device_index) {
   const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  if (bytes == 0) return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
   const auto device = static_cast<c10::DeviceIndex>(device_index);
   void* data = nullptr;
   {
@@ -66,9 +67,11 @@ at::Tensor pinned_host_zeros(int64_t numel, c10::ScalarType dtype, int device_in
   }
   // Written by the host here, before any stream can read it: no copy is queued on it yet.
   std::memset(data, 0, bytes);
-  // cudaFreeHost waits for the device's queued work, so no copy still in
-  // flight reads freed memory; the guard keeps a thread that never chose a
-  // GPU (an allocator's, autograd's) from creating a context on GPU 0 for it.
+  // Whoever queued copies on the buffer waits for them before its last
+  // reference goes (the engine's teardown waits for its uploads); cudaFreeHost
+  // synchronizes the device besides, which LibTorch's pinned allocator exists
+  // to avoid. The guard keeps a thread that never chose a GPU (an
+  // allocator's, autograd's) from creating a context on GPU 0 for it.
   // A deleter must not throw (c10's guard does on a failing runtime, as at
   // exit): the memory is then the process's until it ends.
   auto release = [device](void* pointer) noexcept {

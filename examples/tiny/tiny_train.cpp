@@ -250,7 +250,7 @@ shardtrain::MemoryReport reference_memory(ReferenceSetup& setup) {
 
 void finish_reference(ReferenceSetup& setup, TinyRunResult& result) {
   for (const auto& item : setup.model->named_parameters()) {
-    result.final_params.emplace_back(item.key(), item.value().detach().to(at::kFloat).clone());
+    result.final_params.emplace_back(item.key(), item.value().detach().to(at::kCPU, at::kFloat, false, true));
   }
 }
 

@@ -48,7 +48,7 @@ struct TinyRunResult {
   /// StepInfo's lost-update fractions of each step (-1 where not measured;
   /// empty for --reference runs, which have no engine).
   std::vector<double> lost_update_fracs, lost_update_fracs_if_bf16;
-  std::vector<std::pair<std::string, at::Tensor>> final_params;  ///< fp32, by name
+  std::vector<std::pair<std::string, at::Tensor>> final_params;  ///< fp32, in host memory, by name
   shardtrain::MemoryReport memory;
   shardtrain::PrecisionPlan plan;
   int64_t skipped_steps = 0;

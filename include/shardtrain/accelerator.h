@@ -117,6 +117,9 @@ struct OptimizerOptions {
   std::optional<double> lr, weight_decay, eps, momentum;
   std::optional<std::array<double, 2>> betas;
   /// Escape hatch: any torch::optim optimizer over the fp32 master shards.
+  /// save_state keeps its state per rank; load_state restores it at the
+  /// same world size and wrapping, and elsewhere (it cannot be resharded)
+  /// starts it fresh with a warning while the model loads.
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> custom_factory;
 };
 
@@ -278,7 +281,11 @@ class Accelerator {
 
   // ---- state
   /// Every parameter's full fp32 value by name (a quantized weight: its NF4
-  /// bytes; collective; rank 0 gets all, so do others).
+  /// bytes), and the buffers; collective; rank 0 gets all, so do others. In
+  /// host memory whatever the device, as Accelerate's FSDP state dict
+  /// (offload_to_cpu): a GPU holds one unit's full values at a time. A model
+  /// too big for every rank's host memory is written with save_model, which
+  /// streams from the shards.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   MemoryReport memory() const;
   void reset_memory_peaks();

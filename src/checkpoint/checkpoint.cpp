@@ -150,6 +150,64 @@ std::vector<std::pair<std::string, at::Generator>> random_streams(const comm::Co
   return streams;
 }
 
+/// `text` as a uint8 tensor, and back: how a rank file holds a string.
+at::Tensor text_bytes(const std::string& text) {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::TensorOptions().dtype(at::kByte));
+  if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  return bytes;
+}
+
+std::string bytes_text(const at::Tensor& bytes) {
+  const at::Tensor flat = bytes.to(at::kCPU).contiguous();
+  return std::string(static_cast<const char*>(flat.data_ptr()), static_cast<std::size_t>(flat.numel()));
+}
+
+/// A custom optimizer's state loads, before the model, where this rank holds
+/// the same elements in the same places as the rank that saved it (the same
+/// layout: Engine::custom_optimizer_layout). It cannot be resharded, so under
+/// another layout (another world size or wrapping) the custom optimizer
+/// starts fresh, with a warning, while the model and the rest load. A state
+/// that does not load (another optimizer type) stops every rank.
+template <typename Reader>
+void load_custom_optimizer(engine::Engine& engine, comm::Communicator& comm, const Index& index,
+                           const fs::path& ckpt, Reader& reader) {
+  const std::string own = rank_file(comm.rank(), ".safetensors");
+  auto saved_on = [&](const std::string& file) {
+    return index.file_position.count(file) > 0 && reader(file).contains(kCustomOptimizerKey);
+  };
+  // Every rank has a custom optimizer or none (one config): no collective without one.
+  const std::string layout = engine.custom_optimizer_layout();
+  if (layout.empty()) {
+    if (comm.rank() == 0 && saved_on(own)) {
+      ST_LOG_WARN("checkpoint {} holds a custom optimizer's state; this run has no custom optimizer, so it is not "
+                  "loaded", ckpt.string());
+    }
+    return;
+  }
+  bool saved_here = false, loaded = false;
+  if (auto failed = agree_on_failure(comm, true, [&] {
+        saved_here = saved_on(own);
+        if (!saved_here || !reader(own).contains(kCustomOptimizerLayoutKey)) return;
+        if (bytes_text(reader(own).read(kCustomOptimizerLayoutKey)) != layout) return;
+        engine.load_custom_optimizer_state(reader(own).read(kCustomOptimizerKey));
+        loaded = true;
+      })) {
+    ST_THROW(Error, "checkpoint ", ckpt.string(), ": the custom optimizer's state does not load into this run's "
+             "custom optimizer (", *failed, "); the model was not loaded. Resume with the custom optimizer it was "
+             "saved with");
+  }
+  if (!loaded) {
+    ST_LOG_WARN("checkpoint {}: {}; the custom optimizer starts with a fresh state on this rank (momentum and "
+                "moments restart) while the model and the training state load. Its state is per rank and cannot be "
+                "resharded: resume at world size {} under engine {} to continue it",
+                ckpt.string(),
+                saved_here ? "this rank's custom optimizer state was saved over another layout (world size " +
+                                 std::to_string(index.world_size) + ", engine " + index.engine + ")"
+                           : "it holds no custom optimizer state for this rank",
+                index.world_size, index.engine);
+  }
+}
+
 }  // namespace
 
 std::string save(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
@@ -189,8 +247,9 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
           nlohmann::json kinds = nlohmann::json::array();
           std::string dtype;
           for (const auto& [kind, value] : slice.state) {
-            // The file is written from host memory; state on a GPU comes down here.
-            tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value.to(at::kCPU).contiguous());
+            // The views themselves: write_file brings each down to the host as it
+            // writes it, so a GPU rank never holds its whole shard in host memory.
+            tensors.emplace_back(slice_key(slice.name, slice.begin, kind), value);
             kinds.push_back(kind);
             if (kind == "master") dtype = c10::toString(value.scalar_type());
           }
@@ -201,6 +260,10 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
         for (auto& [key, generator] : random_streams(comm)) {
           std::lock_guard<std::mutex> lock(generator.mutex());
           tensors.emplace_back(key, generator.get_state());
+        }
+        if (auto custom = engine.custom_optimizer_state()) {
+          tensors.emplace_back(kCustomOptimizerKey, custom->archive);
+          tensors.emplace_back(kCustomOptimizerLayoutKey, text_bytes(custom->layout));
         }
         const std::string file = rank_file(rank, ".safetensors");
         injected_failure(rank, "rank_file", (tmp / file).string());
@@ -401,7 +464,11 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
                 index.format_version);
   }
 
-  // Damage is found before anything is loaded: no partial load.
+  // Damage is found before anything is loaded: no partial load. Every rank
+  // checks every file's name and size (cheap); the CRC-32, which reads the
+  // whole file, each file's once across the job, by the ranks in turn, and
+  // all agree on the outcome: W ranks reading every file would read the
+  // checkpoint W times from a shared file system.
   for (const FileEntry& file : index.files) {
     const fs::path path = ckpt / file.name;
     ST_CHECK(plain_file_name(file.name), "checkpoint ", ckpt.string(), ": the index lists file '", file.name,
@@ -411,8 +478,16 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     const auto size = fs::file_size(path);
     ST_CHECK(size == file.size, "checkpoint ", ckpt.string(), ": file ", file.name, " has ", size,
              " bytes but the index says ", file.size, " (truncated or replaced)");
-    ST_CHECK(safetensors::crc32_of_file(path.string()) == file.crc32, "checkpoint ", ckpt.string(), ": file ",
-             file.name, " fails its CRC-32 check (its bytes were altered)");
+  }
+  if (auto failed = agree_on_failure(comm, true, [&] {
+        for (std::size_t k = static_cast<std::size_t>(comm.rank()); k < index.files.size();
+             k += static_cast<std::size_t>(comm.world_size())) {
+          const FileEntry& file = index.files[k];
+          ST_CHECK(safetensors::crc32_of_file((ckpt / file.name).string()) == file.crc32, "checkpoint ",
+                   ckpt.string(), ": file ", file.name, " fails its CRC-32 check (its bytes were altered)");
+        }
+      })) {
+    ST_THROW(Error, *failed, "; nothing was loaded");
   }
   std::map<std::string, std::vector<int64_t>> model_shapes;
   for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
@@ -450,6 +525,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
                "); nothing was loaded");
     }
   }
+  load_custom_optimizer(engine, comm, index, ckpt, reader);
   const std::optional<at::ScalarType> rounded_to = engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
     const ParamEntry* param = index.param(name);
     ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name, "'");

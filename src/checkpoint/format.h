@@ -53,6 +53,11 @@ inline constexpr const char* kLatestFile = "latest";
 std::string rank_file(int rank, const char* extension);
 /// The tensor name of one state kind of one slice: "<name>@<begin>/<kind>".
 std::string slice_key(const std::string& name, int64_t begin, const std::string& kind);
+/// A rank file's tensors of a custom optimizer's state
+/// (engine::CustomOptimizerState): its archive, and the layout it was laid
+/// over as UTF-8 bytes. Per rank, like the random streams.
+inline constexpr const char* kCustomOptimizerKey = "optimizer/custom";
+inline constexpr const char* kCustomOptimizerLayoutKey = "optimizer/custom_layout";
 
 // ---- the index, as typed data ------------------------------------------------
 // index.json is parsed once into these structs so every reader works on

@@ -5,6 +5,9 @@
 
 #include "engine/checkpoint_view.h"
 
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
 #include "shardtrain/error.h"
 
 namespace shardtrain::engine {
@@ -40,6 +43,10 @@ std::vector<CheckpointSlice> CheckpointView::slices() const {
 }
 
 std::optional<at::ScalarType> CheckpointView::load(const SliceSource& source) {
+  // A custom optimizer makes the master a leaf that requires grad, and
+  // autograd refuses in-place writes into a view of one: loading is not a
+  // differentiable operation.
+  at::NoGradGuard no_grad;
   const at::Tensor& momentum = storage_.momentum();
   std::optional<at::ScalarType> rounded_to;
   for (int i = 0; i < units_.size(); ++i) {

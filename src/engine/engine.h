@@ -50,6 +50,16 @@ struct CheckpointSlice {
   std::vector<std::pair<std::string, at::Tensor>> state;
 };
 
+/// A custom optimizer's own state (OptimizerSpec::custom_factory), which
+/// lives over this rank's partition as a whole and cannot be resharded: its
+/// torch::optim archive, and the layout it was laid over (what the rank
+/// holds, by engine, world size and owned ranges, as text). It loads only
+/// under the same layout.
+struct CustomOptimizerState {
+  at::Tensor archive;  ///< uint8: torch::serialize's bytes
+  std::string layout;
+};
+
 /// Gives the value of elements [begin, begin + length) of parameter `name`'s
 /// state `kind`, or throws when it cannot.
 using SliceSource =
@@ -115,6 +125,13 @@ class Engine : public UnitHooks {
   /// and optimizer state, a frozen weight without an fp32 copy) and the
   /// checkpoint's were not representable in it; nullopt where every value was kept.
   virtual std::optional<at::ScalarType> load_slices(const SliceSource& source) = 0;
+  /// The custom optimizer's state; nullopt without a custom optimizer.
+  virtual std::optional<CustomOptimizerState> custom_optimizer_state() const = 0;
+  /// This rank's layout now, as custom_optimizer_state() gives it; empty
+  /// without a custom optimizer.
+  virtual std::string custom_optimizer_layout() const = 0;
+  /// Loads a custom optimizer's archive saved under custom_optimizer_layout().
+  virtual void load_custom_optimizer_state(const at::Tensor& archive) = 0;
   virtual int64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(int64_t steps) = 0;
   /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.

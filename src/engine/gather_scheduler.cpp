@@ -93,7 +93,8 @@ void GatherScheduler::start(int i) {
   at::Tensor sent = lp;
   if (storage_.params_offloaded()) {
     // The shard lives in host memory: up to the device first. From pinned
-    // memory the copy is queued on the current stream, which the collective
+    // memory (pageable with pin_memory: false, where the copy returns once the
+    // driver has staged it) the copy is queued on the current stream, which the collective
     // waits for; whatever next writes the host values (the optimizer step, a
     // checkpoint load) calls wait_for_uploads() first, which waits for every
     // stream an upload was queued on: a backward hook's gather runs on
@@ -303,6 +304,14 @@ void GatherScheduler::settle_in_flight(const std::string& engine_name) noexcept 
       ST_LOG_WARN("{}: the gather of {} still in flight at shutdown failed: {}", engine_name, units_[i].label(),
                   e.what());
     }
+  }
+  // An upload still reading an offloaded shard (a prefetch no forward
+  // consumed) must end before the host partition is freed; the queued
+  // collectives it waits behind are bounded by the communicator's timeout.
+  try {
+    wait_for_uploads();
+  } catch (const std::exception& e) {
+    ST_LOG_WARN("{}: waiting for the uploads still in flight at shutdown failed: {}", engine_name, e.what());
   }
 }
 

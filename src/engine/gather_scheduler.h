@@ -103,8 +103,9 @@ class GatherScheduler {
   const TrafficReport& traffic() const { return traffic_; }
   void reset_traffic() { traffic_ = TrafficReport(); }
   /// Waits (bounded by the communicator's timeout) for gathers still in
-  /// flight, which write into buffers this scheduler owns; failures are
-  /// logged, as this runs on the engine's destruction.
+  /// flight, which write into buffers this scheduler owns, and for uploads
+  /// still reading offloaded shards; failures are logged, as this runs on
+  /// the engine's destruction.
   void settle_in_flight(const std::string& engine_name) noexcept;
 
  private:

@@ -346,15 +346,17 @@ void ShardLoader::setup_buffers() {
 }
 
 void ShardLoader::append_buffers(std::vector<std::pair<std::string, at::Tensor>>& out) const {
+  // Copies in host memory, as full_state_dict's parameters.
+  auto host_copy = [](const at::Tensor& t) { return t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); };
   for (const auto& b : buffers_) {
     if (!b.cast) {
-      out.emplace_back(b.name, b.buffer.detach().clone());
+      out.emplace_back(b.name, host_copy(b.buffer));
     } else if (at::equal(b.buffer, cast_buffer(b.original))) {
       // Unchanged since the cast (constants such as rotary tables): the original full-precision values.
-      out.emplace_back(b.name, b.original.clone());
+      out.emplace_back(b.name, host_copy(b.original));
     } else {
       // Changed in forward (running statistics): the current values widened, as FSDP1's state_dict does.
-      out.emplace_back(b.name, b.buffer.detach().to(b.original.scalar_type()));
+      out.emplace_back(b.name, host_copy(b.buffer.to(b.original.scalar_type())));
     }
   }
 }

@@ -9,6 +9,8 @@
 #include "engine/sharded_engine.h"
 
 #include <numeric>
+#include <sstream>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -237,6 +239,27 @@ void ShardedEngine::zero_grad() {
 
 double ShardedEngine::loss_scale() const { return state_->optimizer.loss_scale(); }
 
+std::optional<CustomOptimizerState> ShardedEngine::custom_optimizer_state() const {
+  if (!state_->optimizer.has_custom_optimizer()) return std::nullopt;
+  return CustomOptimizerState{state_->optimizer.custom_state(), custom_optimizer_layout()};
+}
+
+std::string ShardedEngine::custom_optimizer_layout() const {
+  if (!state_->optimizer.has_custom_optimizer()) return "";
+  // What each element of the stepped partition is: the same text means the
+  // custom optimizer's per-element state lines up, whatever the engine.
+  std::ostringstream layout;
+  layout << "partition " << state_->storage.master().numel() << " elements;";
+  for (const OwnedRange& r : owned_ranges()) {
+    layout << " " << r.name << " [" << r.begin << ", +" << r.length << ") at " << r.master_offset << ";";
+  }
+  return layout.str();
+}
+
+void ShardedEngine::load_custom_optimizer_state(const at::Tensor& archive) {
+  state_->optimizer.load_custom_state(archive);
+}
+
 int64_t ShardedEngine::optimizer_steps() const { return state_->optimizer.steps(); }
 
 void ShardedEngine::set_optimizer_steps(int64_t steps) { state_->optimizer.set_steps(steps); }
@@ -292,7 +315,11 @@ void ShardedEngine::visit_full_parameters(const std::function<void(const std::st
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict() {
   std::vector<std::pair<std::string, at::Tensor>> result;
-  visit_full_parameters([&](const std::string& name, const at::Tensor& value) { result.emplace_back(name, value.clone()); });
+  // Each value in host memory as it is visited, as Accelerate's FSDP state
+  // dict (offload_to_cpu): on a GPU only one unit's full buffer is there at a time.
+  visit_full_parameters([&](const std::string& name, const at::Tensor& value) {
+    result.emplace_back(name, value.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  });
   state_->loader.append_buffers(result);
   return result;
 }

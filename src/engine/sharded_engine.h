@@ -82,6 +82,9 @@ class ShardedEngine : public Engine {
   // ---- checkpoints (the Engine interface)
   std::vector<CheckpointSlice> checkpoint_slices() const override;
   std::optional<at::ScalarType> load_slices(const SliceSource& source) override;
+  std::optional<CustomOptimizerState> custom_optimizer_state() const override;
+  std::string custom_optimizer_layout() const override;
+  void load_custom_optimizer_state(const at::Tensor& archive) override;
   int64_t optimizer_steps() const override;
   void set_optimizer_steps(int64_t steps) override;
   std::vector<double> loss_scaler_state() const override;

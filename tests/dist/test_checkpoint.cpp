@@ -232,6 +232,17 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
     }
     expect_load_error(d, "rank00000.safetensors fails its CRC-32 check");
   }
+  {  // altered byte in the file another rank checks: every rank learns of it and refuses
+    const fs::path d = fresh("altered_other");
+    if (!shardtrain::testing::is_rank_process()) {
+      const fs::path f = d / "step_2" / "rank00001.safetensors";
+      std::fstream file(f, std::ios::in | std::ios::out | std::ios::binary);
+      file.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
+      file.put('\x7f');
+    }
+    expect_load_error(d, "rank 1: checkpoint");
+    expect_load_error(d, "rank00001.safetensors fails its CRC-32 check");
+  }
   {  // missing file
     const fs::path d = fresh("missing");
     if (!shardtrain::testing::is_rank_process()) fs::remove(d / "step_2" / "rank00001.safetensors");

@@ -3,10 +3,13 @@
 # copy of the tree (the files git tracks or would track: what ships to a GPU
 # node), against a bundle scripts/gpu-bundle packs from the suite's build:
 #  - the bundle fits in 48 MiB;
-#  - the whole dry run passes, its JSON is valid after every step (each
-#    rewrite is kept through SHARDTRAIN_GPU_CHECK_SNAPSHOTS), every GPU half is
-#    not_run with its reason and every CPU half left its numbers; $OUT holds
-#    the JSON and at most six logs, nothing else;
+#  - the whole dry run passes, given the bundle by a relative path (the tests
+#    run in a scratch folder), its JSON is valid after every step (each
+#    rewrite is kept through SHARDTRAIN_GPU_CHECK_SNAPSHOTS) and not ok while
+#    a step is pending, every GPU half is not_run with its reason and every
+#    CPU half left its numbers; the environment step names the glibc the
+#    bundle needs and the one it found; $OUT holds the JSON and at most six
+#    logs, nothing else;
 #  - a 15 s budget stops it cleanly: it ends within the budget and a margin,
 #    and its JSON says which steps ran and which did not fit. 15 s leaves the
 #    kernels' step the 10 s it needs to start after an environment step of up
@@ -33,8 +36,8 @@ echo "ok: bundle of $(( bytes >> 20 )) MiB"
 
 # The whole dry run.
 rc=0
-OUT=$work/out SHARDTRAIN_GPU_CHECK_SNAPSHOTS=$work/snapshots \
-  "$python" "$tree/scripts/gpu-check" --prebuilt "$work/bundle" --dry-run >"$work/dry.txt" 2>&1 || rc=$?
+(cd "$work" && OUT=$work/out SHARDTRAIN_GPU_CHECK_SNAPSHOTS=$work/snapshots \
+  "$python" "$tree/scripts/gpu-check" --prebuilt bundle --dry-run) >"$work/dry.txt" 2>&1 || rc=$?
 [ "$rc" -eq 0 ] || { cat "$work/dry.txt"; fail "the dry run exited with $rc"; }
 chars=$(wc -c <"$work/dry.txt")
 [ "$chars" -le 12000 ] || fail "the dry run printed $chars characters (at most about 12,000)"
@@ -50,10 +53,15 @@ for v in versions:
     assert [s["name"] for s in report["steps"]] == names, v
     for s in report["steps"]:
         assert s["status"] in ("passed", "failed", "not_run"), (v, s)
+    if any(s["reason"] == "pending" for s in report["steps"]):
+        assert report["ok"] is False, (v, "ok while a step is pending", report["ok"])
 final = json.load(open(os.path.join(out, "gpu-check.json")))
 steps = {s["name"]: s for s in final["steps"]}
 assert final["ok"] is True and final["dry_run"] is True, final
 assert steps["environment"]["status"] == "passed", steps["environment"]
+environment = steps["environment"]["numbers"]
+assert environment["bundle"]["glibc_required"].startswith("2."), environment["bundle"]
+assert environment["glibc"].startswith("glibc 2."), environment
 for name in names[1:]:
     s = steps[name]
     assert s["status"] == "not_run" and s["reason"].startswith("dry run"), s
