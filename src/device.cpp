@@ -72,9 +72,14 @@ std::string device_name(const c10::Device& device) {
 std::optional<double> known_peak_tflops(const std::string& gpu_name, const std::string& dtype) {
   if (dtype != "bf16" && dtype != "fp16") return std::nullopt;
   const std::string name = lower(gpu_name);
-  // Dense tensor-core rates from NVIDIA's H100/H200 and A100 datasheets.
-  if (name.find("h200") != std::string::npos) return 989.0;
-  if (name.find("h100") != std::string::npos) return name.find("pcie") != std::string::npos ? 756.0 : 989.0;
+  // Dense tensor-core rates from NVIDIA's H100/H200 and A100 datasheets
+  // (half their "with sparsity" figures). The NVL cards (PCIe, 350-600 W)
+  // are rated below the SXM parts of the same name.
+  const bool nvl = name.find("nvl") != std::string::npos;
+  if (name.find("h200") != std::string::npos) return nvl ? 835.0 : 989.0;
+  if (name.find("h100") != std::string::npos) {
+    return nvl ? 835.0 : name.find("pcie") != std::string::npos ? 756.0 : 989.0;
+  }
   if (name.find("a100") != std::string::npos) return 312.0;
   return std::nullopt;
 }

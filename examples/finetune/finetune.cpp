@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include "finetune/progress.h"
@@ -148,6 +149,15 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
                     const shardtrain::Tokenizer& tokenizer, models::ChatFormat chat,
                     const FinetuneOptions& options) {
   torch::NoGradGuard no_grad;
+  // Evaluation mode, as Trainer's evaluation loop: no LoRA dropout (which
+  // would change the loss and draw from the random streams the training's
+  // masks come from), back to training mode when it returns or throws.
+  struct EvalMode {
+    Prepared& model;
+    const bool was_training = model->is_training();
+    explicit EvalMode(Prepared& m) : model(m) { model->eval(); }
+    ~EvalMode() { model->train(was_training); }
+  } eval_mode(model);
   EvalResult result;
   const int world = accelerator.num_processes(), rank = accelerator.process_index();
   // Every rank runs the same number of forwards (ZeRO-3 and FSDP gather
@@ -163,11 +173,13 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
         if (row >= rows) repeats.push_back(static_cast<int64_t>(indices.size()));
         indices.push_back(row < rows ? row : 0);
       }
-      models::InstructionBatch batch = models::make_batch(eval.rows, indices).to(accelerator.device());
-      at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
-      for (int64_t b : repeats) batch.labels[b].fill_(models::kIgnoreIndex);  // not counted
-      const double tokens = (batch.labels.slice(1, 1) != models::kIgnoreIndex).sum().item<double>();
+      models::InstructionBatch host = models::make_batch(eval.rows, indices);
+      for (int64_t b : repeats) host.labels[b].fill_(models::kIgnoreIndex);  // not counted
+      // Counted on the host: no wait for the GPU.
+      const double tokens = static_cast<double>(models::count_loss_tokens(host.labels));
       if (tokens == 0) continue;
+      const models::InstructionBatch batch = host.to(accelerator.device());
+      at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
       // The mean over the batch's target tokens, weighted back into a sum.
       loss_sum += models::causal_lm_loss(logits, batch.labels).item<double>() * tokens;
       token_sum += tokens;
@@ -237,10 +249,14 @@ double measure_gemm_flops(const std::string& dtype_name, const at::Device& devic
   torch::NoGradGuard no_grad;
   // A GPU needs large products to reach its rate; a CPU gets there at 512.
   const int64_t n = device.is_cuda() ? 8192 : 512;
-  at::Tensor a = at::randn({n, n}).to(device, dtype), b = at::randn({n, n}).to(device, dtype);
+  // From a generator of its own: a measurement after a resume must not move
+  // the random streams the checkpoint restored (LoRA dropout draws from them).
+  at::Generator own = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/0);
+  at::Tensor a = at::randn({n, n}, own).to(device, dtype), b = at::randn({n, n}, own).to(device, dtype);
   // Through shardtrain::nn, as the model's products run: on a CPU without
   // fast bf16 that is the widened fp32 GEMM, not LibTorch's scalar fallback.
-  shardtrain::nn::matmul(a, b);  // warm-up
+  at::Tensor warm = shardtrain::nn::matmul(a, b);
+  if (device.is_cuda()) warm.sum().item<double>();  // done before the clock starts
   int64_t runs = 0;
   const auto start = Clock::now();
   while (seconds_since(start) < 0.4) {
@@ -586,30 +602,34 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     std::vector<models::InstructionBatch> window;
     int64_t step_tokens = 0, window_loss_tokens = 0;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      window.push_back(models::make_batch(train.rows, next_rows(options.micro_batch)).to(device));
-      step_tokens += window.back().input_ids.numel();
-      window_loss_tokens += models::count_loss_tokens(window.back().labels);
+      const models::InstructionBatch host = models::make_batch(train.rows, next_rows(options.micro_batch));
+      step_tokens += host.input_ids.numel();
+      window_loss_tokens += models::count_loss_tokens(host.labels);  // on the host: no wait for the GPU
+      window.push_back(host.to(device));
     }
     // A window without loss tokens has a zero loss, not 0/0.
     const double global_loss_tokens =
         global_tokens ? static_cast<double>(std::max<int64_t>(1, accelerator.sum_over_processes(window_loss_tokens)))
                       : 0.0;
     // Global tokens: the summed token losses of this rank's window; per-rank
-    // mean: the sum of its micro-batch means.
-    double loss_sum = 0;
+    // mean: the sum of its micro-batch means. Summed in fp64 where the losses
+    // are and read once a step, so the host never waits for the GPU between
+    // micro-batches (the same sums as adding each loss's value on the host).
+    at::Tensor window_loss;
     for (const models::InstructionBatch& batch : window) {
       at::Tensor logits = prepared(batch.input_ids, at::Tensor(), batch.document_ids);
+      at::Tensor loss = global_tokens ? models::causal_lm_loss_sum(logits, batch.labels)
+                                      : models::causal_lm_loss(logits, batch.labels);
       if (global_tokens) {
-        at::Tensor summed = models::causal_lm_loss_sum(logits, batch.labels);
-        accelerator.backward(summed / global_loss_tokens, shardtrain::LossNormalization::kGlobalTokens);
-        loss_sum += summed.item<double>();
+        accelerator.backward(loss / global_loss_tokens, shardtrain::LossNormalization::kGlobalTokens);
       } else {
-        at::Tensor loss = models::causal_lm_loss(logits, batch.labels);
         accelerator.backward(loss);
-        loss_sum += loss.item<double>();
       }
+      const at::Tensor value = loss.detach().to(at::kDouble);
+      window_loss = window_loss.defined() ? window_loss + value : value;
     }
     window.clear();
+    const double loss_sum = window_loss.defined() ? window_loss.item<double>() : 0.0;
     // As the Transformers Trainer: a DeepSpeed config's gradient_clipping is
     // applied by step(); otherwise --max-grad-norm is applied here.
     if (!config_clips && options.max_grad_norm > 0 && accelerator.sync_gradients()) {

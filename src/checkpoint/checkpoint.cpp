@@ -26,7 +26,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "checkpoint/durable_file.h"
-#include "comm/text_exchange.h"
+#include "comm/failure_agreement.h"
 #include "shardtrain/error.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/logging.h"
@@ -84,34 +84,6 @@ void injected_failure(int rank, const char* phase, const std::string& path) {
   ST_THROW(Error, "writing '", path, "' failed: ", std::strerror(code), " (injected by SHARDTRAIN_CHECKPOINT_FAIL_AT)");
 }
 
-/// Runs `phase` where `participate`, then agrees with every rank whether it
-/// failed anywhere: nullopt when it succeeded everywhere, else "rank R: why"
-/// for the lowest failing rank, the same text on every rank.
-std::optional<std::string> agree_on_failure(comm::Communicator& comm, bool participate,
-                                            const std::function<void()>& phase) {
-  std::string reason;
-  if (participate) {
-    try {
-      phase();
-    } catch (const std::exception& e) {
-      reason = e.what();
-      if (reason.empty()) reason = "unknown error";
-    }
-  }
-  const auto options = at::TensorOptions().dtype(at::kFloat).device(comm.device());
-  at::Tensor failed = at::zeros({comm.world_size()}, options);
-  if (!reason.empty()) failed.index_put_({comm.rank()}, 1.0f);
-  comm.all_reduce(failed, comm::ReduceOp::kSum);
-  const at::Tensor host = failed.cpu();
-  int first = -1;
-  for (int r = 0; r < comm.world_size() && first < 0; ++r) {
-    if (host.data_ptr<float>()[r] > 0) first = r;
-  }
-  if (first < 0) return std::nullopt;
-  const std::string message = comm::broadcast_text(comm, reason, first, 4096);
-  return "rank " + std::to_string(first) + ": " + message;
-}
-
 /// What `latest` names now, for the error message.
 std::string latest_or_none(const fs::path& root) {
   std::ifstream in(root / kLatestFile);
@@ -162,12 +134,14 @@ std::string bytes_text(const at::Tensor& bytes) {
   return std::string(static_cast<const char*>(flat.data_ptr()), static_cast<std::size_t>(flat.numel()));
 }
 
-/// A custom optimizer's state loads, before the model, where this rank holds
-/// the same elements in the same places as the rank that saved it (the same
-/// layout: Engine::custom_optimizer_layout). It cannot be resharded, so under
-/// another layout (another world size or wrapping) the custom optimizer
-/// starts fresh, with a warning, while the model and the rest load. A state
-/// that does not load (another optimizer type) stops every rank.
+/// A custom optimizer's state loads, before the model, where every rank
+/// holds the same elements in the same places as the rank that saved its file
+/// (the same layout: Engine::custom_optimizer_layout), and then on every
+/// rank. It cannot be resharded, so where any rank's layout differs or its
+/// file is missing (more ranks than saved it: replicas included, which must
+/// step alike) it loads nowhere, and the custom optimizer starts fresh with
+/// a warning while the model and the rest load. A state that does not load
+/// (another optimizer type) stops every rank.
 template <typename Reader>
 void load_custom_optimizer(engine::Engine& engine, comm::Communicator& comm, const Index& index,
                            const fs::path& ckpt, Reader& reader) {
@@ -178,33 +152,43 @@ void load_custom_optimizer(engine::Engine& engine, comm::Communicator& comm, con
   // Every rank has a custom optimizer or none (one config): no collective without one.
   const std::string layout = engine.custom_optimizer_layout();
   if (layout.empty()) {
-    if (comm.rank() == 0 && saved_on(own)) {
-      ST_LOG_WARN("checkpoint {} holds a custom optimizer's state; this run has no custom optimizer, so it is not "
-                  "loaded", ckpt.string());
+    try {
+      if (comm.rank() == 0 && saved_on(own)) {
+        ST_LOG_WARN("checkpoint {} holds a custom optimizer's state; this run has no custom optimizer, so it is "
+                    "not loaded", ckpt.string());
+      }
+    } catch (const std::exception&) {
+      // Only a warning: the slices' load reports a file it cannot read.
     }
     return;
   }
-  bool saved_here = false, loaded = false;
+  std::string why_not;
   if (auto failed = agree_on_failure(comm, true, [&] {
-        saved_here = saved_on(own);
-        if (!saved_here || !reader(own).contains(kCustomOptimizerLayoutKey)) return;
-        if (bytes_text(reader(own).read(kCustomOptimizerLayoutKey)) != layout) return;
+        if (!saved_on(own)) {
+          why_not = "it holds no custom optimizer state for rank " + std::to_string(comm.rank());
+        } else if (!reader(own).contains(kCustomOptimizerLayoutKey) ||
+                   bytes_text(reader(own).read(kCustomOptimizerLayoutKey)) != layout) {
+          why_not = "rank " + std::to_string(comm.rank()) + "'s custom optimizer state was saved over another layout";
+        }
+      })) {
+    ST_THROW(Error, "checkpoint ", ckpt.string(), ": reading the custom optimizer's state failed (", *failed,
+             "); nothing was loaded");
+  }
+  if (!comm::all_ranks(comm, why_not.empty())) {
+    if (comm.rank() == 0 || !why_not.empty()) {
+      ST_LOG_WARN("checkpoint {}: {}; the custom optimizer starts with a fresh state on every rank (momentum and "
+                  "moments restart) while the model and the training state load. Its state is per rank and cannot "
+                  "be resharded: resume at world size {} with the wrapping it was saved with to continue it",
+                  ckpt.string(), why_not.empty() ? "another rank cannot load its part" : why_not, index.world_size);
+    }
+    return;
+  }
+  if (auto failed = agree_on_failure(comm, true, [&] {
         engine.load_custom_optimizer_state(reader(own).read(kCustomOptimizerKey));
-        loaded = true;
       })) {
     ST_THROW(Error, "checkpoint ", ckpt.string(), ": the custom optimizer's state does not load into this run's "
              "custom optimizer (", *failed, "); the model was not loaded. Resume with the custom optimizer it was "
              "saved with");
-  }
-  if (!loaded) {
-    ST_LOG_WARN("checkpoint {}: {}; the custom optimizer starts with a fresh state on this rank (momentum and "
-                "moments restart) while the model and the training state load. Its state is per rank and cannot be "
-                "resharded: resume at world size {} under engine {} to continue it",
-                ckpt.string(),
-                saved_here ? "this rank's custom optimizer state was saved over another layout (world size " +
-                                 std::to_string(index.world_size) + ", engine " + index.engine + ")"
-                           : "it holds no custom optimizer state for this rank",
-                index.world_size, index.engine);
   }
 }
 
@@ -489,15 +473,21 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
       })) {
     ST_THROW(Error, *failed, "; nothing was loaded");
   }
-  std::map<std::string, std::vector<int64_t>> model_shapes;
-  for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
-  // Replicas own slices too (they load what the first copy saved).
-  for (const auto& [name, shape] : model_shapes) {
-    const ParamEntry* param = index.param(name);
-    ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name,
-             "' that the model has: it was saved from a different model");
-    ST_CHECK(param->shape == shape, "checkpoint ", ckpt.string(), ": parameter '", name, "' has shape ",
-             nlohmann::json(param->shape).dump(), " but the model's is ", nlohmann::json(shape).dump());
+  // Each rank checks the parameters it holds slices of (a replica none, a
+  // ZeRO-3 rank its own), and all agree: a mismatch in one rank's part stops
+  // every rank, not that rank alone while the others wait.
+  if (auto failed = agree_on_failure(comm, true, [&] {
+        std::map<std::string, std::vector<int64_t>> model_shapes;
+        for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
+        for (const auto& [name, shape] : model_shapes) {
+          const ParamEntry* param = index.param(name);
+          ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name,
+                   "' that the model has: it was saved from a different model");
+          ST_CHECK(param->shape == shape, "checkpoint ", ckpt.string(), ": parameter '", name, "' has shape ",
+                   nlohmann::json(param->shape).dump(), " but the model's is ", nlohmann::json(shape).dump());
+        }
+      })) {
+    ST_THROW(Error, *failed, "; nothing was loaded");
   }
 
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
@@ -526,7 +516,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     }
   }
   load_custom_optimizer(engine, comm, index, ckpt, reader);
-  const std::optional<at::ScalarType> rounded_to = engine.load_slices([&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
+  auto slice_source = [&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {
     const ParamEntry* param = index.param(name);
     ST_CHECK(param != nullptr, "checkpoint ", ckpt.string(), " has no parameter '", name, "'");
     at::Tensor result;
@@ -551,7 +541,18 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
     ST_CHECK(covered == length, "checkpoint ", ckpt.string(), ": parameter '", name, "' elements [", begin, ", ",
              begin + length, ") are not all in the checkpoint (", covered, " found): its index is damaged");
     return result;
-  });
+  };
+  // A slice only some ranks read (a damaged range, a kind missing from one
+  // file) stops every rank: all agree before any gathers again.
+  std::optional<at::ScalarType> rounded_to;
+  const std::optional<std::string> slices_failed =
+      agree_on_failure(comm, true, [&] { rounded_to = engine.load_slices(slice_source); });
+  // Every rank, loaded or not: the parameters view the shards again.
+  engine.regather_after_load();
+  if (slices_failed) {
+    ST_THROW(Error, *slices_failed, "; the model's state is now partly the checkpoint's: load a checkpoint "
+             "again before training on");
+  }
   // Every rank's slices count, so the ranks agree on the dtype (+1: 0 is "none").
   at::Tensor rounded = at::full({1}, rounded_to ? static_cast<int64_t>(*rounded_to) + 1 : 0,
                                 at::TensorOptions().dtype(at::kLong).device(comm.device()));

@@ -118,13 +118,18 @@ class Engine : public UnitHooks {
   /// 0, HYBRID_SHARD machines other than the first) return none: the first
   /// copy is the checkpoint.
   virtual std::vector<CheckpointSlice> checkpoint_slices() const = 0;
-  /// Overwrites every owned slice with `source(name, kind, begin, length)`,
-  /// then refreshes the low-precision shards and the gathered parameters.
-  /// Returns the 16-bit dtype that values were rounded to on this rank, where
-  /// the run holds them in that dtype alone (pure low precision's parameters
-  /// and optimizer state, a frozen weight without an fp32 copy) and the
-  /// checkpoint's were not representable in it; nullopt where every value was kept.
+  /// Overwrites every owned slice with `source(name, kind, begin, length)`
+  /// and refreshes the low-precision shards, with the gathered parameters
+  /// released first; no collective, so that the ranks can agree on a failure
+  /// before any of them gathers again. Returns the 16-bit dtype that values
+  /// were rounded to on this rank, where the run holds them in that dtype
+  /// alone (pure low precision's parameters and optimizer state, a frozen
+  /// weight without an fp32 copy) and the checkpoint's were not
+  /// representable in it; nullopt where every value was kept.
   virtual std::optional<at::ScalarType> load_slices(const SliceSource& source) = 0;
+  /// Collective, after load_slices on every rank (whether it succeeded or
+  /// not): gathers again what stays gathered, from the shards as they are.
+  virtual void regather_after_load() = 0;
   /// The custom optimizer's state; nullopt without a custom optimizer.
   virtual std::optional<CustomOptimizerState> custom_optimizer_state() const = 0;
   /// This rank's layout now, as custom_optimizer_state() gives it; empty

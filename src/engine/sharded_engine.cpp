@@ -333,10 +333,10 @@ std::optional<at::ScalarType> ShardedEngine::load_slices(const SliceSource& sour
   // may still be copying from); then regather what stays gathered.
   state_->gather.release_all();
   state_->gather.wait_for_uploads();
-  const std::optional<at::ScalarType> rounded_to = state_->checkpoint.load(source);
-  state_->gather.gather_kept();
-  return rounded_to;
+  return state_->checkpoint.load(source);
 }
+
+void ShardedEngine::regather_after_load() { state_->gather.gather_kept(); }
 
 MemoryReport ShardedEngine::memory() const {
   const State& s = *state_;

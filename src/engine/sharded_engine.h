@@ -82,6 +82,7 @@ class ShardedEngine : public Engine {
   // ---- checkpoints (the Engine interface)
   std::vector<CheckpointSlice> checkpoint_slices() const override;
   std::optional<at::ScalarType> load_slices(const SliceSource& source) override;
+  void regather_after_load() override;
   std::optional<CustomOptimizerState> custom_optimizer_state() const override;
   std::string custom_optimizer_layout() const override;
   void load_custom_optimizer_state(const at::Tensor& archive) override;

@@ -471,6 +471,18 @@ PackedRows build_instruction_rows(const std::string& path, const Tokenizer* toke
   return pack_examples(examples, options.seq_len, pad_id, options.packing, stats);
 }
 
+InstructionBatch InstructionBatch::to(const at::Device& device) const {
+  // ATen's blocking copy from pageable memory synchronizes the stream; from
+  // pinned memory a non-blocking one is queued behind the work before it (the
+  // caching host allocator keeps the pinned block until it is done).
+  auto moved = [&](const at::Tensor& t) {
+    if (t.device() == device) return t;
+    if (t.is_cpu() && device.is_cuda()) return t.pin_memory().to(device, /*non_blocking=*/true);
+    return t.to(device);
+  };
+  return {moved(input_ids), moved(labels), document_ids};
+}
+
 InstructionBatch make_batch(const PackedRows& rows, const std::vector<int64_t>& row_indices) {
   ST_CHECK(!row_indices.empty(), "make_batch: no row indices");
   const int64_t n = rows.num_rows();

@@ -374,7 +374,7 @@ TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
 // (with its state restarted they would not). Loading writes into the
 // master, which the custom optimizer made a leaf that requires grad. At
 // another world size the state cannot be resharded: the model still loads,
-// and the custom optimizer starts fresh.
+// and the custom optimizer starts fresh on every rank.
 TEST(DistCustomOptimizer, ItsStateResumesFromACheckpointAtTheSameWorldSize) {
   auto adam = [] {
     shardtrain::OptimizerOptions optimizer;
@@ -425,12 +425,38 @@ TEST(DistCustomOptimizer, ItsStateResumesFromACheckpointAtTheSameWorldSize) {
     auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
     shardtrain::testing::LogCapture log;
     accelerator->load_state(ckpt);  // the model loads; the custom optimizer restarts
-    EXPECT_NE(log.text().find("was saved over another layout (world size 2, engine zero-3); the custom optimizer "
-                              "starts with a fresh state on this rank"),
+    EXPECT_NE(log.text().find("rank 0's custom optimizer state was saved over another layout; the custom "
+                              "optimizer starts with a fresh state on every rank"),
               std::string::npos)
         << log.text();
     steps(*accelerator, prepared, 0, 2, 3);
     for (const auto& [name, value] : accelerator->full_state_dict()) EXPECT_TRUE(value.isfinite().all().item<bool>()) << name;
+  });
+  // Replicas (ZeRO-0) saved at world 2 and resumed at world 3: rank 2 has no
+  // file of its own, so no rank loads the custom state, and the replicas,
+  // stepping the same gradients from the same fresh state, stay equal. (Had
+  // ranks 0 and 1 loaded it alone, their copies would drift from rank 2's.)
+  const std::string replicas = (shardtrain::testing::test_scratch_dir() / "custom_adam_zero0").string();
+  run_on_ranks(2, [&](RankContext& ctx) {
+    auto accelerator = accelerator_for(deepspeed(0, shardtrain::MixedPrecision::kNo), ctx);
+    torch::manual_seed(1);
+    Pair model;
+    auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
+    steps(*accelerator, prepared, ctx.rank(), 0, 2);
+    accelerator->save_state(replicas);
+  });
+  run_on_ranks(3, [&](RankContext& ctx) {
+    auto accelerator = accelerator_for(deepspeed(0, shardtrain::MixedPrecision::kNo), ctx);
+    torch::manual_seed(2);
+    Pair model;
+    auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
+    accelerator->load_state(replicas);
+    steps(*accelerator, prepared, ctx.rank(), 2, 4);
+    for (const auto& [name, value] : accelerator->full_state_dict()) {
+      at::Tensor first = value.clone();
+      ctx.comm->broadcast(first, 0);
+      EXPECT_TRUE(at::equal(value, first)) << name << " on rank " << ctx.rank() << " differs from rank 0's";
+    }
   });
 }
 

@@ -196,6 +196,12 @@ TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapter
     o.lora_r = 4;
     o.lora_alpha = 8;
     o.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    // Dropout on: the evaluations must drop nothing and draw nothing
+    // (evaluation mode), and nothing between a resume's load and its first
+    // step may draw from the restored random streams (the GEMM measured for
+    // MFU), for the resumed losses and the reloaded adapter's evaluation to
+    // equal the straight run's.
+    o.lora_dropout = 0.25;
     o.max_steps = 6;
     return o;
   };

@@ -79,6 +79,8 @@ TEST(UnitDevice, KnownPeaksAreTheDatasheetDenseRates) {
   EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H100 80GB HBM3", "bf16"), 989.0);
   EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H200", "bf16"), 989.0);
   EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H100 PCIe", "fp16"), 756.0);
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H100 NVL", "bf16"), 835.0);
+  EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA H200 NVL", "bf16"), 835.0);
   EXPECT_EQ(shardtrain::known_peak_tflops("NVIDIA A100-SXM4-80GB", "bf16"), 312.0);
   // fp32 runs on other units (and TF32 is not what fp32 training asks for): no table entry.
   EXPECT_FALSE(shardtrain::known_peak_tflops("NVIDIA H100 80GB HBM3", "fp32").has_value());

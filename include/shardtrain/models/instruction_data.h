@@ -200,10 +200,12 @@ struct InstructionBatch {
   at::Tensor labels;
   at::Tensor document_ids;
 
-  /// The same batch on `device` (the model's).
-  InstructionBatch to(const at::Device& device) const {
-    return {input_ids.to(device), labels.to(device), document_ids.defined() ? document_ids.to(device) : at::Tensor()};
-  }
+  /// The batch for a model on `device`: input_ids and labels there (to a
+  /// GPU through pinned memory, a copy that does not wait for the work
+  /// queued before it), document_ids left on the host, where the model
+  /// derives the positions, the mask and the packed offsets from them
+  /// without a round trip through the GPU.
+  InstructionBatch to(const at::Device& device) const;
 };
 
 /// Stacks rows[row_indices[0]], rows[row_indices[1]], ... (e.g. a
