@@ -156,7 +156,15 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
     Prepared& model;
     const bool was_training = model->is_training();
     explicit EvalMode(Prepared& m) : model(m) { model->eval(); }
-    ~EvalMode() { model->train(was_training); }
+    ~EvalMode() {
+      // Reaching the module waits for gathers in flight, which may fail again
+      // while an evaluation's failure unwinds: that one is the error to report.
+      try {
+        model->train(was_training);
+      } catch (const std::exception& e) {
+        ST_LOG_WARN("evaluation: restoring training mode failed: {}", e.what());
+      }
+    }
   } eval_mode(model);
   EvalResult result;
   const int world = accelerator.num_processes(), rank = accelerator.process_index();
@@ -175,11 +183,12 @@ EvalResult evaluate(shardtrain::Accelerator& accelerator, Prepared& model, const
       }
       models::InstructionBatch host = models::make_batch(eval.rows, indices);
       for (int64_t b : repeats) host.labels[b].fill_(models::kIgnoreIndex);  // not counted
+      const models::InstructionBatch batch = host.to(accelerator.device());
+      // Every rank runs every forward, tokens or not: its gathers are collective.
+      at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
       // Counted on the host: no wait for the GPU.
       const double tokens = static_cast<double>(models::count_loss_tokens(host.labels));
       if (tokens == 0) continue;
-      const models::InstructionBatch batch = host.to(accelerator.device());
-      at::Tensor logits = model(batch.input_ids, at::Tensor(), batch.document_ids);
       // The mean over the batch's target tokens, weighted back into a sum.
       loss_sum += models::causal_lm_loss(logits, batch.labels).item<double>() * tokens;
       token_sum += tokens;

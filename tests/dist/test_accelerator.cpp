@@ -376,40 +376,42 @@ TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
 // another world size the state cannot be resharded: the model still loads,
 // and the custom optimizer starts fresh on every rank.
 TEST(DistCustomOptimizer, ItsStateResumesFromACheckpointAtTheSameWorldSize) {
-  auto adam = [] {
-    shardtrain::OptimizerOptions optimizer;
-    optimizer.custom_factory = [](std::vector<at::Tensor> shards) {
+  // Pair under ZeRO `stage` with a custom Adam, its initial values from `seed`.
+  struct Run {
+    std::unique_ptr<shardtrain::Accelerator> accelerator;
+    shardtrain::PreparedModel<Pair> prepared;
+    void steps(int rank, int from, int to) {
+      for (int step = from; step < to; ++step) {
+        accelerator->backward(prepared(at::ones({2, 4}) * (rank + step)).pow(2).mean());
+        accelerator->step();
+      }
+    }
+  };
+  auto start = [](RankContext& ctx, int stage, uint64_t seed) {
+    auto accelerator = accelerator_for(deepspeed(stage, shardtrain::MixedPrecision::kNo), ctx);
+    torch::manual_seed(seed);
+    shardtrain::OptimizerOptions adam;
+    adam.custom_factory = [](std::vector<at::Tensor> shards) {
       return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(0.05));
     };
-    return optimizer;
-  };
-  auto steps = [](shardtrain::Accelerator& accelerator, auto& prepared, int rank, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      accelerator.backward(prepared(at::ones({2, 4}) * (rank + step)).pow(2).mean());
-      accelerator.step();
-    }
+    auto prepared = accelerator->prepare(Pair(), adam, micro_batch(2));
+    return Run{std::move(accelerator), prepared};
   };
   const std::string ckpt = (shardtrain::testing::test_scratch_dir() / "custom_adam").string();
   run_on_ranks(2, [&](RankContext& ctx) {
     std::vector<std::pair<std::string, at::Tensor>> uninterrupted, resumed;
     {
-      auto accelerator = accelerator_for(deepspeed(3, shardtrain::MixedPrecision::kNo), ctx);
-      torch::manual_seed(1);
-      Pair model;
-      auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
-      steps(*accelerator, prepared, ctx.rank(), 0, 2);
-      accelerator->save_state(ckpt);
-      steps(*accelerator, prepared, ctx.rank(), 2, 4);
-      uninterrupted = accelerator->full_state_dict();
+      Run run = start(ctx, 3, 1);
+      run.steps(ctx.rank(), 0, 2);
+      run.accelerator->save_state(ckpt);
+      run.steps(ctx.rank(), 2, 4);
+      uninterrupted = run.accelerator->full_state_dict();
     }
     {
-      auto accelerator = accelerator_for(deepspeed(3, shardtrain::MixedPrecision::kNo), ctx);
-      torch::manual_seed(2);  // other initial values: everything must come from the checkpoint
-      Pair model;
-      auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
-      accelerator->load_state(ckpt);
-      steps(*accelerator, prepared, ctx.rank(), 2, 4);
-      resumed = accelerator->full_state_dict();
+      Run run = start(ctx, 3, 2);  // other initial values: everything must come from the checkpoint
+      run.accelerator->load_state(ckpt);
+      run.steps(ctx.rank(), 2, 4);
+      resumed = run.accelerator->full_state_dict();
     }
     ASSERT_EQ(resumed.size(), uninterrupted.size());
     for (std::size_t i = 0; i < resumed.size(); ++i) {
@@ -419,18 +421,17 @@ TEST(DistCustomOptimizer, ItsStateResumesFromACheckpointAtTheSameWorldSize) {
     }
   });
   run_on_ranks(1, [&](RankContext& ctx) {
-    auto accelerator = accelerator_for(deepspeed(3, shardtrain::MixedPrecision::kNo), ctx);
-    torch::manual_seed(2);
-    Pair model;
-    auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
+    Run run = start(ctx, 3, 2);
     shardtrain::testing::LogCapture log;
-    accelerator->load_state(ckpt);  // the model loads; the custom optimizer restarts
+    run.accelerator->load_state(ckpt);  // the model loads; the custom optimizer restarts
     EXPECT_NE(log.text().find("rank 0's custom optimizer state was saved over another layout; the custom "
                               "optimizer starts with a fresh state on every rank"),
               std::string::npos)
         << log.text();
-    steps(*accelerator, prepared, 0, 2, 3);
-    for (const auto& [name, value] : accelerator->full_state_dict()) EXPECT_TRUE(value.isfinite().all().item<bool>()) << name;
+    run.steps(0, 2, 3);
+    for (const auto& [name, value] : run.accelerator->full_state_dict()) {
+      EXPECT_TRUE(value.isfinite().all().item<bool>()) << name;
+    }
   });
   // Replicas (ZeRO-0) saved at world 2 and resumed at world 3: rank 2 has no
   // file of its own, so no rank loads the custom state, and the replicas,
@@ -438,21 +439,15 @@ TEST(DistCustomOptimizer, ItsStateResumesFromACheckpointAtTheSameWorldSize) {
   // ranks 0 and 1 loaded it alone, their copies would drift from rank 2's.)
   const std::string replicas = (shardtrain::testing::test_scratch_dir() / "custom_adam_zero0").string();
   run_on_ranks(2, [&](RankContext& ctx) {
-    auto accelerator = accelerator_for(deepspeed(0, shardtrain::MixedPrecision::kNo), ctx);
-    torch::manual_seed(1);
-    Pair model;
-    auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
-    steps(*accelerator, prepared, ctx.rank(), 0, 2);
-    accelerator->save_state(replicas);
+    Run run = start(ctx, 0, 1);
+    run.steps(ctx.rank(), 0, 2);
+    run.accelerator->save_state(replicas);
   });
   run_on_ranks(3, [&](RankContext& ctx) {
-    auto accelerator = accelerator_for(deepspeed(0, shardtrain::MixedPrecision::kNo), ctx);
-    torch::manual_seed(2);
-    Pair model;
-    auto prepared = accelerator->prepare(model, adam(), micro_batch(2));
-    accelerator->load_state(replicas);
-    steps(*accelerator, prepared, ctx.rank(), 2, 4);
-    for (const auto& [name, value] : accelerator->full_state_dict()) {
+    Run run = start(ctx, 0, 2);
+    run.accelerator->load_state(replicas);
+    run.steps(ctx.rank(), 2, 4);
+    for (const auto& [name, value] : run.accelerator->full_state_dict()) {
       at::Tensor first = value.clone();
       ctx.comm->broadcast(first, 0);
       EXPECT_TRUE(at::equal(value, first)) << name << " on rank " << ctx.rank() << " differs from rank 0's";

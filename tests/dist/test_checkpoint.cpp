@@ -188,6 +188,13 @@ void edit_text(const fs::path& path, const std::function<void(std::string&)>& ed
   std::ofstream(path) << text;
 }
 
+/// Overwrites a byte near the end of `file`: in its data, which its CRC-32 covers.
+void alter_a_byte(const fs::path& file) {
+  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+  stream.seekp(static_cast<std::streamoff>(fs::file_size(file) - 3));
+  stream.put('\x7f');
+}
+
 /// Loads `dir` on 2 ranks and expects an error containing `needle`.
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   MultiRankOptions harness;
@@ -224,22 +231,12 @@ TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
   }
   {  // altered byte
     const fs::path d = fresh("altered");
-    if (!shardtrain::testing::is_rank_process()) {
-      const fs::path f = d / "step_2" / "rank00000.safetensors";
-      std::fstream file(f, std::ios::in | std::ios::out | std::ios::binary);
-      file.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
-      file.put('\x7f');
-    }
+    if (!shardtrain::testing::is_rank_process()) alter_a_byte(d / "step_2" / "rank00000.safetensors");
     expect_load_error(d, "rank00000.safetensors fails its CRC-32 check");
   }
   {  // altered byte in the file another rank checks: every rank learns of it and refuses
     const fs::path d = fresh("altered_other");
-    if (!shardtrain::testing::is_rank_process()) {
-      const fs::path f = d / "step_2" / "rank00001.safetensors";
-      std::fstream file(f, std::ios::in | std::ios::out | std::ios::binary);
-      file.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
-      file.put('\x7f');
-    }
+    if (!shardtrain::testing::is_rank_process()) alter_a_byte(d / "step_2" / "rank00001.safetensors");
     expect_load_error(d, "rank 1: checkpoint");
     expect_load_error(d, "rank00001.safetensors fails its CRC-32 check");
   }

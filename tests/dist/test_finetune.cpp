@@ -174,6 +174,38 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
   EXPECT_NE(result.output.find(','), std::string::npos) << result.output;
 }
 
+// An evaluation set of one row at world 2: the rank without a row of its
+// own still runs every forward (ZeRO-3's gathers are collective) and counts
+// no token, so the job ends, and its eval loss is the one-rank run's.
+TEST(DistFinetune, AnEvalSetWithFewerRowsThanRanksEvaluatesAsOnOneRank) {
+  const fs::path dir = test_scratch_dir();
+  if (!shardtrain::testing::is_rank_process()) {
+    std::ifstream bundled(kBundled + "/data/eval.jsonl");
+    std::string first;
+    ASSERT_TRUE(std::getline(bundled, first));
+    std::ofstream(dir / "one_row.jsonl") << first << "\n";
+  }
+  for (const int world : {1, 2}) {
+    run_on_ranks(world, [world](RankContext& ctx) {
+      const std::string dir = test_scratch_dir().string();
+      finetune::FinetuneOptions o =
+          bundled_options(ctx, "configs/zero3_bf16.json", dir + "/world" + std::to_string(world));
+      o.eval_data = dir + "/one_row.jsonl";
+      o.max_steps = 1;
+      o.no_save = true;
+      o.no_export = true;
+      const finetune::FinetuneSummary s = finetune::run_finetune(o);
+      if (ctx.rank() == 0) write_losses(dir + "/eval_world" + std::to_string(world) + ".txt", {s.eval_before.loss});
+    });
+  }
+  const std::vector<double> one = shardtrain::testing::read_loss_lines(dir / "eval_world1.txt");
+  const std::vector<double> two = shardtrain::testing::read_loss_lines(dir / "eval_world2.txt");
+  ASSERT_EQ(one.size(), 1u);
+  ASSERT_EQ(two.size(), 1u);
+  EXPECT_TRUE(std::isfinite(one[0])) << one[0];
+  EXPECT_EQ(two[0], one[0]);
+}
+
 TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapterLoadsBack) {
   const fs::path dir = test_scratch_dir();
   // A short full fine-tune gives the base (its export), as the README's LoRA command starts from the main job's.
