@@ -435,33 +435,39 @@ void save_model(engine::Engine& engine, comm::Communicator& comm, const std::str
 
 nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag_or_empty) {
-  const std::string tag = tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty;
-  const fs::path ckpt = fs::path(dir) / tag;
-  ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (", describe_checkpoints_under(dir),
-           ")");
-  const Index index = read_index(ckpt);
-  ST_CHECK(readable_version(index.format_version), "checkpoint ", ckpt.string(), " has format version ",
-           index.format_version, "; this shardtrain reads ", readable_versions());
+  // Damage is found before anything is loaded: no partial load. Every rank
+  // finds the checkpoint, reads its index and checks every file's name and
+  // size (cheap), and all agree: on file systems that differ between
+  // machines a rank that stopped alone would leave the others waiting in the
+  // next collective. The CRC-32, which reads the whole file, is each file's
+  // once across the job, by the ranks in turn, agreed on too: W ranks reading
+  // every file would read the checkpoint W times from a shared file system.
+  fs::path ckpt;
+  Index index;
+  if (auto failed = agree_on_failure(comm, true, [&] {
+        ckpt = fs::path(dir) / (tag_or_empty.empty() ? latest_tag(dir) : tag_or_empty);
+        ST_CHECK(fs::is_directory(ckpt), "checkpoint ", ckpt.string(), " does not exist (",
+                 describe_checkpoints_under(dir), ")");
+        index = read_index(ckpt);
+        ST_CHECK(readable_version(index.format_version), "checkpoint ", ckpt.string(), " has format version ",
+                 index.format_version, "; this shardtrain reads ", readable_versions());
+        for (const FileEntry& file : index.files) {
+          const fs::path path = ckpt / file.name;
+          ST_CHECK(plain_file_name(file.name), "checkpoint ", ckpt.string(), ": the index lists file '", file.name,
+                   "', which is not a plain file name inside the checkpoint; the index is damaged");
+          ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file.name, " (rank ", file.rank,
+                   ") is missing");
+          const auto size = fs::file_size(path);
+          ST_CHECK(size == file.size, "checkpoint ", ckpt.string(), ": file ", file.name, " has ", size,
+                   " bytes but the index says ", file.size, " (truncated or replaced)");
+        }
+      })) {
+    ST_THROW(Error, *failed, "; nothing was loaded");
+  }
   if (!index.checksummed && comm.rank() == 0) {
     ST_LOG_WARN("checkpoint {} has format version {}, written before the index had checksums: an edit to its "
                 "training state cannot be detected. Save it again to get a checked index", ckpt.string(),
                 index.format_version);
-  }
-
-  // Damage is found before anything is loaded: no partial load. Every rank
-  // checks every file's name and size (cheap); the CRC-32, which reads the
-  // whole file, each file's once across the job, by the ranks in turn, and
-  // all agree on the outcome: W ranks reading every file would read the
-  // checkpoint W times from a shared file system.
-  for (const FileEntry& file : index.files) {
-    const fs::path path = ckpt / file.name;
-    ST_CHECK(plain_file_name(file.name), "checkpoint ", ckpt.string(), ": the index lists file '", file.name,
-             "', which is not a plain file name inside the checkpoint; the index is damaged");
-    ST_CHECK(fs::exists(path), "checkpoint ", ckpt.string(), ": file ", file.name, " (rank ", file.rank,
-             ") is missing");
-    const auto size = fs::file_size(path);
-    ST_CHECK(size == file.size, "checkpoint ", ckpt.string(), ": file ", file.name, " has ", size,
-             " bytes but the index says ", file.size, " (truncated or replaced)");
   }
   if (auto failed = agree_on_failure(comm, true, [&] {
         for (std::size_t k = static_cast<std::size_t>(comm.rank()); k < index.files.size();

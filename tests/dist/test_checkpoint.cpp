@@ -213,6 +213,28 @@ void expect_load_error(const fs::path& dir, const std::string& needle) {
   }, harness);
 }
 
+// A checkpoint that some ranks cannot find (a file system not shared alike
+// between machines): every rank stops, naming the rank that could not,
+// instead of the others waiting for it in the load's first collective.
+TEST(DistCheckpoint, ACheckpointOneRankCannotFindStopsEveryRankNamingIt) {
+  const fs::path base = test_scratch_subdir("unshared");
+  run(zero(3, 2, 4), 4, (base / "good").string(), 2, 2, "", base / "losses.txt");
+  MultiRankOptions harness;
+  harness.env["CKPT_DIR"] = (base / "good").string();
+  harness.comm_timeout = std::chrono::seconds(20);  // a wait that never ends fails sooner
+  run_on_ranks(2, [](RankContext& ctx) {
+    tiny::TinyRunOptions options = shardtrain::testing::tiny_run_options(
+        shardtrain::testing::zero_test_config(3, MixedPrecision::kNo), ctx, 2, 5);
+    options.resume_dir = std::string(std::getenv("CKPT_DIR")) + (ctx.rank() == 1 ? "-not-here" : "");
+    try {
+      tiny::run_tiny(options);
+      ADD_FAILURE() << "a checkpoint rank 1 cannot find loaded";
+    } catch (const shardtrain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1: no checkpoint in"), std::string::npos) << e.what();
+    }
+  }, harness);
+}
+
 TEST(DistCheckpoint, DamagedCheckpointsAreRefusedNamingTheProblem) {
   const fs::path base = test_scratch_subdir("damage");
   run(zero(3, 2, 4), 4, (base / "good").string(), 2, 2, "", base / "losses.txt");
