@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include <ATen/ATen.h>
+
 #include "local_gpu.h"
 #include "shardtrain/error.h"
 #include "torch_cuda.h"
@@ -60,6 +62,12 @@ c10::Device resolve_device(const std::string& name, int local_rank) {
     return torch_cuda::cuda_device_count() > 0 ? local_rank_cuda_device(local_rank) : c10::Device(c10::DeviceType::CPU);
   }
   ST_THROW(ConfigError, "--device '", name, "' is not one of cpu, cuda, cuda:N, auto");
+}
+
+at::Tensor to_device_without_waiting(const at::Tensor& tensor, const c10::Device& device) {
+  if (tensor.device() == device) return tensor;
+  if (tensor.is_cpu() && device.is_cuda()) return tensor.pin_memory().to(device, /*non_blocking=*/true);
+  return tensor.to(device);
 }
 
 std::string backend_for(const c10::Device& device) { return device.is_cuda() ? "nccl" : "gloo"; }

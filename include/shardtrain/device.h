@@ -1,8 +1,8 @@
 #pragma once
 /// @file device.h
-/// Choosing the device a training program runs on, and what the programs
-/// report about it (the GPU's name, its known peak rate, its allocator's
-/// memory counters). Works with any LibTorch: without CUDA every GPU answer
+/// Choosing the device a training program runs on, moving small host data
+/// to it, and what the programs report about it (the GPU's name, its known
+/// peak rate, its allocator's memory counters). Works with any LibTorch: without CUDA every GPU answer
 /// is "none".
 
 #include <cstdint>
@@ -10,6 +10,10 @@
 #include <string>
 
 #include <c10/core/Device.h>
+
+namespace at {
+class Tensor;
+}
 
 namespace shardtrain {
 
@@ -19,6 +23,15 @@ namespace shardtrain {
 /// local rank beyond the visible GPUs (one process per GPU).
 c10::Device resolve_device(const std::string& name, int local_rank);
 
+/// `tensor` on `device` without making the host wait for the work already
+/// queued there: from the host to a GPU through pinned memory and a
+/// non-blocking copy (ATen's blocking copy from pageable memory synchronizes
+/// the stream; the caching host allocator keeps the pinned block until the
+/// copy is done). Elsewhere tensor.to(device); `tensor` itself where it is
+/// there already. For batches and the small tensors of metadata a forward
+/// computes on the host.
+at::Tensor to_device_without_waiting(const at::Tensor& tensor, const c10::Device& device);
+
 /// The collective backend for a device: "gloo" for cpu, "nccl" for cuda.
 std::string backend_for(const c10::Device& device);
 
@@ -26,8 +39,8 @@ std::string backend_for(const c10::Device& device);
 std::string device_name(const c10::Device& device);
 
 /// Dense (no sparsity) tensor-core peak of a known GPU in TFLOP/s for "bf16"
-/// or "fp16", from NVIDIA's datasheets: H100/H200 SXM 989, H100 PCIe 756,
-/// A100 312. nullopt for another GPU or dtype (measure it, or pass
+/// or "fp16", from NVIDIA's datasheets: H100/H200 SXM 989, H100/H200 NVL 835,
+/// H100 PCIe 756, A100 312. nullopt for another GPU or dtype (measure it, or pass
 /// --peak-tflops).
 std::optional<double> known_peak_tflops(const std::string& gpu_name, const std::string& dtype);
 

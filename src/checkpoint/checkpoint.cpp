@@ -122,7 +122,7 @@ std::vector<std::pair<std::string, at::Generator>> random_streams(const comm::Co
   return streams;
 }
 
-/// `text` as a uint8 tensor, and back: how a rank file holds a string.
+/// `text` (any bytes) as a uint8 tensor, and back: how a rank file holds a string.
 at::Tensor text_bytes(const std::string& text) {
   at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::TensorOptions().dtype(at::kByte));
   if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
@@ -184,7 +184,7 @@ void load_custom_optimizer(engine::Engine& engine, comm::Communicator& comm, con
     return;
   }
   if (auto failed = agree_on_failure(comm, true, [&] {
-        engine.load_custom_optimizer_state(reader(own).read(kCustomOptimizerKey));
+        engine.load_custom_optimizer_state(bytes_text(reader(own).read(kCustomOptimizerKey)));
       })) {
     ST_THROW(Error, "checkpoint ", ckpt.string(), ": the custom optimizer's state does not load into this run's "
              "custom optimizer (", *failed, "); the model was not loaded. Resume with the custom optimizer it was "
@@ -246,7 +246,7 @@ std::string save(engine::Engine& engine, comm::Communicator& comm, const std::st
           tensors.emplace_back(key, generator.get_state());
         }
         if (auto custom = engine.custom_optimizer_state()) {
-          tensors.emplace_back(kCustomOptimizerKey, custom->archive);
+          tensors.emplace_back(kCustomOptimizerKey, text_bytes(custom->archive));
           tensors.emplace_back(kCustomOptimizerLayoutKey, text_bytes(custom->layout));
         }
         const std::string file = rank_file(rank, ".safetensors");
@@ -436,12 +436,9 @@ void save_model(engine::Engine& engine, comm::Communicator& comm, const std::str
 nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std::string& dir,
                     const std::string& tag_or_empty) {
   // Damage is found before anything is loaded: no partial load. Every rank
-  // finds the checkpoint, reads its index and checks every file's name and
-  // size (cheap), and all agree: on file systems that differ between
-  // machines a rank that stopped alone would leave the others waiting in the
-  // next collective. The CRC-32, which reads the whole file, is each file's
-  // once across the job, by the ranks in turn, agreed on too: W ranks reading
-  // every file would read the checkpoint W times from a shared file system.
+  // runs the checks and all agree on the outcome: on file systems that differ
+  // between machines, or with a mismatch in one rank's part, a rank that
+  // stopped alone would leave the others waiting in the next collective.
   fs::path ckpt;
   Index index;
   if (auto failed = agree_on_failure(comm, true, [&] {
@@ -451,6 +448,7 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
         index = read_index(ckpt);
         ST_CHECK(readable_version(index.format_version), "checkpoint ", ckpt.string(), " has format version ",
                  index.format_version, "; this shardtrain reads ", readable_versions());
+        // Every file's name and size on every rank (cheap)...
         for (const FileEntry& file : index.files) {
           const fs::path path = ckpt / file.name;
           ST_CHECK(plain_file_name(file.name), "checkpoint ", ckpt.string(), ": the index lists file '", file.name,
@@ -461,28 +459,17 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
           ST_CHECK(size == file.size, "checkpoint ", ckpt.string(), ": file ", file.name, " has ", size,
                    " bytes but the index says ", file.size, " (truncated or replaced)");
         }
-      })) {
-    ST_THROW(Error, *failed, "; nothing was loaded");
-  }
-  if (!index.checksummed && comm.rank() == 0) {
-    ST_LOG_WARN("checkpoint {} has format version {}, written before the index had checksums: an edit to its "
-                "training state cannot be detected. Save it again to get a checked index", ckpt.string(),
-                index.format_version);
-  }
-  if (auto failed = agree_on_failure(comm, true, [&] {
+        // ...the CRC-32, which reads the whole file, each file's once across
+        // the job, the ranks in turn: W ranks reading every file would read
+        // the checkpoint W times from a shared file system...
         for (std::size_t k = static_cast<std::size_t>(comm.rank()); k < index.files.size();
              k += static_cast<std::size_t>(comm.world_size())) {
           const FileEntry& file = index.files[k];
           ST_CHECK(safetensors::crc32_of_file((ckpt / file.name).string()) == file.crc32, "checkpoint ",
                    ckpt.string(), ": file ", file.name, " fails its CRC-32 check (its bytes were altered)");
         }
-      })) {
-    ST_THROW(Error, *failed, "; nothing was loaded");
-  }
-  // Each rank checks the parameters it holds slices of (a replica none, a
-  // ZeRO-3 rank its own), and all agree: a mismatch in one rank's part stops
-  // every rank, not that rank alone while the others wait.
-  if (auto failed = agree_on_failure(comm, true, [&] {
+        // ...and the shapes of the parameters this rank holds slices of (a
+        // replica none, a ZeRO-3 rank its own).
         std::map<std::string, std::vector<int64_t>> model_shapes;
         for (const auto& slice : engine.checkpoint_slices()) model_shapes[slice.name] = slice.shape;
         for (const auto& [name, shape] : model_shapes) {
@@ -494,6 +481,11 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
         }
       })) {
     ST_THROW(Error, *failed, "; nothing was loaded");
+  }
+  if (!index.checksummed && comm.rank() == 0) {
+    ST_LOG_WARN("checkpoint {} has format version {}, written before the index had checksums: an edit to its "
+                "training state cannot be detected. Save it again to get a checked index", ckpt.string(),
+                index.format_version);
   }
 
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;

@@ -52,11 +52,11 @@ struct CheckpointSlice {
 
 /// A custom optimizer's own state (OptimizerSpec::custom_factory), which
 /// lives over this rank's partition as a whole and cannot be resharded: its
-/// torch::optim archive, and the layout it was laid over (what the rank
-/// holds, by engine, world size and owned ranges, as text). It loads only
-/// under the same layout.
+/// torch::optim archive, and the layout it was laid over (the partition's
+/// size and which elements of which parameters sit where in it, as text). It
+/// loads only under the same layout.
 struct CustomOptimizerState {
-  at::Tensor archive;  ///< uint8: torch::serialize's bytes
+  std::string archive;  ///< torch::serialize's bytes
   std::string layout;
 };
 
@@ -136,7 +136,7 @@ class Engine : public UnitHooks {
   /// without a custom optimizer.
   virtual std::string custom_optimizer_layout() const = 0;
   /// Loads a custom optimizer's archive saved under custom_optimizer_layout().
-  virtual void load_custom_optimizer_state(const at::Tensor& archive) = 0;
+  virtual void load_custom_optimizer_state(const std::string& archive) = 0;
   virtual int64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(int64_t steps) = 0;
   /// Dynamic loss scaler state as {scale, cur_hysteresis, cur_iter, last_overflow_iter, skipped_steps}.

@@ -256,7 +256,7 @@ std::string ShardedEngine::custom_optimizer_layout() const {
   return layout.str();
 }
 
-void ShardedEngine::load_custom_optimizer_state(const at::Tensor& archive) {
+void ShardedEngine::load_custom_optimizer_state(const std::string& archive) {
   state_->optimizer.load_custom_state(archive);
 }
 

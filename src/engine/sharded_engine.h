@@ -85,7 +85,7 @@ class ShardedEngine : public Engine {
   void regather_after_load() override;
   std::optional<CustomOptimizerState> custom_optimizer_state() const override;
   std::string custom_optimizer_layout() const override;
-  void load_custom_optimizer_state(const at::Tensor& archive) override;
+  void load_custom_optimizer_state(const std::string& archive) override;
   int64_t optimizer_steps() const override;
   void set_optimizer_steps(int64_t steps) override;
   std::vector<double> loss_scaler_state() const override;

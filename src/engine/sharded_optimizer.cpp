@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <sstream>
 #include <utility>
 
@@ -55,24 +54,19 @@ void ShardedOptimizer::create_custom_optimizer() {
   ST_CHECK(custom_ != nullptr, "the custom optimizer factory returned null");
 }
 
-at::Tensor ShardedOptimizer::custom_state() const {
+std::string ShardedOptimizer::custom_state() const {
   ST_CHECK(custom_ != nullptr, plan_.name, ": no custom optimizer to save");
   torch::serialize::OutputArchive archive;
   custom_->save(archive);
   std::ostringstream bytes;
   archive.save_to(bytes);
-  const std::string data = bytes.str();
-  at::Tensor out = at::empty({static_cast<int64_t>(data.size())}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(out.data_ptr(), data.data(), data.size());
-  return out;
+  return bytes.str();
 }
 
-void ShardedOptimizer::load_custom_state(const at::Tensor& archive_bytes) {
+void ShardedOptimizer::load_custom_state(const std::string& bytes) {
   ST_CHECK(custom_ != nullptr, plan_.name, ": no custom optimizer to load into");
-  const at::Tensor bytes = archive_bytes.to(at::kCPU).contiguous();
   torch::serialize::InputArchive archive;
-  archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()),
-                    storage_.master().device());
+  archive.load_from(bytes.data(), bytes.size(), storage_.master().device());
   custom_->load(archive);
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -38,10 +39,10 @@ class ShardedOptimizer {
   /// gradients. The caller regathers the units when it was applied.
   StepInfo step(double lr);
   bool has_custom_optimizer() const { return custom_ != nullptr; }
-  /// The custom optimizer's torch::optim archive, as bytes (uint8, on the CPU).
-  at::Tensor custom_state() const;
+  /// The custom optimizer's torch::optim archive, as bytes.
+  std::string custom_state() const;
   /// Loads what custom_state() gave, onto the master's device.
-  void load_custom_state(const at::Tensor& archive);
+  void load_custom_state(const std::string& archive);
   double loss_scale() const { return scaler_.scale(); }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }

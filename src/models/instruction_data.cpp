@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "json_depth.h"
+#include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 
@@ -472,15 +473,7 @@ PackedRows build_instruction_rows(const std::string& path, const Tokenizer* toke
 }
 
 InstructionBatch InstructionBatch::to(const at::Device& device) const {
-  // ATen's blocking copy from pageable memory synchronizes the stream; from
-  // pinned memory a non-blocking one is queued behind the work before it (the
-  // caching host allocator keeps the pinned block until it is done).
-  auto moved = [&](const at::Tensor& t) {
-    if (t.device() == device) return t;
-    if (t.is_cpu() && device.is_cuda()) return t.pin_memory().to(device, /*non_blocking=*/true);
-    return t.to(device);
-  };
-  return {moved(input_ids), moved(labels), document_ids};
+  return {to_device_without_waiting(input_ids, device), to_device_without_waiting(labels, device), document_ids};
 }
 
 InstructionBatch make_batch(const PackedRows& rows, const std::vector<int64_t>& row_indices) {

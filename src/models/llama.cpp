@@ -28,6 +28,7 @@
 #include "json_depth.h"
 #include "kernels/packed_attention.h"
 #include "kernels/recompute.h"
+#include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
 #include "shardtrain/models/hf_weights.h"
@@ -213,21 +214,10 @@ shardtrain::nn::Linear linear(int64_t in, int64_t out) {
   return shardtrain::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
-/// `t` on `device`. From the host to a GPU through pinned memory and a
-/// non-blocking copy: ATen's blocking copy from pageable memory synchronizes
-/// the stream, which would stop the host from queueing work ahead of the GPU
-/// once per forward. (The caching host allocator keeps the pinned block until
-/// the copy is done.) For the small tensors of metadata computed on the host.
-at::Tensor on_device(const at::Tensor& t, const at::Device& device) {
-  if (t.device() == device) return t;
-  if (t.is_cpu() && device.is_cuda()) return t.pin_memory().to(device, /*non_blocking=*/true);
-  return t.to(device);
-}
-
 /// cos/sin [B,T,d] for positions [B,T]: freqs = positions x inv_freq in fp32, emb = cat(freqs, freqs).
 /// `inv_freq` lives with the model's activations after the first call.
 std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, at::Tensor& inv_freq) {
-  if (inv_freq.device() != positions.device()) inv_freq = on_device(inv_freq, positions.device());
+  inv_freq = to_device_without_waiting(inv_freq, positions.device());
   at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.view({1, 1, -1});
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   return {emb.cos(), emb.sin()};
@@ -305,7 +295,7 @@ PackedSequences packed_sequences(const at::Tensor& document_ids, int64_t rows, i
       at::cat({at::nonzero(starts).reshape({-1}), at::full({1}, rows * tokens, at::kLong)}).to(at::kInt);
   PackedSequences packed;
   packed.max_seqlen = (offsets.slice(0, 1) - offsets.slice(0, 0, -1)).max().item<int64_t>();
-  packed.cu_seqlens = on_device(offsets, device);
+  packed.cu_seqlens = to_device_without_waiting(offsets, device);
   packed.window = window;
   return packed;
 }
@@ -599,8 +589,9 @@ AttentionMask attention_mask(const LlamaConfig& config, int64_t B, int64_t first
   }
   // The documents' run numbers now (B x T, cheap): the mask may be built after
   // the caller has reused its ids buffer, and must agree with the offsets.
-  const at::Tensor runs =
-      document_ids.defined() ? on_device(document_starts(document_ids).cumsum(1), long_opts.device()) : at::Tensor();
+  const at::Tensor runs = document_ids.defined()
+                              ? to_device_without_waiting(document_starts(document_ids).cumsum(1), long_opts.device())
+                              : at::Tensor();
   auto build_allowed = [window = config.sliding_window, B, first_key, first_query, T, runs, long_opts] {
     const at::Tensor query_pos = at::arange(first_query, first_query + T, long_opts);
     const at::Tensor key_pos = at::arange(first_key, first_query + T, long_opts);
@@ -652,10 +643,10 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   if (position_ids.defined()) {
     ST_CHECK(position_ids.sizes() == input_ids.sizes(), "position_ids ", position_ids.sizes(),
              " must match input_ids ", input_ids.sizes());
-    positions = on_device(position_ids.to(at::kLong), input_ids.device());
+    positions = to_device_without_waiting(position_ids.to(at::kLong), input_ids.device());
   } else if (document_ids.defined()) {
     // Where the ids are, then moved: host ids never wait for the GPU.
-    positions = on_device(positions_from_document_ids(document_ids), input_ids.device());
+    positions = to_device_without_waiting(positions_from_document_ids(document_ids), input_ids.device());
   } else {
     positions = at::arange(T, long_opts).unsqueeze(0).expand({B, T});
   }
