@@ -15,7 +15,8 @@
 #    kernels' step the 10 s it needs to start after an environment step of up
 #    to 5 s, and is too short for the engines' 20 s and the benchmark's 40 s
 #    (scripts/gpu-check's BOUNDS); a larger budget would only repeat the
-#    engines' step of the whole run above, in a test that runs alone.
+#    engines' step of the whole run above, in a test that runs alone;
+#  - a test step killed at its bound names the test it stopped inside.
 # Usage: run.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -euo pipefail
 src=$1 build=$2 work=$3
@@ -99,5 +100,36 @@ skipped = [n for n, s in steps.items() if s["status"] == "not_run" and s["reason
 assert skipped, f"a {budget} s budget left no step out: " + json.dumps(report["steps"])
 assert all(s["reason"] != "pending" for s in report["steps"]), report["steps"]
 print(f"ok: a {budget} s budget stopped cleanly; left out: {', '.join(skipped)}")
+PY
+# A step killed at its bound (or crashed) has no gtest JSON: its printed lines
+# must still say which tests passed and inside which one it stopped. The
+# engines' step, bounded at 4 s, over the four tiny-Llama runs (each takes
+# seconds on a CPU): it is killed inside one of them, after start-up.
+"$python" - "$tree/scripts/gpu-check" "$work/bundle" "$work/out-killed" <<'PY' || exit 1
+import argparse, importlib.machinery, importlib.util, os, sys
+script, bundle, out = sys.argv[1:4]
+loader = importlib.machinery.SourceFileLoader("gpu_check", script)
+gpu_check = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_check", loader))
+loader.exec_module(gpu_check)
+# The parser on gtest's own forms: a parameterised failure names the test before its GetParam().
+printed = gpu_check.read_gtest_log("\n".join([
+    "[ RUN      ] P/Suite.Case/0", "a.cpp:3: Failure", "Expected equality", "[  FAILED  ] P/Suite.Case/0, where "
+    "GetParam() = 4-byte object <00-00 00-00> (3 ms)", "[ RUN      ] Suite.Next", "last words"]))
+assert [(t["name"], t["result"], bool(t.get("unfinished"))) for t in printed] == \
+    [("P/Suite.Case/0", "failed", False), ("Suite.Next", "failed", True)], printed
+assert printed[0]["failure"] == ["a.cpp:3: Failure", "Expected equality"], printed
+assert printed[1]["failure"][-1] == "last words", printed
+os.makedirs(out, exist_ok=True)
+check = gpu_check.Check(argparse.Namespace(prebuilt=bundle, dry_run=True, budget=120, build=False), out)
+assert check.environment(), check.step("environment")
+gpu_check.BOUNDS["engines"] = (4, 1)
+check.gtest_step("engines", "GpuTraining/GpuEngines.TinyLlama*")
+step = check.step("engines")
+assert step["status"] == "failed" and "timed out after 4 s inside GpuTraining/GpuEngines.TinyLlama" in step["reason"], step
+unfinished = [f for f in step["failures"] if f["first_lines"][0].startswith("did not finish")]
+assert len(unfinished) == 1 and unfinished[0]["test"] in step["reason"], step
+numbers = step["numbers"]
+assert numbers["tests"] == numbers["passed"] + 1 and numbers["failed"] == 1, step
+print(f"ok: a step killed at its bound names the test it stopped inside ({step['reason']})")
 PY
 echo "ok: gpu-check dry run in a clean copy"
