@@ -411,7 +411,10 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"extras", s.extras}};
   if (s.sampler) {
     const SamplerState sampler = s.sampler->state();
-    training["sampler"] = {{"seed", sampler.seed}, {"epoch", sampler.epoch}, {"position", sampler.position}};
+    training["sampler"] = {{"seed", sampler.seed},
+                           {"epoch", sampler.epoch},
+                           {"position", sampler.position},
+                           {"dataset_size", sampler.dataset_size}};
   }
   try {
     return checkpoint::save(running, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
@@ -494,13 +497,20 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
   running.load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
   s.extras = training.at("extras").get<std::map<std::string, int64_t>>();
   if (s.sampler && training.contains("sampler")) {
-    // Positions are per rank; at another world size the epoch position maps by samples consumed.
     SamplerState sampler;
     sampler.seed = training["sampler"].at("seed").get<uint64_t>();
     sampler.epoch = training["sampler"].at("epoch").get<int64_t>();
     sampler.position = training["sampler"].at("position").get<int64_t>();
-    const int saved_world = training.value("world_size", num_processes());
-    if (saved_world != num_processes()) sampler.position = sampler.position * saved_world / num_processes();
+    sampler.world_size = training.value("world_size", num_processes());
+    sampler.dataset_size = training["sampler"].value("dataset_size", int64_t{-1});
+    if (is_main_process() && sampler.dataset_size >= 0 && sampler.dataset_size != s.sampler->dataset_size()) {
+      ST_LOG_WARN("resuming {} at step {}: the training data has {} rows, the checkpoint's sampler was over {}: "
+                  "the data changed (the data file, or what makes its rows: sequence length, packing). The run "
+                  "goes on over this run's rows in epoch {}'s order after the same number of samples; resume with "
+                  "the same data to continue the same order",
+                  dir, training.at("step").get<int64_t>(), s.sampler->dataset_size(), sampler.dataset_size,
+                  sampler.epoch);
+    }
     s.sampler->load_state(sampler);
   }
   s.micro_in_window = 0;

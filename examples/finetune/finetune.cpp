@@ -538,6 +538,15 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   summary.metrics_file = metrics_file;
   if (main_process) {
     for (const std::string& warning : report_warnings) ST_LOG_WARN("{}", warning);
+    // Rows are drawn across epochs to fill each micro-batch (the step's shape
+    // is fixed), where a Trainer would give a short batch instead.
+    const int64_t step_rows = world * options.micro_batch * accumulation;
+    if (train.rows.num_rows() < step_rows) {
+      ST_LOG_WARN("the training data has {} rows, fewer than one step takes ({} ranks x micro-batch {} x "
+                  "accumulation {} = {}): every step repeats rows, and tokens/s counts the repeats; lower "
+                  "--micro-batch or the accumulation, or add data",
+                  train.rows.num_rows(), world, options.micro_batch, accumulation, step_rows);
+    }
   }
   if (!summary.metrics_file.empty() && main_process) {
     fs::create_directories(fs::absolute(summary.metrics_file).parent_path());

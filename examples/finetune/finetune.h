@@ -59,8 +59,8 @@ struct FinetuneOptions {
   bool eval_generate = true;
   int64_t show_examples = 4;
   double peak_tflops = 0;  ///< 0: the GPU's known peak (device.h), else a measured GEMM rate
-  std::string device = "auto";
-  int64_t throughput_skip_steps = 0;  ///< warm-up steps left out of tokens/s and MFU  ///< cpu | cuda | cuda:N | auto (cuda:LOCAL_RANK when a GPU is visible)
+  std::string device = "auto";        ///< cpu | cuda | cuda:N | auto (cuda:LOCAL_RANK when a GPU is visible)
+  int64_t throughput_skip_steps = 0;  ///< warm-up steps left out of tokens/s and MFU
   bool no_export = false;
   /// LoRA (shardtrain/lora.h): on when lora_r is given, or lora_config or
   /// lora_adapter. The flags override lora_config's fields; unset ones take

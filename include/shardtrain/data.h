@@ -19,8 +19,11 @@
 ///
 /// Resuming mid-epoch: position() counts the indices of this rank's list that
 /// the training loop has consumed. Save state() in a checkpoint; after
-/// load_state(), remaining_indices() continues with exactly the indices an
-/// uninterrupted run would have used next.
+/// load_state() at the same world size over the same data,
+/// remaining_indices() continues with exactly the indices an uninterrupted
+/// run would have used next. At another world size (or over other data) it
+/// continues after the same number of samples of the epoch, as Accelerate's
+/// skip of the batches already seen.
 
 #include <cstdint>
 #include <vector>
@@ -31,13 +34,16 @@ namespace shardtrain {
 struct SamplerState {
   uint64_t seed = 0;
   int64_t epoch = 0;
-  int64_t position = 0;  ///< indices of this rank's list already consumed this epoch
+  int64_t position = 0;      ///< indices of this rank's list already consumed this epoch
+  int world_size = 0;        ///< the world the position counts in (0: the loading sampler's)
+  int64_t dataset_size = -1;  ///< the rows the state was over (-1: unknown, as in older checkpoints)
 };
 
 class DistributedSampler {
  public:
-  /// Throws shardtrain::Error for a negative dataset size, a world size < 1 or
-  /// a rank outside [0, world_size).
+  /// Throws shardtrain::Error for a negative dataset size, a world size < 1, a
+  /// rank outside [0, world_size), or drop_last over fewer rows than ranks
+  /// (every rank's share would be empty).
   DistributedSampler(int64_t dataset_size, int world_size, int rank, uint64_t seed,
                      bool shuffle = true, bool drop_last = false);
 
@@ -58,9 +64,13 @@ class DistributedSampler {
   /// Moves position() forward by `count` consumed indices (clamped at the end of the epoch).
   void advance(int64_t count);
 
-  SamplerState state() const { return SamplerState{seed_, epoch_, position_}; }
-  /// Adopts the saved seed, epoch and position (in that order, so the
-  /// position is not rewound by the epoch change).
+  SamplerState state() const { return SamplerState{seed_, epoch_, position_, world_size_, dataset_size_}; }
+  /// Adopts the saved seed and epoch, and continues after the samples the
+  /// saved position stands for (position x its world size), rounded down to
+  /// this world's ranks: at the same world size, the saved position itself.
+  /// A state that had consumed this epoch's whole length here (an epoch's
+  /// end, or a larger padded epoch at another world size) starts the next
+  /// epoch, where the training loop would have gone next.
   void load_state(const SamplerState& state);
 
   /// Indices per rank per epoch.

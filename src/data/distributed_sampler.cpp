@@ -50,6 +50,9 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int
   ST_CHECK(world_size >= 1, "DistributedSampler: world size must be >= 1, got ", world_size);
   ST_CHECK(rank >= 0 && rank < world_size, "DistributedSampler: rank ", rank, " is outside [0, ",
            world_size, ")");
+  ST_CHECK(!drop_last || dataset_size == 0 || dataset_size >= world_size, "DistributedSampler: drop_last over ",
+           dataset_size, " rows and ", world_size, " ranks leaves every rank none; use drop_last=false (the rows "
+           "are then repeated to one per rank) or at least ", world_size, " rows");
   // torch: drop_last -> ceil((n - W) / W) when n % W != 0, i.e. floor(n / W);
   // otherwise ceil(n / W).
   num_samples_ = drop_last ? dataset_size / world_size : (dataset_size + world_size - 1) / world_size;
@@ -101,9 +104,18 @@ void DistributedSampler::advance(int64_t count) {
 }
 
 void DistributedSampler::load_state(const SamplerState& state) {
+  ST_CHECK(state.position >= 0 && state.world_size >= 0, "DistributedSampler: a saved position ", state.position,
+           " over ", state.world_size, " ranks is not a state");
   seed_ = state.seed;
   set_epoch(state.epoch);
-  set_position(state.position);
+  // Positions count one rank's share; the epoch's place is the samples all ranks consumed.
+  const int64_t saved_world = state.world_size > 0 ? state.world_size : world_size_;
+  const int64_t consumed = state.position * saved_world;
+  if (consumed >= total_size()) {
+    set_epoch(state.epoch + 1);
+    return;
+  }
+  set_position(consumed / world_size_);
 }
 
 }  // namespace shardtrain

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/config_tree.h"
 #include "json_depth.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
@@ -52,6 +53,10 @@ std::string InstructionDataStats::summary() const {
   if (truncated > 0) out << ", " << truncated << " truncated";
   if (dropped_too_long > 0) out << ", " << dropped_too_long << " dropped as too long";
   if (dropped_no_loss > 0) out << ", " << dropped_no_loss << " dropped without trained tokens";
+  if (!ignored_fields.empty()) {
+    out << "; fields ignored:";
+    for (const std::string& field : ignored_fields) out << " " << field;
+  }
   if (rows > 0) {
     out << "; " << rows << " rows, " << padding_tokens << " padding tokens, " << loss_tokens << " loss tokens";
   }
@@ -68,6 +73,10 @@ int64_t default_pad_id(const Tokenizer* tokenizer) {
 // ---- reading -----------------------------------------------------------------
 
 namespace {
+
+void add_once(std::vector<std::string>& names, const std::string& name) {
+  if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+}
 
 const char* json_type_name(const json& value) {
   if (value.is_number_integer()) return "integer";
@@ -135,18 +144,37 @@ InstructionRecord parse_record(const json& object, const std::string& where, int
   const bool has_text = object.contains("text");
   const bool has_ids = object.contains("input_ids");
   const bool has_labels = object.contains("labels");
+  // Other fields (an id, a category) are ignored, as datasets and TRL drop
+  // the columns they do not use; one a slip away from a field of the
+  // record's format that the record lacks ("respone", "label") is refused,
+  // since ignoring it would train on something else than meant.
+  static const std::vector<std::string> kFields = {"prompt", "response", "text", "input_ids", "labels"};
+  const std::vector<std::string> format_fields =
+      has_prompt || has_response ? std::vector<std::string>{"prompt", "response"}
+      : has_text                 ? std::vector<std::string>{"text"}
+      : has_ids || has_labels    ? std::vector<std::string>{"input_ids", "labels"}
+                                 : kFields;
+  std::vector<std::string> ignored;
   for (const auto& item : object.items()) {
     const std::string& key = item.key();
-    if (key != "prompt" && key != "response" && key != "text" && key != "input_ids" && key != "labels") {
-      ST_THROW(Error, where, ": unknown field \"", key,
-               "\"; a record is {\"prompt\", \"response\"}, {\"text\"} or {\"input_ids\", \"labels\" (optional)}");
+    if (std::find(kFields.begin(), kFields.end(), key) != kFields.end()) continue;
+    const std::size_t slips = std::min<std::size_t>(2, (key.size() - std::min<std::size_t>(key.size(), 1)) / 2);
+    for (const std::string& field : format_fields) {
+      if (!object.contains(field) && config_detail::edit_distance(key, field) <= slips) {
+        ST_THROW(Error, where, ": unknown field \"", key, "\" (did you mean \"", field,
+                 "\"?); a record is {\"prompt\", \"response\"}, {\"text\"} or {\"input_ids\", \"labels\" "
+                 "(optional)}, and other fields are ignored");
+      }
     }
+    ignored.push_back(key);
   }
   const int formats = int(has_prompt || has_response) + int(has_text) + int(has_ids || has_labels);
   if (formats == 0) {
-    ST_THROW(Error, where,
-             ": empty record; a record is {\"prompt\", \"response\"}, {\"text\"} or {\"input_ids\", \"labels\" "
-             "(optional)}");
+    std::string found;
+    for (const std::string& key : ignored) found += (found.empty() ? "" : ", ") + key;
+    ST_THROW(Error, where, ": ", found.empty() ? "empty record" : "no field this reads (found " + found + ")",
+             "; a record is {\"prompt\", \"response\"}, {\"text\"} or {\"input_ids\", \"labels\" (optional)}",
+             found.empty() ? "" : ": rename the fields, e.g. instruction and output to prompt and response");
   }
   if (formats > 1) {
     ST_THROW(Error, where,
@@ -156,6 +184,7 @@ InstructionRecord parse_record(const json& object, const std::string& where, int
 
   InstructionRecord record;
   record.source = where;
+  record.ignored_fields = std::move(ignored);
   if (has_prompt || has_response) {
     if (!has_prompt) ST_THROW(Error, where, ": missing field \"prompt\" (a \"response\" needs its \"prompt\")");
     if (!has_response) ST_THROW(Error, where, ": missing field \"response\" (a \"prompt\" needs its \"response\")");
@@ -210,12 +239,51 @@ std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, i
 
 // ---- formatting --------------------------------------------------------------
 
+namespace {
+
+/// Python's str.isspace(): what the chat templates' strip() removes.
+bool is_python_space(char32_t c) {
+  return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+/// The code point whose UTF-8 starts at text[at] and its length in bytes; an
+/// ill-formed sequence is one byte that is no space. Hand-written: it is the
+/// only decoding this file needs.
+std::pair<char32_t, std::size_t> code_point_at(const std::string& text, std::size_t at) {
+  const auto lead = static_cast<unsigned char>(text[at]);
+  const std::size_t length = lead < 0x80           ? 1
+                             : (lead >> 5) == 0x6  ? 2
+                             : (lead >> 4) == 0xe  ? 3
+                             : (lead >> 3) == 0x1e ? 4
+                                                   : 0;
+  if (length == 0 || at + length > text.size()) return {0xfffd, 1};
+  char32_t c = length == 1 ? lead : lead & (0x7f >> length);
+  for (std::size_t i = 1; i < length; ++i) {
+    const auto next = static_cast<unsigned char>(text[at + i]);
+    if ((next & 0xc0) != 0x80) return {0xfffd, 1};
+    c = (c << 6) | (next & 0x3f);
+  }
+  return {c, length};
+}
+
+}  // namespace
+
 std::string strip(const std::string& s) {
-  const char* ws = " \t\n\r\f\v";
-  const size_t begin = s.find_first_not_of(ws);
-  if (begin == std::string::npos) return {};
-  const size_t end = s.find_last_not_of(ws);
-  return s.substr(begin, end - begin + 1);
+  std::size_t begin = 0, end = s.size();
+  while (begin < end) {
+    const auto [c, length] = code_point_at(s, begin);
+    if (!is_python_space(c)) break;
+    begin += length;
+  }
+  while (end > begin) {
+    std::size_t last = end - 1;  // back over continuation bytes to the last code point's start
+    while (last > begin && (static_cast<unsigned char>(s[last]) & 0xc0) == 0x80 && end - last < 4) --last;
+    const auto [c, length] = code_point_at(s, last);
+    if (last + length != end || !is_python_space(c)) break;
+    end = last;
+  }
+  return s.substr(begin, end - begin);
 }
 
 namespace {
@@ -315,6 +383,7 @@ std::vector<TokenizedExample> load_instruction_examples(const std::string& path,
   std::vector<std::string> too_long_sources;  // the first few, for the warning
   for (const InstructionRecord& record : records) {
     ++local.records;
+    for (const std::string& field : record.ignored_fields) add_once(local.ignored_fields, field);
     switch (record.format) {
       case RecordFormat::kInstruction:
         ++local.instruction_records;
@@ -386,6 +455,7 @@ std::vector<TokenizedExample> load_instruction_examples(const std::string& path,
     stats->dropped_too_long += local.dropped_too_long;
     stats->dropped_no_loss += local.dropped_no_loss;
     stats->longest = std::max(stats->longest, local.longest);
+    for (const std::string& field : local.ignored_fields) add_once(stats->ignored_fields, field);
   }
   return examples;
 }

@@ -489,6 +489,14 @@ TEST(DistCheckpoint, SamplerPositionAndKeepLastN) {
     EXPECT_EQ(sampler.epoch(), 2);
     EXPECT_EQ(sampler.position(), 7);
     EXPECT_EQ(sampler.remaining_indices(), expected_next) << "the resumed sampler continues at the exact sample";
+    // Other data (60 rows): the run goes on after the same 14 samples of epoch 2, and says the data changed.
+    auto& other_data = accelerator.prepare_sampler(60, /*seed=*/3);
+    shardtrain::testing::LogCapture capture;
+    accelerator.load_state(base);
+    EXPECT_EQ(other_data.epoch(), 2);
+    EXPECT_EQ(other_data.position(), 7);
+    const std::string warned = "the training data has 60 rows, the checkpoint's sampler was over 100";
+    EXPECT_EQ(capture.text().find(warned) != std::string::npos, ctx.rank() == 0) << capture.text();
   }, harness);
 }
 

@@ -20,6 +20,7 @@
 #include "shardtrain/lora.h"
 #include "shardtrain/safetensors.h"
 #include "shardtrain/models/llama.h"
+#include "support/log_capture.h"
 #include "support/multirank.h"
 #include "support/run_outputs.h"
 #include "support/test_scratch.h"
@@ -204,6 +205,50 @@ TEST(DistFinetune, AnEvalSetWithFewerRowsThanRanksEvaluatesAsOnOneRank) {
   ASSERT_EQ(two.size(), 1u);
   EXPECT_TRUE(std::isfinite(one[0])) << one[0];
   EXPECT_EQ(two[0], one[0]);
+}
+
+/// The three-row training set, one row per micro-batch and rank, no eval, no export.
+finetune::FinetuneOptions three_row_options(RankContext& ctx, const std::string& run) {
+  const std::string dir = test_scratch_dir().string();
+  finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/" + run);
+  o.data = dir + "/three_rows.jsonl";
+  o.eval_data.clear();
+  o.no_packing = true;
+  o.micro_batch = 2;
+  o.no_export = true;
+  return o;
+}
+
+TEST(DistFinetune, ATrainingSetSmallerThanAStepWarnsAndResumesAtAnotherWorldSizeAfterItsEpoch) {
+  const fs::path dir = test_scratch_dir();
+  if (!shardtrain::testing::is_rank_process()) {
+    std::ifstream bundled(kBundled + "/data/train.jsonl");
+    std::ofstream three(dir / "three_rows.jsonl");
+    std::string line;
+    for (int i = 0; i < 3 && std::getline(bundled, line); ++i) three << line << "\n";
+  }
+  // World 2: the one step takes 4 rows of 3 and ends the padded epoch
+  // (position 2 of 2 on each rank).
+  run_on_ranks(2, [](RankContext& ctx) {
+    finetune::FinetuneOptions o = three_row_options(ctx, "world2");
+    o.max_steps = 1;
+    shardtrain::testing::LogCapture capture;
+    finetune::run_finetune(o);
+    const std::string warned =
+        "the training data has 3 rows, fewer than one step takes (2 ranks x micro-batch 2 x accumulation 1 = 4)";
+    EXPECT_EQ(capture.text().find(warned) != std::string::npos, ctx.rank() == 0) << capture.text();
+  });
+  // Resumed on one rank: the 4 samples consumed are the whole epoch of 3 here, so it goes on in the next.
+  run_on_ranks(1, [](RankContext& ctx) {
+    finetune::FinetuneOptions o = three_row_options(ctx, "world1");
+    o.max_steps = 2;
+    o.no_save = true;
+    o.resume = test_scratch_dir().string() + "/world2/checkpoints";
+    const finetune::FinetuneSummary s = finetune::run_finetune(o);
+    EXPECT_EQ(s.first_step, 1);
+    ASSERT_EQ(s.losses.size(), 1u);
+    EXPECT_TRUE(std::isfinite(s.losses[0])) << s.losses[0];
+  });
 }
 
 TEST(DistFinetune, LoraOnAnExportedBaseTrainsOnlyTheAdaptersResumesAndItsAdapterLoadsBack) {

@@ -161,6 +161,21 @@ TEST(UnitInstructionTemplate, Llama2StripsAndMatchesTheHfTemplate) {
   EXPECT_EQ(tok.decode(ex.input_ids), " [INST] What? [/INST] Four ");
 }
 
+TEST(UnitInstructionTemplate, StripRemovesWhatPythonsStrStripRemoves) {
+  // The Llama-2 template's strip() is Python's: Unicode spaces go too.
+  EXPECT_EQ(sm::strip("\u3000\u00a0 hi\u2028x \u0085\x1f"), "hi\u2028x");
+  EXPECT_EQ(sm::strip("\u2000\u200a\u202f\u205f\u1680\u2029"), "");
+  EXPECT_EQ(sm::strip("\t\u00e9\u00a0"), "\u00e9");  // a letter of two bytes ends the text
+  EXPECT_EQ(sm::strip("\u200b a"), "\u200b a");       // a zero-width space is no space to Python
+  // Ill-formed bytes are kept, whitespace or not around them.
+  EXPECT_EQ(sm::strip(" \xff a \xe3"), "\xff a \xe3");
+  EXPECT_EQ(sm::strip("\x80\u3000"), "\x80");
+  CharTokenizer tok;
+  const auto plain = sm::format_instruction(tok, sm::ChatFormat::kLlama2, "What?", "Four");
+  EXPECT_EQ(sm::format_instruction(tok, sm::ChatFormat::kLlama2, "\u3000What?\u00a0", "Four\u3000").input_ids,
+            plain.input_ids);
+}
+
 TEST(UnitInstructionTemplate, MistralKeepsWhitespaceAndMatchesTheV01Template) {
   CharTokenizer tok;
   // `<s>[INST] {prompt} [/INST]{response}</s>`, no strip; the response's first
@@ -222,7 +237,10 @@ TEST(UnitInstructionData, MalformedRecordsNameFileLineAndProblem) {
       {"{\"prompt\": \"a\"}", "missing field \"response\""},
       {"{\"response\": \"a\"}", "missing field \"prompt\""},
       {"{\"labels\": [1]}", "missing field \"input_ids\""},
-      {"{\"prompt\": \"a\", \"respone\": \"b\"}", "unknown field \"respone\""},
+      {"{\"prompt\": \"a\", \"respone\": \"b\"}", "unknown field \"respone\" (did you mean \"response\"?)"},
+      {"{\"input_ids\": [1], \"label\": [1]}", "unknown field \"label\" (did you mean \"labels\"?)"},
+      {"{\"txt\": \"a\"}", "unknown field \"txt\" (did you mean \"text\"?)"},
+      {"{\"instruction\": \"a\", \"output\": \"b\"}", "no field this reads (found instruction, output)"},
       {"{\"text\": \"a\", \"prompt\": \"b\", \"response\": \"c\"}", "mixes the fields of different formats"},
       {"{\"text\": 5}", "field \"text\" must be a string, got integer"},
       {"{\"prompt\": \"a\", \"response\": null}", "field \"response\" must be a string, got null"},
@@ -242,6 +260,29 @@ TEST(UnitInstructionData, MalformedRecordsNameFileLineAndProblem) {
   }
   const std::string missing = data_error_of([&] { sm::read_instruction_jsonl(dir.path() + "/nope.jsonl"); });
   EXPECT_NE(missing.find("cannot open instruction data file"), std::string::npos) << missing;
+}
+
+TEST(UnitInstructionData, OtherFieldsAreIgnoredAndNamedInTheSummary) {
+  // As datasets and TRL drop the columns they do not use; "test" beside a
+  // "text" is no slip of it, and "input" is no slip of "input_ids".
+  ScratchDir dir;
+  const std::string path = dir.write(
+      "extra.jsonl",
+      "{\"id\": 1, \"category\": \"qa\", \"prompt\": \"p\", \"response\": \"r\"}\n"
+      "{\"text\": \"t\", \"test\": [1]}\n{\"input_ids\": [5, 6], \"input\": \"x\", \"id\": 2}\n");
+  const std::vector<sm::InstructionRecord> records = sm::read_instruction_jsonl(path);
+  ASSERT_EQ(records.size(), 3u);
+  EXPECT_EQ(records[0].ignored_fields, (std::vector<std::string>{"category", "id"}));
+  EXPECT_EQ(records[0].prompt, "p");
+  EXPECT_EQ(records[1].ignored_fields, (std::vector<std::string>{"test"}));
+  EXPECT_EQ(records[2].ignored_fields, (std::vector<std::string>{"id", "input"}));
+  CharTokenizer tok;
+  sm::InstructionDataOptions options;
+  options.seq_len = 32;
+  sm::InstructionDataStats stats;
+  EXPECT_EQ(sm::load_instruction_examples(path, &tok, options, &stats).size(), 3u);
+  EXPECT_EQ(stats.ignored_fields, (std::vector<std::string>{"category", "id", "test", "input"}));
+  EXPECT_NE(stats.summary().find("; fields ignored: category id test input"), std::string::npos) << stats.summary();
 }
 
 TEST(UnitInstructionData, RecordsNeedingATokenizerAreRejectedWithoutOne) {

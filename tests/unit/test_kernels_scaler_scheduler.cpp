@@ -670,7 +670,7 @@ TEST(UnitSampler, DropLastTruncatesToAMultipleOfTheWorld) {
   const std::vector<int64_t> order = global_order(10, 4, 42, 3, true, true);
   ASSERT_EQ(order.size(), 8u);
   EXPECT_EQ(std::set<int64_t>(order.begin(), order.end()).size(), 8u);
-  EXPECT_EQ(DistributedSampler(3, 4, 0, 0, true, true).num_samples(), 0);
+  EXPECT_EQ(DistributedSampler(7, 4, 0, 0, true, true).num_samples(), 1);  // fewer rows than ranks: see RejectsInvalidArguments
 }
 
 TEST(UnitSampler, UnshuffledRanksTakeStridedPositions) {
@@ -717,11 +717,66 @@ TEST(UnitSampler, ResumeAtPositionContinuesExactly) {
   EXPECT_THROW(resumed.set_position(resumed.num_samples() + 1), shardtrain::Error);
 }
 
+TEST(UnitSampler, ResumeAtAnotherWorldOrOverOtherDataContinuesAfterTheSameSamples) {
+  // (saved rows, saved world, saved position) -> (rows, world): the epoch and position it continues at.
+  struct Case {
+    int64_t saved_rows;
+    int saved_world;
+    int64_t saved_position;
+    int64_t rows;
+    int world;
+    int64_t epoch, position;
+  };
+  const Case cases[] = {
+      {100, 2, 10, 100, 1, 4, 20},  // 20 samples consumed, on one rank
+      {100, 2, 10, 100, 4, 4, 5},
+      {100, 2, 10, 100, 3, 4, 6},   // 20 samples over 3 ranks: rounded down, 2 samples seen again
+      {3, 2, 2, 3, 1, 5, 0},        // the epoch's end (the padded 4 of 3 rows) at world 1: the next epoch
+      {100, 3, 34, 100, 2, 5, 0},   // 102 padded samples are more than world 2's epoch of 100
+      {100, 2, 50, 100, 2, 5, 0},   // an epoch's end at the same world
+      {100, 2, 40, 50, 2, 5, 0},    // the data shrank below the samples consumed
+      {100, 2, 10, 60, 2, 4, 10},   // other data, within its epoch: the same position
+  };
+  for (const Case& c : cases) {
+    DistributedSampler saved(c.saved_rows, c.saved_world, 0, 7);
+    saved.set_epoch(4);
+    saved.advance(c.saved_position);
+    const SamplerState state = saved.state();
+    EXPECT_EQ(state.world_size, c.saved_world);
+    EXPECT_EQ(state.dataset_size, c.saved_rows);
+    for (int rank = 0; rank < c.world; ++rank) {
+      DistributedSampler resumed(c.rows, c.world, rank, 0);
+      resumed.load_state(state);
+      EXPECT_EQ(resumed.seed(), 7u);
+      EXPECT_EQ(resumed.epoch(), c.epoch) << c.saved_rows << " rows, world " << c.saved_world << " -> " << c.rows
+                                          << " rows, world " << c.world;
+      EXPECT_EQ(resumed.position(), c.position) << c.saved_rows << " rows, world " << c.saved_world << " -> "
+                                                << c.rows << " rows, world " << c.world;
+    }
+  }
+  // An older checkpoint's state (no world size): the position counts in the loading sampler's world.
+  DistributedSampler resumed(100, 2, 1, 0);
+  resumed.load_state(SamplerState{7, 3, 12});
+  EXPECT_EQ(resumed.epoch(), 3);
+  EXPECT_EQ(resumed.position(), 12);
+  EXPECT_THROW(resumed.load_state(SamplerState{7, 3, -1}), shardtrain::Error);
+}
+
 TEST(UnitSampler, RejectsInvalidArguments) {
   EXPECT_THROW(DistributedSampler(10, 4, 4, 0), shardtrain::Error);
   EXPECT_THROW(DistributedSampler(10, 0, 0, 0), shardtrain::Error);
   EXPECT_THROW(DistributedSampler(-1, 1, 0, 0), shardtrain::Error);
   EXPECT_TRUE(DistributedSampler(0, 2, 1, 0).indices().empty());
+  // drop_last over fewer rows than ranks would leave every rank an empty epoch.
+  try {
+    DistributedSampler(3, 4, 0, 0, /*shuffle=*/true, /*drop_last=*/true);
+    ADD_FAILURE() << "drop_last over 3 rows and 4 ranks was accepted";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("drop_last over 3 rows and 4 ranks leaves every rank none"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(DistributedSampler(4, 4, 0, 0, true, true).num_samples(), 1);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@
 /// so each part gets sentencepiece's "▁" dummy prefix) and concatenated, which
 /// makes the boundary between masked prompt and trained response exact. BOS/EOS
 /// are inserted as ids, never as text (text "<s>" would be split into pieces).
-/// strip() below removes ASCII whitespace (" \t\n\r\f\v") from both ends.
+/// strip() below removes whitespace from both ends, as Python's str.strip().
 ///  * kLlama2 (Llama-2-chat's HF template
 ///    `<s>[INST] {prompt.strip()} [/INST] {response.strip()} </s>`):
 ///      [bos] + encode("[INST] " + strip(prompt) + " [/INST]")   (prompt, no loss)
@@ -101,6 +101,7 @@ struct InstructionRecord {
   std::vector<int64_t> input_ids;      ///< kPretokenized
   std::vector<int64_t> labels;         ///< kPretokenized (filled from input_ids when absent)
   std::string source;                  ///< "file:line", for messages
+  std::vector<std::string> ignored_fields;  ///< the record's fields no format reads (an id, a category)
 };
 
 /// One example: input_ids and labels of equal length; labels are kIgnoreIndex
@@ -122,6 +123,7 @@ struct InstructionDataStats {
   int64_t dropped_too_long = 0;      ///< skipped: longer than seq_len (kDrop, or no response fits)
   int64_t dropped_no_loss = 0;       ///< skipped: no trained token after position 0
   int64_t longest = 0;               ///< longest example before truncation
+  std::vector<std::string> ignored_fields;  ///< fields no format reads, in the order first met
   // Filled by pack_examples():
   int64_t rows = 0;
   int64_t padding_tokens = 0;
@@ -152,8 +154,9 @@ int64_t default_pad_id(const Tokenizer* tokenizer);
 /// "file:line" and the problem.
 std::vector<InstructionRecord> read_instruction_jsonl(const std::string& path, int64_t vocab_size = 0);
 
-/// `text` without ASCII whitespace (" \t\n\r\f\v") at either end, as the
-/// chat templates strip prompts and responses (also how answers are compared).
+/// `text` (UTF-8) without whitespace at either end, as the chat templates'
+/// strip() (Python's str.strip(): ASCII whitespace and the Unicode spaces,
+/// U+00A0, U+3000, ...) strips prompts and responses; also how answers are compared.
 std::string strip(const std::string& text);
 
 /// The generation prefix: [bos] + the prompt part of `format` (see the file
