@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -29,6 +30,19 @@ void* current_cuda_stream(int device_index) {
 void synchronize_cuda_stream(int device_index, void* stream) {
   c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device_index))
       .synchronize();
+}
+
+CudaStreamMark CudaStreamMark::now_on(int device_index, void* stream) {
+  auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+  event->record(
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device_index)));
+  CudaStreamMark mark;
+  mark.event_ = std::move(event);
+  return mark;
+}
+
+void CudaStreamMark::wait() const {
+  if (event_) static_cast<const at::cuda::CUDAEvent*>(event_.get())->synchronize();
 }
 
 void record_cuda_stream(const at::Tensor& tensor, void* stream) {

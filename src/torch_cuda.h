@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace c10 {
@@ -36,6 +37,20 @@ int cuda_compute_capability(int device_index);
 /// Blocks the calling thread until the work queued so far on `stream` (a
 /// cudaStream_t of `device_index`, as current_cuda_stream gave it) is done.
 void synchronize_cuda_stream(int device_index, void* stream);
+
+/// A point in a stream's queue that the host can wait for: a CUDA event
+/// recorded there. A default-constructed one is already passed.
+class CudaStreamMark {
+ public:
+  CudaStreamMark() = default;
+  /// Where `stream` (a cudaStream_t of `device_index`) has got to in its queue now.
+  static CudaStreamMark now_on(int device_index, void* stream);
+  /// Blocks the calling thread until the device has passed the mark.
+  void wait() const;
+
+ private:
+  std::shared_ptr<void> event_;  // an at::cuda::CUDAEvent, named only in torch_cuda.cpp
+};
 
 /// Tells the caching allocator that `stream` (a cudaStream_t) uses `tensor`:
 /// its block is not reused until that stream is past the work queued now.

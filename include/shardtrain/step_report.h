@@ -71,6 +71,10 @@ struct TrafficReport {
   /// The part of it that is frozen weights (a LoRA base: bf16 values, or the
   /// NF4 bytes of a quantized one).
   int64_t frozen_gather_bytes = 0;
+  /// Gathers that first waited until the device had freed the unit released
+  /// two before them (limit_all_gathers; on a CPU every free is done when it
+  /// returns, and the wait with it).
+  int64_t paced_gathers = 0;
 };
 
 }  // namespace shardtrain

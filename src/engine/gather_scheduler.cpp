@@ -77,6 +77,7 @@ void GatherScheduler::start(int i) {
   // A buffer kept between steps (regather_after_step) still has its storage;
   // resizing it anyway would allocate and copy the whole buffer.
   if (slot.full.storage().nbytes() != static_cast<std::size_t>(full_bytes(i))) {
+    pace_gather();
     engine::resize_storage_bytes(slot.full, static_cast<std::size_t>(full_bytes(i)));
   }
   add_live(full_bytes(i));
@@ -137,7 +138,14 @@ void GatherScheduler::finish(int i) {
   slot.gathered = true;
 }
 
-void GatherScheduler::release(int i) {
+void GatherScheduler::pace_gather() {
+  if (!plan_.limit_all_gathers || releases_.size() < 2) return;
+  releases_.front().wait();
+  releases_.pop_front();
+  ++traffic_.paced_gathers;
+}
+
+bool GatherScheduler::release(int i) {
   Slot& slot = slots_[static_cast<std::size_t>(i)];
   // A prefetch nothing consumed (a no-grad forward that stopped early, a
   // unit with no backward) is waited for, or it would land after this with
@@ -145,10 +153,11 @@ void GatherScheduler::release(int i) {
   // gather this rank issued, as every rank did: the decisions that issue
   // gathers are the same on every rank.
   if (slot.work) finish(i);
-  if (!slot.gathered || slot.views_shard) return;
+  if (!slot.gathered || slot.views_shard) return false;
   engine::resize_storage_bytes(slot.full, 0);
   add_live(-full_bytes(i));
   slot.gathered = false;
+  return true;
 }
 
 void GatherScheduler::gather_unit(const Unit& unit) {
@@ -157,9 +166,18 @@ void GatherScheduler::gather_unit(const Unit& unit) {
 }
 
 void GatherScheduler::release_unit(const Unit& unit, bool after_forward) {
+  bool freed = false;
   for (int idx : units_.entries_of(unit)) {
-    if (after_forward ? frees_after_forward(idx) : frees_after_backward(idx)) release(idx);
+    if (after_forward ? frees_after_forward(idx) : frees_after_backward(idx)) freed = release(idx) || freed;
   }
+  if (!freed || !plan_.limit_all_gathers) return;
+  // The device's free of this unit comes after the work queued on this
+  // thread's stream so far (a CPU's came when release returned).
+  const at::Device device = storage_.fp32_options().device();
+  releases_.push_back(device.is_cuda() ? torch_cuda::CudaStreamMark::now_on(
+                                             device.index(), torch_cuda::current_cuda_stream(device.index()))
+                                       : torch_cuda::CudaStreamMark());
+  if (releases_.size() > 2) releases_.pop_front();  // only the last two are ever waited for
 }
 
 void GatherScheduler::gather_root() {

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "engine/shard_storage.h"
 #include "engine/unit_table.h"
 #include "shardtrain/step_report.h"
+#include "torch_cuda.h"
 
 namespace shardtrain::engine {
 
@@ -57,8 +59,9 @@ class GatherScheduler {
   void start(int i);
   /// Waits for entry i's gather (issuing it first if needed).
   void finish(int i);
-  /// Frees entry i's full buffer; a gather of it still in flight is waited for first.
-  void release(int i);
+  /// Frees entry i's full buffer; a gather of it still in flight is waited
+  /// for first. Whether it freed a buffer.
+  bool release(int i);
   void gather_unit(const Unit& unit);
   void release_unit(const Unit& unit, bool after_forward);
   /// The root entries (parameters outside every unit), around the whole forward.
@@ -119,6 +122,8 @@ class GatherScheduler {
   };
   bool gathered_or_pending(const Unit& unit) const;
   void add_live(int64_t delta);
+  /// limit_all_gathers: waits until fewer than two released units are ahead of the device.
+  void pace_gather();
 
   const EnginePlan& plan_;
   const ShardGroups& groups_;
@@ -128,6 +133,9 @@ class GatherScheduler {
   /// The CUDA streams (cudaStream_t) that uploads were queued on since the
   /// last wait_for_uploads(): one in normal use, a few at most.
   std::vector<void*> upload_streams_;
+  /// Where the device stream stood when each of the last units was released,
+  /// oldest first (limit_all_gathers).
+  std::deque<torch_cuda::CudaStreamMark> releases_;
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
   TrafficReport traffic_;

@@ -27,6 +27,14 @@ class ShardGroups {
   /// The sync group when it is not the shard group, else null.
   comm::Communicator* separate_sync() const { return sync_.get(); }
 
+  /// Throws when a collective of any group failed after its wait() returned
+  /// (NCCL's watchdog): the results it left behind are garbage.
+  void check_health() const {
+    shard_->check_health();
+    if (replicate_) replicate_->check_health();
+    if (sync_) sync_->check_health();
+  }
+
   /// Ranks the unit layouts split over: the shard group, or 1 when nothing is sharded.
   int layout_world() const { return shard_params_ ? shard_->world_size() : 1; }
   /// This rank's shard in the layouts (0 when nothing is sharded).

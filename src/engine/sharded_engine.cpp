@@ -182,7 +182,11 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
 }
 
 bool ShardedEngine::recompute_in_backward(const Unit& unit) const {
-  return state_->plan.activation_checkpointing && state_->units.manages(unit) && unit.unit_kind() == Unit::Kind::kBlock;
+  // A unit whose backward reads no parameter (an embedding lookup) keeps
+  // nothing worth recomputing: its output is the next unit's saved input
+  // anyway, and a recompute would need the parameters freed after its forward.
+  return state_->plan.activation_checkpointing && state_->units.manages(unit) &&
+         unit.unit_kind() == Unit::Kind::kBlock && unit.backward_reads_parameters();
 }
 
 at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(const at::Tensor&)> body,

@@ -91,9 +91,6 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
 
 StepInfo ShardedOptimizer::step(double lr) {
   comm::Communicator& comm = groups_.shard();
-  // A collective that failed after its wait() returned (NCCL's watchdog)
-  // left garbage in the gradients: never apply it.
-  comm.check_health();
   StepInfo result;
   result.loss_scale = scaler_.scale();
   result.grad_norm = last_grad_norm_;
@@ -112,6 +109,11 @@ StepInfo ShardedOptimizer::step(double lr) {
     comm.all_reduce(flag, ReduceOp::kMax);
     finite = flag.item<float>() == 0;
   }
+  // A collective that failed after its wait() returned (NCCL's watchdog)
+  // left garbage in the gradients: never apply it. Here, after the host
+  // waited on the last reduction (the flag or the norm), every earlier
+  // collective of every group has ended or been failed.
+  groups_.check_health();
   if (!finite) {
     scaler_.update(true);  // fp16 lowers the scale; otherwise it counts the skipped step
     storage_.clear_grads();

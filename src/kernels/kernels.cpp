@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -117,6 +118,11 @@ void cast_into(at::Tensor& dst, const at::Tensor& src) {
   ST_CHECK(dst.sizes() == src.sizes(), "cast_into: a source of shape ", src.sizes(), " into a destination of shape ",
            dst.sizes(), "; the shapes must be equal");
   ST_CHECK(dst.is_contiguous(), "cast_into: the destination must be contiguous");
+  // The CUDA kernel reads and writes in parallel: a destination over part of
+  // the source would overwrite elements not yet read (copy_ refuses it too).
+  ST_CHECK(at::get_overlap_status(dst, src) != at::MemOverlapStatus::Partial,
+           "cast_into: the destination (", dst.scalar_type(), ") overlaps part of the source (", src.scalar_type(),
+           ") in memory; cast into a separate buffer");
   if (dst.is_cpu()) {
     // ATen's CPU conversion rounds to nearest even, the same as the CUDA kernel.
     dst.copy_(src);

@@ -444,6 +444,99 @@ TEST(DistFsdpCheckpointing, UnitsAreRecomputedInBackwardWithIdenticalResults) {
   });
 }
 
+TEST(DistFsdpGathers, LimitAllGathersPacesGathersBehindTheUnitsReleasedTwoBefore) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    auto paced = [&](shardtrain::TrainingConfig config) {
+      config.fsdp.transformer_layer_cls_to_wrap = {"CountingBlock"};
+      auto accelerator = accelerator_for(config, ctx);
+      torch::manual_seed(2);
+      CountingModel model;
+      auto prepared = accelerator->prepare(model, {}, micro_batch(3));
+      accelerator->reset_traffic();
+      for (int step = 0; step < 3; ++step) {
+        accelerator->backward(prepared(at::ones({3, 4})).pow(2).mean());
+        accelerator->step();
+      }
+      return accelerator->traffic().paced_gathers;
+    };
+    auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
+    // Units a and b are freed after forward and after backward, the root
+    // after backward (unpaced). A gather waits when two releases are queued
+    // and takes the older one off: in the first step b's backward gather (a,
+    // then b released in forward); in each later step the root's gather (b
+    // and a released in backward), b's in forward (a released in that
+    // backward and in this forward) and b's in backward; a's come with one
+    // release queued, or prefetched. 1 + 3 + 3.
+    EXPECT_EQ(paced(config), 7);
+    config.fsdp.limit_all_gathers = false;
+    EXPECT_EQ(paced(config), 0);
+    EXPECT_GT(paced(shardtrain::testing::zero_test_config(3, MixedPrecision::kNo)), 0) << "ZeRO-3 paces always";
+  });
+}
+
+std::atomic<int> g_lookup_calls{0};
+
+/// A block that is an embedding lookup: its backward reads no parameter.
+struct LookupBlockImpl : torch::nn::Module, shardtrain::Unit {
+  LookupBlockImpl() : Unit("LookupBlock"), table(register_parameter("table", at::randn({16, 8}))) {}
+  at::Tensor forward(const at::Tensor& ids) {
+    return run_unit(ids, [this](const at::Tensor& i) {
+      ++g_lookup_calls;
+      return at::embedding(table, i);
+    });
+  }
+  bool backward_reads_parameters() const override { return false; }
+  at::Tensor table;
+};
+TORCH_MODULE(LookupBlock);
+
+struct LookupModelImpl : torch::nn::Module {
+  LookupModelImpl()
+      : lookup(register_module("lookup", LookupBlock())), a(register_module("a", CountingBlock())),
+        head(register_module("head", torch::nn::Linear(8, 1))) {}
+  at::Tensor forward(const at::Tensor& ids) { return head(a(lookup(ids))); }
+  LookupBlock lookup;
+  CountingBlock a;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(LookupModel);
+
+TEST(DistFsdpCheckpointing, ALookupUnitIsNotRecomputedAndTrainsAsWithoutCheckpointing) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    std::vector<std::pair<std::string, at::Tensor>> results[2];
+    std::vector<double> losses[2];
+    int lookups[2], blocks[2];
+    for (int recompute = 0; recompute < 2; ++recompute) {
+      auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
+      config.fsdp.transformer_layer_cls_to_wrap = {"CountingBlock", "LookupBlock"};
+      config.fsdp.activation_checkpointing = recompute == 1;
+      config.optimizer.lr = 1e-2;
+      auto accelerator = accelerator_for(config, ctx);
+      torch::manual_seed(2);
+      LookupModel model;
+      auto prepared = accelerator->prepare(model, {}, micro_batch(3));
+      g_lookup_calls = 0;
+      g_block_calls = 0;
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor ids = (at::arange(6, at::kLong).view({3, 2}) * (ctx.rank() + step + 1)) % 16;
+        at::Tensor loss = prepared(ids).pow(2).mean();
+        accelerator->backward(loss);
+        accelerator->step();
+        losses[recompute].push_back(loss.item<double>());
+      }
+      lookups[recompute] = g_lookup_calls;
+      blocks[recompute] = g_block_calls;
+      results[recompute] = accelerator->full_state_dict();
+    }
+    EXPECT_EQ(blocks[1], 2 * 3) << "the block is recomputed";
+    EXPECT_EQ(lookups[1], 3) << "the lookup is not: its parameters are freed after its forward";
+    EXPECT_EQ(losses[0], losses[1]);
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(results[0][i].second, results[1][i].second)) << results[0][i].first;
+    }
+  });
+}
+
 }  // namespace
 
 namespace {

@@ -103,10 +103,12 @@ class NcclProbe : public comm::NcclCommunicator {
  public:
   using comm::NcclCommunicator::NcclCommunicator;
   using comm::NcclCommunicator::do_all_gather;
+  using comm::NcclCommunicator::do_all_gather_coalesced;
   using comm::NcclCommunicator::do_all_reduce;
   using comm::NcclCommunicator::do_barrier;
   using comm::NcclCommunicator::do_broadcast;
   using comm::NcclCommunicator::do_reduce_scatter;
+  using comm::NcclCommunicator::do_reduce_scatter_v;
 };
 
 comm::CollectiveEvent event_for(const char* op, const at::Tensor& t, comm::ReduceOp reduce = comm::ReduceOp::kSum) {
@@ -155,6 +157,17 @@ TEST(NcclBackend, SingleRankCollectivesRunThroughNccl) {
     EXPECT_TRUE(same_bits(b.cpu(), reference.cpu()));
   }
   nccl.do_barrier(comm::CollectiveEvent{"barrier", at::kFloat, 0, 0});
+
+  // The calls issued as one NCCL group: a unit's pieces, and the uneven reduce-scatter's reduces.
+  std::vector<at::Tensor> pieces{(at::arange(7, on_gpu(0, at::kFloat)) * 0.25).to(at::kBFloat16),
+                                 at::full({3}, 5.0, on_gpu(0, at::kBFloat16))};
+  std::vector<at::Tensor> gathered{at::empty({7}, on_gpu(0, at::kBFloat16)), at::empty({3}, on_gpu(0, at::kBFloat16))};
+  nccl.do_all_gather_coalesced(gathered, pieces, comm::CollectiveEvent{"all_gather", at::kBFloat16, 10, 10})->wait();
+  for (std::size_t i = 0; i < pieces.size(); ++i) EXPECT_TRUE(same_bits(gathered[i].cpu(), pieces[i].cpu())) << i;
+  const at::Tensor uneven = (at::arange(9, on_gpu(0, at::kFloat)) * 0.5).to(at::kBFloat16);
+  at::Tensor uneven_out = at::empty({9}, on_gpu(0, at::kBFloat16));
+  nccl.do_reduce_scatter_v(uneven_out, uneven, {9}, comm::ReduceOp::kSum, event_for("reduce_scatter", uneven))->wait();
+  EXPECT_TRUE(same_bits(uneven_out.cpu(), uneven.cpu()));
 
   // Async: several in flight, waited for out of order; dropping one unwaited is safe.
   at::Tensor a = at::ones({1 << 20}, on_gpu(0, at::kBFloat16));
@@ -266,6 +279,20 @@ TEST(NcclBackend, TwoGpuCollectives) {
     EXPECT_TRUE(at::equal(rs_out.cpu(), sum.to(at::kBFloat16)));
     nccl.reduce_scatter(rs_out, rs_in, comm::ReduceOp::kAvg);
     EXPECT_TRUE(at::equal(rs_out.cpu(), (sum / 2.0).to(at::kBFloat16)));
+
+    // A unit's pieces in one NCCL group: chunks of 2 and 1 per rank.
+    std::vector<at::Tensor> pieces{at::full({2}, rank + 1.0, on_gpu(rank, at::kBFloat16)),
+                                   at::full({1}, 10.0 * (rank + 1), on_gpu(rank, at::kBFloat16))};
+    std::vector<at::Tensor> gathered{at::empty({4}, on_gpu(rank, at::kBFloat16)),
+                                     at::empty({2}, on_gpu(rank, at::kBFloat16))};
+    nccl.all_gather_coalesced_async(gathered, pieces)->wait();
+    EXPECT_TRUE(at::equal(gathered[0].cpu(), at::tensor({1.0f, 1.0f, 2.0f, 2.0f}).to(at::kBFloat16)));
+    EXPECT_TRUE(at::equal(gathered[1].cpu(), at::tensor({10.0f, 20.0f}).to(at::kBFloat16)));
+    // Uneven reduce-scatter (one reduce per rank in one group): 3 elements to rank 0, 1 to rank 1.
+    const at::Tensor v_in = at::arange(4, on_gpu(rank, at::kFloat)) + rank;
+    at::Tensor v_out = at::empty({rank == 0 ? 3 : 1}, on_gpu(rank, at::kFloat));
+    nccl.reduce_scatter_v_async(v_out, v_in, {3, 1}, comm::ReduceOp::kSum)->wait();
+    EXPECT_TRUE(at::equal(v_out.cpu(), rank == 0 ? at::tensor({1.0f, 3.0f, 5.0f}) : at::tensor({7.0f})));
 
     at::Tensor mx = at::full({100}, rank == 0 ? -1.0 : 4.0, on_gpu(rank, at::kHalf));
     nccl.all_reduce(mx, comm::ReduceOp::kMax);

@@ -383,6 +383,20 @@ TEST(UnitKernelDispatch, CpuTensorsRunTheCpuKernelsAndResultsStayOnTheirDevice) 
   EXPECT_THROW(k::cast_into(row, grad), shardtrain::Error);
   at::Tensor strided = at::empty({2 * kN}, at::kHalf).slice(0, 0, 2 * kN, 2);
   EXPECT_THROW(k::cast_into(strided, grad), shardtrain::Error);
+  // A 16-bit destination over part of its fp32 source's bytes (the kernel would
+  // overwrite elements not yet read); the source onto itself is a no-op.
+  at::Tensor buffer = grad.clone();
+  at::Tensor halves = buffer.view(at::kBFloat16).slice(0, 2, 2 + kN / 2);
+  try {
+    k::cast_into(halves, buffer.slice(0, 0, kN / 2));
+    ADD_FAILURE() << "a destination over part of the source was accepted";
+  } catch (const shardtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cast_into: the destination (BFloat16) overlaps part of the source (Float)"),
+              std::string::npos)
+        << e.what();
+  }
+  k::cast_into(buffer, buffer);
+  EXPECT_TRUE(at::equal(buffer, grad));
 }
 
 TEST(UnitKernelDispatch, TensorsOnADeviceWithoutKernelsAreAClearError) {

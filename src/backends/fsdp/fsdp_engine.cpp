@@ -73,8 +73,9 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.reduce_bucket_size = 1;
   // FSDP frees a FULL_SHARD unit after forward whenever its backward comes.
   o.max_reuse_distance = 0;
-  // FSDP gathers one unit ahead (limit_all_gathers caps in-flight gathers at two).
+  // FSDP gathers one unit ahead.
   o.max_prefetch_units = 1;
+  o.limit_all_gathers = c.limit_all_gathers;
   o.prefetch_bucket_size = c.forward_prefetch ? (int64_t{1} << 62) : 0;
   o.backward_prefetch = c.backward_prefetch == BackwardPrefetch::kBackwardPre    ? engine::BackwardPrefetchMode::kPre
                         : c.backward_prefetch == BackwardPrefetch::kBackwardPost ? engine::BackwardPrefetchMode::kPost

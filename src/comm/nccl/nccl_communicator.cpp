@@ -354,6 +354,24 @@ struct IssueContext {
              fatal ? "; the communicator was aborted" : "");
   }
 
+  /// Runs `calls` (NCCL calls through nccl()) inside one NCCL group: one
+  /// launch for all of them. A throw between start and end still closes the
+  /// group: an open group defers every later NCCL call of this thread, on any
+  /// communicator.
+  void in_one_group(const std::function<void()>& calls) {
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    bool open = true;
+    struct Closer {
+      bool& open;
+      ~Closer() {
+        if (open) (void)ncclGroupEnd();
+      }
+    } closer{open};
+    calls();
+    open = false;
+    nccl(ncclGroupEnd(), "ncclGroupEnd");
+  }
+
   void cuda(cudaError_t status, const char* call) const {
     if (status == cudaSuccess) return;
     (void)cudaGetLastError();
@@ -544,7 +562,10 @@ NcclCommunicator::NcclCommunicator(comm::StorePtr store, int rank, int world_siz
       state_->abort_locked("initialisation failed");
       ST_THROW(Error, what, " failed: ncclCommInitRankConfig returned ", ncclGetErrorString(result),
                detail.empty() ? "" : " (", detail, detail.empty() ? "" : ")",
-               ". Set NCCL_DEBUG=INFO for NCCL's own account (network interface: NCCL_SOCKET_IFNAME)");
+               ". Set NCCL_DEBUG=INFO for NCCL's own account. Common causes: two ranks on one GPU "
+               "(CUDA_VISIBLE_DEVICES, one rank per GPU), a /dev/shm too small for NCCL's shared memory "
+               "(a container's default 64 MB: docker --shm-size or --ipc=host), the wrong network interface "
+               "between machines (NCCL_SOCKET_IFNAME)");
     }
   }
   if (rank == 0) {
@@ -634,6 +655,29 @@ WorkPtr NcclCommunicator::do_all_gather(const at::Tensor& output, const at::Tens
   });
 }
 
+WorkPtr NcclCommunicator::do_all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs, const CollectiveEvent& event) {
+  // One issue for all the pieces (a unit's parameters), in one NCCL group:
+  // one launch, one event, and one thread of NCCL's where a non-blocking
+  // communicator would start one per call.
+  std::vector<at::Tensor> keep_alive;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    check_device(event, outputs[i]);
+    check_device(event, inputs[i]);
+    keep_alive.push_back(outputs[i]);
+    keep_alive.push_back(inputs[i]);
+  }
+  return issue(event, std::move(keep_alive), [&](IssueContext& ctx) {
+    ctx.in_one_group([&] {
+      for (std::size_t i = 0; i < inputs.size(); ++i) {
+        ctx.nccl(ncclAllGather(inputs[i].data_ptr(), outputs[i].data_ptr(), static_cast<size_t>(inputs[i].numel()),
+                               nccl_detail::nccl_type(inputs[i].scalar_type()), ctx.comm(), ctx.stream),
+                 "ncclAllGather");
+      }
+    });
+  });
+}
+
 WorkPtr NcclCommunicator::issue_reduction(
     const CollectiveEvent& event, const at::Tensor& output, const at::Tensor& input, ReduceOp op,
     const std::function<void(IssueContext&, const at::Tensor&, const at::Tensor&, ncclDataType_t)>& reduce) {
@@ -685,29 +729,19 @@ WorkPtr NcclCommunicator::do_reduce_scatter_v(const at::Tensor& output, const at
                          [&splits, nccl_op](IssueContext& ctx, const at::Tensor& in, const at::Tensor& out,
                                             ncclDataType_t type) {
                            const std::size_t element = in.element_size();
-                           ctx.nccl(ncclGroupStart(), "ncclGroupStart");
-                           // A throw between start and end must still close the group: an open
-                           // group defers every later NCCL call of this thread, on any communicator.
-                           bool group_open = true;
-                           struct GroupCloser {
-                             bool& open;
-                             ~GroupCloser() {
-                               if (open) (void)ncclGroupEnd();
+                           ctx.in_one_group([&] {
+                             int64_t offset = 0;
+                             for (int root = 0; root < static_cast<int>(splits.size()); ++root) {
+                               if (splits[root] > 0) {
+                                 const char* send = static_cast<const char*>(in.data_ptr()) + offset * element;
+                                 // The receive buffer is read only at the root; elsewhere it is ignored.
+                                 ctx.nccl(ncclReduce(send, out.data_ptr(), static_cast<size_t>(splits[root]), type,
+                                                     nccl_op, root, ctx.comm(), ctx.stream),
+                                          "ncclReduce");
+                               }
+                               offset += splits[root];
                              }
-                           } closer{group_open};
-                           int64_t offset = 0;
-                           for (int root = 0; root < static_cast<int>(splits.size()); ++root) {
-                             if (splits[root] > 0) {
-                               const char* send = static_cast<const char*>(in.data_ptr()) + offset * element;
-                               // The receive buffer is read only at the root; elsewhere it is ignored.
-                               ctx.nccl(ncclReduce(send, out.data_ptr(), static_cast<size_t>(splits[root]), type,
-                                                   nccl_op, root, ctx.comm(), ctx.stream),
-                                        "ncclReduce");
-                             }
-                             offset += splits[root];
-                           }
-                           group_open = false;
-                           ctx.nccl(ncclGroupEnd(), "ncclGroupEnd");
+                           });
                          });
 }
 

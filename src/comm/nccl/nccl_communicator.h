@@ -72,6 +72,8 @@ class NcclCommunicator : public Communicator {
  protected:
   WorkPtr do_all_gather(const at::Tensor& output, const at::Tensor& input,
                         const CollectiveEvent& event) override;
+  WorkPtr do_all_gather_coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                  const CollectiveEvent& event) override;
   WorkPtr do_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                             const CollectiveEvent& event) override;
   WorkPtr do_reduce_scatter_v(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& splits,

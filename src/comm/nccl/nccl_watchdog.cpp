@@ -126,7 +126,9 @@ void Watchdog::run() {
         mark_aborted_(abort_reason_);
         fail(*p, [&] {
           ST_THROW(Error, p->description(), " failed: CUDA reported ", cudaGetErrorName(query), " (",
-                   cudaGetErrorString(query), ") while it ran; the communicator was aborted");
+                   cudaGetErrorString(query), ") while it ran; the communicator was aborted. A CUDA error "
+                   "is sticky: it may come from a kernel queued before the collective (an out-of-bounds index "
+                   "in the model); CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer names the kernel");
         });
         p.reset();
         progressed = true;

@@ -60,6 +60,9 @@ void on_cuda(const at::Tensor& t, const char* what, Launch&& launch) {
   const c10::DeviceGuard guard(t.device());
   auto stream = static_cast<cudaStream_t>(torch_cuda::current_cuda_stream(t.device().index()));
   const cudaError_t status = launch(stream);
+  // A failed runtime call (a memset, an attribute query) also stays recorded
+  // as the thread's last error, which a later, unrelated launch check would report.
+  if (status != cudaSuccess) (void)cudaGetLastError();
   ST_CHECK(status == cudaSuccess, what, " on ", t.device(), " failed to launch: ", cudaGetErrorString(status),
            " (", t.numel(), " elements)");
 }
