@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -133,13 +135,15 @@ extern "C" void forward_to_self_pipe(int signal_number) {
   errno = saved_errno;
 }
 
-/// Routes SIGINT, SIGTERM and SIGCHLD into a pipe that the supervision loop
-/// polls (the self-pipe trick), and ignores SIGPIPE so a closed output does
-/// not kill the launcher and orphan the job. Restores everything on
-/// destruction.
+/// Routes SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGCHLD into a pipe that the
+/// supervision loop polls (the self-pipe trick), and ignores SIGPIPE so a
+/// closed output does not kill the launcher and orphan the job. SIGHUP (a
+/// closed ssh session) and SIGQUIT stop the job as SIGTERM does, as torchrun
+/// handles them; a SIGHUP the launcher inherited ignored (nohup) stays
+/// ignored. Restores everything on destruction.
 class SignalRouter {
  public:
-  static constexpr int kHandled[] = {SIGINT, SIGTERM, SIGCHLD};
+  static constexpr int kHandled[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD};
 
   SignalRouter() {
     static std::atomic<bool> active{false};
@@ -157,7 +161,9 @@ class SignalRouter {
     for (int signal_number : kHandled) {
       struct sigaction with_flags = action;
       if (signal_number == SIGCHLD) with_flags.sa_flags |= SA_NOCLDSTOP;
-      ::sigaction(signal_number, &with_flags, &previous_[index_of(signal_number)]);
+      struct sigaction& previous = previous_[index_of(signal_number)];
+      ::sigaction(signal_number, &with_flags, &previous);
+      if (signal_number == SIGHUP && previous.sa_handler == SIG_IGN) ::sigaction(SIGHUP, &previous, nullptr);
     }
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
@@ -208,7 +214,7 @@ class SignalRouter {
 
  private:
   static int index_of(int signal_number) {
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < static_cast<int>(std::size(kHandled)); ++i) {
       if (kHandled[i] == signal_number) return i;
     }
     return 0;
@@ -227,7 +233,7 @@ class SignalRouter {
   }
 
   int pipe_[2] = {-1, -1};
-  struct sigaction previous_[3] {};
+  struct sigaction previous_[std::size(kHandled)] {};
   struct sigaction previous_sigpipe_ {};
   std::atomic<bool>* active_flag_ = nullptr;
 };
@@ -594,7 +600,10 @@ class Supervisor {
   }
 
   void on_signal(int signal_number) {
-    if (signal_number != SIGINT && signal_number != SIGTERM) return;  // SIGCHLD: reap() runs next
+    if (signal_number == SIGCHLD) return;  // reap() runs next
+    // SIGHUP and SIGQUIT reach the workers as SIGTERM: SIGQUIT's default
+    // would dump the core of every worker.
+    const int forwarded = signal_number == SIGINT ? SIGINT : SIGTERM;
     if (received_signal_ && !killed_) {
       say("received " + signal_name(signal_number) + " again: killing the workers now");
       kill_everything();
@@ -602,9 +611,10 @@ class Supervisor {
     }
     if (!received_signal_) received_signal_ = signal_number;
     if (!stopping_) {
-      begin_stop(signal_number, "received " + signal_name(signal_number) + ", forwarding it to the workers");
+      begin_stop(forwarded, "received " + signal_name(signal_number) + ", forwarding " + signal_name(forwarded) +
+                                " to the workers");
     } else {
-      signal_all_groups(signal_number);
+      signal_all_groups(forwarded);
     }
   }
 
@@ -737,8 +747,13 @@ std::map<std::string, std::string> worker_environment(const LaunchOptions& optio
   env["SHARDTRAIN_OUTPUT_PREFIXED"] = "1";  // the logger then leaves out its own rank prefix
   // N workers each spawning one OpenMP thread per core oversubscribe the
   // machine N-fold; split the cores as torchrun's default does (it uses 1).
+  // The cores this launcher may run on (taskset, a Slurm or container
+  // cpuset), not every core the machine has.
   if (const char* threads = std::getenv("OMP_NUM_THREADS"); threads == nullptr || *threads == '\0') {
-    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const long cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)
+                                                                               : ::sysconf(_SC_NPROCESSORS_ONLN);
     env["OMP_NUM_THREADS"] = std::to_string(std::max(1L, cores / std::max(1, local_world_size)));
   }
   return env;

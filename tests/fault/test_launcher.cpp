@@ -122,24 +122,47 @@ TEST(FaultLauncher, WorkerKilledBySignalIsNamed) {
   EXPECT_TRUE(contains(result.output, "was killed by signal SIGSEGV (11)")) << result.output;
 }
 
-TEST(FaultLauncher, SigtermToLauncherStopsEveryWorker) {
+/// Sends `signal` (TERM, HUP, ...) to a launcher of two recording workers:
+/// the launcher exits with 128 + its number, and no worker or worker's child is left.
+void expect_signal_stops_every_worker(const std::string& signal, int number) {
   ScratchDir dir;
   const std::string pids = dir.file("pids");
   const std::string launcher_pid = dir.file("launcher.pid");
   const std::string command = "touch " + pids + "; " + kShardtrain + " launch --num_processes 2 " +
                               recording_worker(pids, "echo started; wait") + " & L=$!; echo $L > " + launcher_pid +
-                              "; " + wait_for_lines(pids, 4) + "kill -TERM $L; wait $L; echo \"launcher exit status: $?\"";
+                              "; " + wait_for_lines(pids, 4) + "kill -" + signal +
+                              " $L; wait $L; echo \"launcher exit status: $?\"";
   const CommandResult result = run_command(command, 30s);
 
   EXPECT_FALSE(result.timed_out) << result.output;
   EXPECT_LT(result.seconds, 10.0) << result.output;
-  EXPECT_TRUE(contains(result.output, "received SIGTERM")) << result.output;
-  EXPECT_TRUE(contains(result.output, "launcher exit status: 143")) << "expected 128 + SIGTERM:\n" << result.output;
+  EXPECT_TRUE(contains(result.output, "received SIG" + signal + ", forwarding SIGTERM")) << result.output;
+  EXPECT_TRUE(contains(result.output, "launcher exit status: " + std::to_string(128 + number)))
+      << "expected 128 + SIG" << signal << ":\n" << result.output;
   std::vector<pid_t> recorded = read_pids(pids);
   EXPECT_EQ(recorded.size(), 4u) << result.output;
   recorded.push_back(read_pids(launcher_pid).at(0));
   const std::vector<pid_t> alive = still_alive_after_settling(recorded);
   EXPECT_TRUE(alive.empty()) << "left alive: " << join_pids(alive) << "\n" << result.output;
+}
+
+TEST(FaultLauncher, SigtermToLauncherStopsEveryWorker) { expect_signal_stops_every_worker("TERM", SIGTERM); }
+
+// A closed ssh session (SIGHUP) or SIGQUIT stops the job as SIGTERM does,
+// as torchrun's: the workers' own children are not orphaned.
+TEST(FaultLauncher, SighupAndSigquitToLauncherStopEveryWorkerAndTheirChildren) {
+  expect_signal_stops_every_worker("HUP", SIGHUP);
+  expect_signal_stops_every_worker("QUIT", SIGQUIT);
+}
+
+// Each worker's share of the cores the launcher may run on (taskset, a
+// cpuset), not of every core the machine has.
+TEST(FaultLauncher, OmpThreadsSplitTheCoresTheLauncherMayUse) {
+  const CommandResult result = run_command("env -u OMP_NUM_THREADS taskset -c 0 " + kShardtrain +
+                                               " launch --num_processes 1 /bin/sh -c 'echo \"threads $OMP_NUM_THREADS\"'",
+                                           30s);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_TRUE(contains(result.output, "[rank 0] threads 1\n")) << result.output;
 }
 
 TEST(FaultLauncher, WorkersDieWithAKilledLauncher) {
@@ -325,6 +348,42 @@ TEST(FaultLauncher, TwoLaunchersFormOneFourRankJob) {
                                  " of 4 (torchrun, gloo on cpu), all checks passed";
     EXPECT_TRUE(contains(result.output, expected)) << "missing: " << expected << "\n" << result.output;
   }
+}
+
+// Two machines given the same --machine_rank, or started for different
+// world sizes: the arrival count alone would complete, and the job wait in
+// its first collective until the timeout (60 s here).
+TEST(FaultLauncher, ARankClaimedTwiceOrAnotherWorldSizeStopsTheJobNamingIt) {
+  ScratchDir dir;
+  auto launch = [&](const std::string& port, int processes, int machines, int machine_rank) {
+    return "OMP_NUM_THREADS=1 SHARDTRAIN_COMM_TIMEOUT_S=60 " + kShardtrain + " launch --num_processes " +
+           std::to_string(processes) + " --num_machines " + std::to_string(machines) + " --machine_rank " +
+           std::to_string(machine_rank) + " --main_process_ip 127.0.0.1 --main_process_port " + port +
+           " --rdzv_token shared-test-token " + kSmokeJob;
+  };
+  const std::string twice = std::to_string(pick_free_port());
+  const CommandResult repeated = run_command(
+      launch(twice, 3, 3, 1) + " > " + dir.file("a.log") + " 2>&1 & A=$!; " + launch(twice, 3, 3, 1) + " > " +
+          dir.file("b.log") + " 2>&1 & B=$!; " + launch(twice, 3, 3, 0) + "; echo \"machine 0 exit status: $?\"; wait $A; wait $B; cat " +
+          dir.file("a.log") + " " + dir.file("b.log"),
+      50s);
+  EXPECT_FALSE(repeated.timed_out) << repeated.output;
+  EXPECT_LT(repeated.seconds, 30.0) << repeated.output;
+  EXPECT_TRUE(contains(repeated.output, "machine 0 exit status: 1")) << repeated.output;
+  EXPECT_TRUE(contains(repeated.output, "rank 1 is claimed twice, by ")) << repeated.output;
+  EXPECT_TRUE(contains(repeated.output, "give each machine its own --machine_rank")) << repeated.output;
+
+  const std::string other = std::to_string(pick_free_port());
+  const CommandResult worlds = run_command(
+      launch(other, 4, 2, 1) + " > " + dir.file("c.log") + " 2>&1 & C=$!; " + launch(other, 2, 2, 0) +
+          "; echo \"machine 0 exit status: $?\"; wait $C; echo \"machine 1 exit status: $?\"; cat " + dir.file("c.log"),
+      50s);
+  EXPECT_FALSE(worlds.timed_out) << worlds.output;
+  EXPECT_LT(worlds.seconds, 30.0) << worlds.output;
+  EXPECT_TRUE(contains(worlds.output, "machine 0 exit status: 1")) << worlds.output;
+  EXPECT_TRUE(contains(worlds.output, "machine 1 exit status: 1")) << worlds.output;
+  EXPECT_TRUE(contains(worlds.output, "every machine needs the same --num_machines and --num_processes"))
+      << worlds.output;
 }
 
 TEST(FaultLauncher, AFloodOnTheStorePortDoesNotStopAWorldTwoJob) {

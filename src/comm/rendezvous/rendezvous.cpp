@@ -3,6 +3,8 @@
 // error naming the missing or inconsistent variable and the fix (rendezvous.h).
 #include "shardtrain/comm/rendezvous.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
@@ -176,8 +178,38 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
 
-/// rank 0 hosts the store; every rank connects, authenticates and waits until
-/// all world_size ranks have arrived.
+std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+std::string as_text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+/// Claims this process's rank and world size in the store: two processes
+/// given one rank (a --machine_rank repeated on two machines, a process left
+/// from an earlier attempt) or machines started for different world sizes
+/// would otherwise complete the arrival count between them and wait in the
+/// first collective until its timeout. The message of the first conflict, or
+/// empty.
+std::string claim_rank(comm::rendezvous::RendezvousStore& store, const DistEnv& env) {
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  const std::string me = std::string(host[0] != '\0' ? host : "?") + " (pid " + std::to_string(::getpid()) + ")";
+  const std::string world = std::to_string(env.world_size);
+  const std::string agreed = as_text(store.compareSet("shardtrain/rdzv/world", {}, as_bytes(world)));
+  if (agreed != world) {
+    return "rank " + std::to_string(env.rank) + " on " + me + " was started for a world of " + world +
+           " ranks, and other ranks for a world of " + agreed +
+           ": every machine needs the same --num_machines and --num_processes (WORLD_SIZE)";
+  }
+  const std::string holder =
+      as_text(store.compareSet("shardtrain/rdzv/rank/" + std::to_string(env.rank), {}, as_bytes(me)));
+  if (holder != me) {
+    return "rank " + std::to_string(env.rank) + " is claimed twice, by " + holder + " and by " + me +
+           ": give each machine its own --machine_rank (0 to num_machines - 1), and stop processes left from "
+           "an earlier attempt";
+  }
+  return "";
+}
+
+/// rank 0 hosts the store; every rank connects, authenticates, claims its
+/// rank and waits until all world_size ranks have arrived.
 comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
   namespace rdzv = comm::rendezvous;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
@@ -222,13 +254,20 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
              answered ? "" : "is rank 0 running, and is MASTER_ADDR reachable from this machine? ", why);
   }
   // Everyone has arrived when the counter reaches the world size; the rank
-  // that completes it says so for the others.
+  // that completes it says so for the others. A rank that finds its claim
+  // taken says that instead, and every rank stops with its message.
+  const std::string kComplete = "shardtrain/rdzv/complete";
+  const std::string conflict = claim_rank(*store, env);
+  if (!conflict.empty()) {
+    store->compareSet(kComplete, {}, as_bytes(conflict));
+    ST_THROW(ConfigError, "the rendezvous at ", where, " failed: ", conflict);
+  }
   const int64_t arrived = store->add("shardtrain/rdzv/arrived", 1);
-  if (arrived == env.world_size) store->set("shardtrain/rdzv/complete", std::vector<uint8_t>{1});
+  if (arrived == env.world_size) store->compareSet(kComplete, {}, std::vector<uint8_t>{1});
   const auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
                                   std::chrono::steady_clock::now() - start);
   try {
-    store->wait({"shardtrain/rdzv/complete"}, std::max(left, std::chrono::milliseconds(1)));
+    store->wait({kComplete}, std::max(left, std::chrono::milliseconds(1)));
   } catch (const TimeoutError& failure) {
     // The time really waited, not the limit: a wait cut short (the store
     // closed the connection) must not read as a full timeout.
@@ -243,6 +282,10 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
     ST_THROW(TimeoutError, "rank ", env.rank, " joined the rendezvous at ", where, " but only ", now_arrived, " of ",
              env.world_size, " ranks arrived in ", waited.count(), " ms (limit ", timeout.count(),
              " ms): check that every machine started its processes (num_machines, machine_rank, num_processes)");
+  }
+  const std::vector<uint8_t> verdict = store->get(kComplete);
+  if (verdict != std::vector<uint8_t>{1}) {
+    ST_THROW(ConfigError, "the rendezvous at ", where, " failed for rank ", env.rank, ": ", as_text(verdict));
   }
   return store;
 }
