@@ -68,9 +68,9 @@ class DistributedSampler {
   /// Adopts the saved seed and epoch, and continues after the samples the
   /// saved position stands for (position x its world size), rounded down to
   /// this world's ranks: at the same world size, the saved position itself.
-  /// A state that had consumed this epoch's whole length here (an epoch's
-  /// end, or a larger padded epoch at another world size) starts the next
-  /// epoch, where the training loop would have gone next.
+  /// A state at its epoch's end, or past this world's epoch length (a larger
+  /// padded epoch at another world size), starts the next epoch, where the
+  /// training loop would have gone next.
   void load_state(const SamplerState& state);
 
   /// Indices per rank per epoch.

@@ -102,7 +102,8 @@ at::Tensor sum_of_squares(const at::Tensor& t);
 at::Tensor non_finite_flag(const at::Tensor& t);
 
 /// dst = src converted to dst's dtype (fp32, bf16, fp16; round to nearest
-/// even when narrowing). Same device and shape; dst contiguous.
+/// even when narrowing). Same device and shape; dst contiguous, and not over
+/// part of src's memory (all of it, in place, is allowed).
 void cast_into(at::Tensor& dst, const at::Tensor& src);
 
 /// NF4 (QLoRA's 4-bit NormalFloat with blocksize 64 and double-quantized

@@ -108,10 +108,15 @@ void DistributedSampler::load_state(const SamplerState& state) {
            " over ", state.world_size, " ranks is not a state");
   seed_ = state.seed;
   set_epoch(state.epoch);
-  // Positions count one rank's share; the epoch's place is the samples all ranks consumed.
+  if (total_size() == 0) return;  // nothing to draw: every epoch is empty
+  // Positions count one rank's share; the epoch's place is the samples all
+  // ranks consumed. An epoch finished where it was saved is finished here,
+  // even where this world pads it longer.
   const int64_t saved_world = state.world_size > 0 ? state.world_size : world_size_;
+  const int64_t saved_rows = state.dataset_size >= 0 ? state.dataset_size : dataset_size_;
+  const int64_t saved_samples = drop_last_ ? saved_rows / saved_world : (saved_rows + saved_world - 1) / saved_world;
   const int64_t consumed = state.position * saved_world;
-  if (consumed >= total_size()) {
+  if (state.position >= saved_samples || consumed >= total_size()) {
     set_epoch(state.epoch + 1);
     return;
   }

@@ -101,12 +101,15 @@ struct EnginePlan {
   int64_t sub_group_size = ZeroConfig::kDefaultSubGroupSize;  ///< optimizer step slices (0: one per parameter)
   int64_t prefetch_bucket_size = ZeroConfig::kDefaultPrefetchBucketSize;  ///< forward prefetch window, elements (0 = none)
   int max_prefetch_units = 1 << 30;         ///< FSDP gathers one unit ahead
-  /// Before allocating a gather's buffer the host waits until the device has
-  /// freed all but the last two units released (FSDP1's limit_all_gathers).
-  /// A gathered buffer is in use by the communicator's stream as well, so the
-  /// caching allocator reuses it only once the device has caught up with its
-  /// free: a host far ahead of the device would allocate fresh memory for
-  /// every gather, up to the whole model. false lets the host run ahead.
+  /// Before allocating a gather's buffer the host waits until the compute
+  /// stream has passed the free of all but the last two units released
+  /// (FSDP1's limit_all_gathers). A gathered buffer is in use by the
+  /// communicator's stream as well, so the caching allocator reuses it only
+  /// once the device has caught up with its free: a host far ahead of the
+  /// device would allocate fresh memory for every gather, up to the whole
+  /// model. Paced, the buffers held stay within a few units (the
+  /// communicator's stream lags the compute stream by about one).
+  /// false lets the host run ahead.
   bool limit_all_gathers = true;
   BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
   int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered

@@ -110,9 +110,10 @@ StepInfo ShardedOptimizer::step(double lr) {
     finite = flag.item<float>() == 0;
   }
   // A collective that failed after its wait() returned (NCCL's watchdog)
-  // left garbage in the gradients: never apply it. Here, after the host
-  // waited on the last reduction (the flag or the norm), every earlier
-  // collective of every group has ended or been failed.
+  // left garbage in the gradients: never apply it. Checked after the host
+  // waited on the last reduction (the flag or the norm), when the reductions
+  // before it have ended or timed out; an asynchronous NCCL error the
+  // watchdog has not polled yet can still be missed.
   groups_.check_health();
   if (!finite) {
     scaler_.update(true);  // fp16 lowers the scale; otherwise it counts the skipped step

@@ -158,7 +158,8 @@ InstructionRecord parse_record(const json& object, const std::string& where, int
   for (const auto& item : object.items()) {
     const std::string& key = item.key();
     if (std::find(kFields.begin(), kFields.end(), key) != kFields.end()) continue;
-    const std::size_t slips = std::min<std::size_t>(2, (key.size() - std::min<std::size_t>(key.size(), 1)) / 2);
+    // One slip in a short name, two from eight letters on: "levels" is no "labels".
+    const std::size_t slips = key.size() >= 8 ? 2 : 1;
     for (const std::string& field : format_fields) {
       if (!object.contains(field) && config_detail::edit_distance(key, field) <= slips) {
         ST_THROW(Error, where, ": unknown field \"", key, "\" (did you mean \"", field,
@@ -264,6 +265,9 @@ std::pair<char32_t, std::size_t> code_point_at(const std::string& text, std::siz
     if ((next & 0xc0) != 0x80) return {0xfffd, 1};
     c = (c << 6) | (next & 0x3f);
   }
+  // An overlong form ("\xC0\xA0" for a space) is ill-formed, as Python's decoder says.
+  const char32_t shortest[] = {0, 0, 0x80, 0x800, 0x10000};
+  if (c < shortest[length]) return {0xfffd, 1};
   return {c, length};
 }
 

@@ -207,7 +207,7 @@ TEST(DistFinetune, AnEvalSetWithFewerRowsThanRanksEvaluatesAsOnOneRank) {
   EXPECT_EQ(two[0], one[0]);
 }
 
-/// The three-row training set, one row per micro-batch and rank, no eval, no export.
+/// The three-row training set, two rows per micro-batch, unpacked; no eval, no export.
 finetune::FinetuneOptions three_row_options(RankContext& ctx, const std::string& run) {
   const std::string dir = test_scratch_dir().string();
   finetune::FinetuneOptions o = bundled_options(ctx, "configs/zero3_bf16.json", dir + "/" + run);

@@ -170,6 +170,7 @@ TEST(UnitInstructionTemplate, StripRemovesWhatPythonsStrStripRemoves) {
   // Ill-formed bytes are kept, whitespace or not around them.
   EXPECT_EQ(sm::strip(" \xff a \xe3"), "\xff a \xe3");
   EXPECT_EQ(sm::strip("\x80\u3000"), "\x80");
+  EXPECT_EQ(sm::strip("\xc0\xa0a\xe0\x80\xa0"), "\xc0\xa0a\xe0\x80\xa0");  // overlong spaces are no spaces
   CharTokenizer tok;
   const auto plain = sm::format_instruction(tok, sm::ChatFormat::kLlama2, "What?", "Four");
   EXPECT_EQ(sm::format_instruction(tok, sm::ChatFormat::kLlama2, "\u3000What?\u00a0", "Four\u3000").input_ids,
@@ -264,25 +265,26 @@ TEST(UnitInstructionData, MalformedRecordsNameFileLineAndProblem) {
 
 TEST(UnitInstructionData, OtherFieldsAreIgnoredAndNamedInTheSummary) {
   // As datasets and TRL drop the columns they do not use; "test" beside a
-  // "text" is no slip of it, and "input" is no slip of "input_ids".
+  // "text" is no slip of it, "input" none of "input_ids", "levels" none of "labels".
   ScratchDir dir;
   const std::string path = dir.write(
       "extra.jsonl",
       "{\"id\": 1, \"category\": \"qa\", \"prompt\": \"p\", \"response\": \"r\"}\n"
-      "{\"text\": \"t\", \"test\": [1]}\n{\"input_ids\": [5, 6], \"input\": \"x\", \"id\": 2}\n");
+      "{\"text\": \"t\", \"test\": [1]}\n{\"input_ids\": [5, 6], \"input\": \"x\", \"id\": 2, \"levels\": 1}\n");
   const std::vector<sm::InstructionRecord> records = sm::read_instruction_jsonl(path);
   ASSERT_EQ(records.size(), 3u);
   EXPECT_EQ(records[0].ignored_fields, (std::vector<std::string>{"category", "id"}));
   EXPECT_EQ(records[0].prompt, "p");
   EXPECT_EQ(records[1].ignored_fields, (std::vector<std::string>{"test"}));
-  EXPECT_EQ(records[2].ignored_fields, (std::vector<std::string>{"id", "input"}));
+  EXPECT_EQ(records[2].ignored_fields, (std::vector<std::string>{"id", "input", "levels"}));
   CharTokenizer tok;
   sm::InstructionDataOptions options;
   options.seq_len = 32;
   sm::InstructionDataStats stats;
   EXPECT_EQ(sm::load_instruction_examples(path, &tok, options, &stats).size(), 3u);
-  EXPECT_EQ(stats.ignored_fields, (std::vector<std::string>{"category", "id", "test", "input"}));
-  EXPECT_NE(stats.summary().find("; fields ignored: category id test input"), std::string::npos) << stats.summary();
+  EXPECT_EQ(stats.ignored_fields, (std::vector<std::string>{"category", "id", "test", "input", "levels"}));
+  EXPECT_NE(stats.summary().find("; fields ignored: category id test input levels"), std::string::npos)
+      << stats.summary();
 }
 
 TEST(UnitInstructionData, RecordsNeedingATokenizerAreRejectedWithoutOne) {

@@ -736,6 +736,9 @@ TEST(UnitSampler, ResumeAtAnotherWorldOrOverOtherDataContinuesAfterTheSameSample
       {100, 2, 50, 100, 2, 5, 0},   // an epoch's end at the same world
       {100, 2, 40, 50, 2, 5, 0},    // the data shrank below the samples consumed
       {100, 2, 10, 60, 2, 4, 10},   // other data, within its epoch: the same position
+      {3, 1, 3, 3, 2, 5, 0},        // an epoch's end on more ranks, whose padded epoch is longer: the next
+      {100, 2, 50, 100, 3, 5, 0},
+      {0, 2, 0, 0, 2, 4, 0},        // no rows: the epoch stays
   };
   for (const Case& c : cases) {
     DistributedSampler saved(c.saved_rows, c.saved_world, 0, 7);

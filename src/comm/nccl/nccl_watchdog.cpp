@@ -86,7 +86,10 @@ void Watchdog::run() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      if (mine.empty()) wake_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+      if (mine.empty()) {
+        wake_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+        backoff.reset();  // new work after an idle wait: poll it closely first
+      }
       if (stop_) return;
       // Oldest first: collectives on one stream complete in issue order.
       mine.insert(mine.end(), pending_.begin(), pending_.end());
