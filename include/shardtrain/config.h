@@ -76,7 +76,8 @@ struct OptimizerConfig {
   std::optional<double> lr;                 ///< nullopt = "auto"; default 1e-3 after resolution
   std::optional<std::array<double, 2>> betas;  ///< default {0.9, 0.999}
   std::optional<double> eps;                ///< default 1e-8
-  std::optional<double> weight_decay;       ///< default 0.01 (AdamW), 0 (Adam, SGD)
+  /// default 0.01 for AdamW without an optimizer block (torch's), else 0 (DeepSpeed's FusedAdam, SGD)
+  std::optional<double> weight_decay;
   double momentum = 0.0;                    ///< SGD
   bool nesterov = false;                    ///< SGD
   /// DeepSpeed's Adam: adam_w_mode=true means decoupled weight decay (AdamW).
@@ -89,7 +90,7 @@ struct SchedulerConfig {
   /// "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "linear", "cosine" or "constant".
   std::string type = "constant";
   std::optional<double> warmup_min_lr;      ///< WarmupLR/WarmupDecayLR; default 0
-  std::optional<double> warmup_max_lr;      ///< default = optimizer lr
+  std::optional<double> warmup_max_lr;      ///< default = optimizer lr (WarmupDecayLR: 1e-3, DeepSpeed's)
   std::optional<int64_t> warmup_num_steps;  ///< default 1000 (DeepSpeed) / 0
   std::optional<int64_t> total_num_steps;   ///< WarmupDecayLR, WarmupCosineLR, linear, cosine; "auto" = run length
   std::string warmup_type = "log";          ///< "log" or "linear"

@@ -338,6 +338,13 @@ ParseState read_state(const Node& root, const std::string& format, const std::st
     }
     if (!state.deepspeed_file.empty()) read_deepspeed_file(state, state.deepspeed_file);
     apply_plugin_values(state);
+    // Accelerate's DeepSpeedPlugin without a DeepSpeed file builds the config
+    // from the YAML's keys, with ZeRO stage 2 where zero_stage is absent (its
+    // ACCELERATE_DEEPSPEED_ZERO_STAGE default); a DeepSpeed JSON's absent stage is 0.
+    if (accelerate_shaped && state.deepspeed_file.empty() && !state.plugin.zero_stage &&
+        !state.is_explicit("zero_optimization.stage")) {
+      state.config.zero.stage = 2;
+    }
   } else if (state.plugin.present) {
     state.warn((overrides.deepspeed_config_file ? overrides.deepspeed_config_file->key : std::string("deepspeed_config")) +
                " is ignored because distributed_type is " + to_string(state.config.distributed_type));

@@ -153,21 +153,30 @@ Node deepspeed_tree(const TrainingConfig& config, bool for_deepspeed) {
   if (!for_deepspeed || config.communication_data_type) {
     tree.add("communication_data_type", dtype_or_null(config.communication_data_type));
   }
-  tree.add("data_types", Node::map().add("grad_accum_dtype", Node::of(to_string(config.zero.grad_accum_dtype))));
+  // DeepSpeed's own default (None: the model's dtype) is written as nothing:
+  // an explicit fp32 under bf16 at stage 0 is refused by its engine.
+  if (!for_deepspeed || config.zero.grad_accum_dtype != DType::kFp32) {
+    tree.add("data_types", Node::map().add("grad_accum_dtype", Node::of(to_string(config.zero.grad_accum_dtype))));
+  }
   // No block means the program brings its own optimizer / scheduler (DeepSpeed's
   // client optimizer); printing defaults would claim a choice nobody made.
   if (config.optimizer.specified) tree.add("optimizer", optimizer_tree(config, for_deepspeed));
   if (config.scheduler.specified) tree.add("scheduler", scheduler_tree(config, for_deepspeed));
   const LossScaleConfig& fp16 = config.fp16;
-  tree.add("fp16", Node::map()
+  Node fp16_tree = Node::map()
                        .add("enabled", Node::of(fp16.enabled))
                        .add("loss_scale", Node::of(fp16.loss_scale))
                        .add("initial_scale_power", Node::of(fp16.initial_scale_power))
                        .add("loss_scale_window", Node::of(fp16.loss_scale_window))
                        .add("hysteresis", Node::of(fp16.hysteresis))
                        .add("consecutive_hysteresis", Node::of(fp16.consecutive_hysteresis))
-                       .add("min_loss_scale", Node::of(fp16.min_loss_scale))
-                       .add("raise_error_at_min_scale", Node::of(fp16.raise_error_at_min_scale)));
+                       .add("min_loss_scale", Node::of(fp16.min_loss_scale));
+  // Not every DeepSpeed reads this key (its config models refuse unknown
+  // keys): a DeepSpeed file carries it only when it says what the default does not.
+  if (!for_deepspeed || !fp16.raise_error_at_min_scale) {
+    fp16_tree.add("raise_error_at_min_scale", Node::of(fp16.raise_error_at_min_scale));
+  }
+  tree.add("fp16", std::move(fp16_tree));
   tree.add("bf16", Node::map().add("enabled", Node::of(config.bf16)));
   tree.add("zero_optimization", zero_tree(config, for_deepspeed));
   return tree;

@@ -108,9 +108,12 @@ void resolve_optimizer(TrainingConfig& config, const AutoContext& context) {
   if (!optimizer.lr && !from_the_run("lr")) optimizer.lr = 1e-3;
   if (!optimizer.betas && !from_the_run("betas")) optimizer.betas = std::array<double, 2>{0.9, 0.999};
   if (!optimizer.eps && !from_the_run("eps")) optimizer.eps = 1e-8;
-  // torch.optim.AdamW's default decay; DeepSpeed's FusedAdam and SGD default to none.
+  // A DeepSpeed optimizer block builds FusedAdam / DeepSpeedCPUAdam, whose
+  // weight_decay defaults to 0 (torch_adam is not implemented), as
+  // Transformers' "auto" (its weight_decay, 0.0) does. Without a block the
+  // program's optimizer is torch.optim.AdamW's, 0.01.
   if (!optimizer.weight_decay && !from_the_run("weight_decay")) {
-    optimizer.weight_decay = optimizer.type == "AdamW" ? 0.01 : 0.0;
+    optimizer.weight_decay = optimizer.type == "AdamW" && !optimizer.specified ? 0.01 : 0.0;
   }
   // DeepSpeed's "Adam" is AdamW unless adam_w_mode says otherwise
   // (ADAM_W_MODE_DEFAULT = True); its "AdamW" always decouples the decay.
@@ -128,7 +131,13 @@ void resolve_optimizer(TrainingConfig& config, const AutoContext& context) {
 void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
   SchedulerConfig& scheduler = config.scheduler;
   if (!scheduler.warmup_min_lr) scheduler.warmup_min_lr = 0.0;
-  if (!scheduler.warmup_max_lr) scheduler.warmup_max_lr = config.optimizer.lr;
+  // DeepSpeed's WarmupDecayLR passes its own warmup_max_lr default (1e-3) on;
+  // WarmupLR's absent one is the optimizer's lr, as Transformers' "auto" is.
+  if (!scheduler.warmup_max_lr) {
+    const bool absent = !config.is_auto("scheduler.params.warmup_max_lr");
+    scheduler.warmup_max_lr = scheduler.type == "WarmupDecayLR" && absent ? std::optional<double>(1e-3)
+                                                                         : config.optimizer.lr;
+  }
   const bool run_gives_warmup = config.is_auto(config_detail::kWarmupStepsKey) && !context.warmup_steps;
   if (!scheduler.warmup_num_steps && !(run_gives_warmup && context.leave_run_values_auto)) {
     // "auto" is the run's warmup (Transformers: warmup_steps / warmup_ratio,

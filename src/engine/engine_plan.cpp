@@ -43,8 +43,8 @@ OptimizerSpec optimizer_spec(const TrainingConfig& config) {
   spec.beta1 = betas[0];
   spec.beta2 = betas[1];
   spec.eps = oc.eps.value_or(1e-8);
-  // torch.optim.AdamW's default weight decay is 0.01; Adam's and SGD's 0.
-  spec.weight_decay = oc.weight_decay.value_or(spec.type == "AdamW" ? 0.01 : 0.0);
+  // resolve_auto gave every run's config its default (config_resolve.cpp).
+  spec.weight_decay = oc.weight_decay.value_or(0.0);
   spec.momentum = oc.momentum;
   spec.nesterov = oc.nesterov;
   spec.audit_sample_period = config.precision_audit.sample_period();

@@ -559,11 +559,11 @@ TEST(UnitConfigParse, YamlDeepSpeedPluginFillsWhatTheJsonLeavesAuto) {
   EXPECT_TRUE(has_warning(config, "deepspeed_config.gradient_clipping: 1.0"));
 }
 
-TEST(UnitConfigParse, YamlWithDeepSpeedAndNoJsonGetsDeepSpeedDefaults) {
+TEST(UnitConfigParse, YamlWithDeepSpeedAndNoJsonGetsThePluginsDefaults) {
   const TrainingConfig config =
       shardtrain::parse_config("distributed_type: DEEPSPEED\nmixed_precision: bf16\n", "yaml");
   EXPECT_EQ(config.distributed_type, DistributedType::kDeepSpeed);
-  EXPECT_EQ(config.zero.stage, 0);
+  EXPECT_EQ(config.zero.stage, 2);  // Accelerate's DeepSpeedPlugin: zero_stage absent is 2
   EXPECT_EQ(config.zero.allgather_bucket_size, 500000000);
   EXPECT_TRUE(config.bf16);
   EXPECT_FALSE(config.fp16.enabled);
@@ -680,8 +680,23 @@ TEST(UnitConfigAuto, OptimizerSchedulerAndFsdpDefaults) {
                                    "scheduler": {"type": "WarmupLR"}})",
                                "json"),
       AutoContext{});
-  EXPECT_EQ(adamw.optimizer.weight_decay, std::optional<double>(0.01));
+  // DeepSpeed builds FusedAdam for an "AdamW" block: no decay unless asked;
+  // without a block the program's torch.optim.AdamW decays by 0.01.
+  EXPECT_EQ(adamw.optimizer.weight_decay, std::optional<double>(0.0));
+  EXPECT_EQ(shardtrain::resolve_auto(shardtrain::parse_config(R"({"train_micro_batch_size_per_gpu": 1})", "json"),
+                                     AutoContext{})
+                .optimizer.weight_decay,
+            std::optional<double>(0.01));
   EXPECT_EQ(adamw.scheduler.warmup_num_steps, std::optional<int64_t>(1000));  // absent: DeepSpeed's default
+  // WarmupDecayLR passes its own warmup_max_lr default (1e-3) on; "auto" is the lr, as Transformers fills it.
+  auto decay_peak = [](const char* max_lr) {
+    const std::string json = std::string(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW",
+        "params": {"lr": 1e-4}}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100)") +
+                             max_lr + "}}}";
+    return shardtrain::resolve_auto(shardtrain::parse_config(json, "json"), AutoContext{}).scheduler.warmup_max_lr;
+  };
+  EXPECT_EQ(decay_peak(""), std::optional<double>(1e-3));
+  EXPECT_EQ(decay_peak(R"(, "warmup_max_lr": "auto")"), std::optional<double>(1e-4));
 
   const TrainingConfig fsdp = shardtrain::resolve_auto(
       shardtrain::load_config((kConfigsDir / "fsdp_full_shard_bf16.yaml").string()), [] {
@@ -797,6 +812,24 @@ TEST(UnitConfigConvert, ZeroStagesMapToFsdpStrategies) {
     std::vector<std::string> back_notes;
     EXPECT_EQ(convert_and_read(fsdp, "deepspeed", back_notes).zero.stage, stage == 1 ? 2 : stage);
   }
+}
+
+TEST(UnitConfigConvert, ADeepSpeedFileCarriesNoKeyItsEngineRefusesAtItsDefault) {
+  // DeepSpeed refuses an explicit fp32 grad_accum_dtype under bf16 at stage 0,
+  // and not every version reads raise_error_at_min_scale: at their defaults
+  // they are left out; set otherwise they are written.
+  TrainingConfig fsdp = shardtrain::load_config((kConfigsDir / "fsdp_full_shard_bf16.yaml").string());
+  fsdp.fsdp.sharding_strategy = ShardingStrategy::kNoShard;
+  std::vector<std::string> notes;
+  const std::string text = shardtrain::convert_config(fsdp, "deepspeed", notes);
+  EXPECT_EQ(text.find("grad_accum_dtype"), std::string::npos) << text;
+  EXPECT_EQ(text.find("raise_error_at_min_scale"), std::string::npos) << text;
+  TrainingConfig zero = shardtrain::load_config((kConfigsDir / "zero3_bf16.json").string());
+  zero.fp16.raise_error_at_min_scale = false;
+  zero.zero.grad_accum_dtype = DType::kBf16;
+  const TrainingConfig back = convert_and_read(zero, "deepspeed", notes);
+  EXPECT_FALSE(back.fp16.raise_error_at_min_scale);
+  EXPECT_EQ(back.zero.grad_accum_dtype, DType::kBf16);
 }
 
 TEST(UnitConfigConvert, OffloadLoadingCheckpointAndPrecisionCarryOver) {
@@ -1005,6 +1038,21 @@ TEST(UnitConfigHabits, DeepSpeedFileResolvesFromTheWorkingDirectoryThenNextToThe
     EXPECT_NE(message.find(cwd + "/ds.json"), std::string::npos) << message;
     EXPECT_NE(message.find(cwd + "/configs/ds.json"), std::string::npos) << message;
   });
+}
+
+TEST(UnitConfigHabits, AnAccelerateDeepSpeedPluginWithoutAFileRunsZeroStageTwo) {
+  // Accelerate's DeepSpeedPlugin: zero_stage absent is 2; a DeepSpeed JSON's absent stage is 0.
+  ScratchDir dir;
+  const std::string plugin = dir.write("plugin.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\n"
+                                                      "deepspeed_config:\n  offload_optimizer_device: none\n");
+  EXPECT_EQ(shardtrain::load_config(plugin).zero.stage, 2);
+  const std::string three = dir.write("three.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n");
+  EXPECT_EQ(shardtrain::load_config(three).zero.stage, 3);
+  const std::string json = dir.write("ds.json", R"({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true}})");
+  EXPECT_EQ(shardtrain::load_config(json).zero.stage, 0);
+  const std::string with_file = dir.write("file.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                                       "  deepspeed_config_file: " + json + "\n");
+  EXPECT_EQ(shardtrain::load_config(with_file).zero.stage, 0);
 }
 
 TEST(UnitConfigHabits, DuplicateYamlKeyKeepsTheLastValueAndNamesBothLines) {
