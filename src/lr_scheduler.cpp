@@ -84,7 +84,8 @@ LRScheduler::LRScheduler(const SchedulerConfig& config, double base_lr)
                  "scheduler.params.cos_min_ratio and warmup_min_ratio must be finite");
     } else {
       min_lr_ = config.warmup_min_lr.value_or(0.0);
-      max_lr_ = config.warmup_max_lr.value_or(base_lr);
+      max_lr_ = config.warmup_max_lr.value_or(kind_ == Kind::kWarmupDecayLR ? SchedulerConfig::kWarmupDecayMaxLrDefault
+                                                                              : base_lr);
       ST_CHECK_T(ConfigError, std::isfinite(min_lr_) && min_lr_ >= 0.0,
                  "scheduler.params.warmup_min_lr must be finite and non-negative, got ", min_lr_);
       ST_CHECK_T(ConfigError, std::isfinite(max_lr_) && max_lr_ >= 0.0,

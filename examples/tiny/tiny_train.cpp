@@ -210,7 +210,7 @@ ReferenceSetup make_reference(const TinyRunOptions& options, int world_size) {
     const bool decoupled = type == "AdamW";
     setup.optimizer = std::make_unique<ReferenceAdam>(
         params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(oc.eps.value_or(1e-8))
-                    .weight_decay(oc.weight_decay.value_or(decoupled ? 0.01 : 0.0)), decoupled);
+                    .weight_decay(oc.weight_decay.value_or(0.0)), decoupled);  // resolve_auto set it
   } else {
     setup.optimizer = std::make_unique<torch::optim::SGD>(
         params, torch::optim::SGDOptions(lr).momentum(oc.momentum).weight_decay(oc.weight_decay.value_or(0.0))

@@ -86,11 +86,14 @@ struct OptimizerConfig {
 
 /// DeepSpeed's `scheduler` block, plus Transformers-style "linear"/"cosine" with warmup.
 struct SchedulerConfig {
+  /// DeepSpeed's WarmupDecayLR passes this warmup_max_lr on when none is given
+  /// (its WarmupLR takes the optimizer's lr instead).
+  static constexpr double kWarmupDecayMaxLrDefault = 1e-3;
   bool specified = false;
   /// "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "linear", "cosine" or "constant".
   std::string type = "constant";
   std::optional<double> warmup_min_lr;      ///< WarmupLR/WarmupDecayLR; default 0
-  std::optional<double> warmup_max_lr;      ///< default = optimizer lr (WarmupDecayLR: 1e-3, DeepSpeed's)
+  std::optional<double> warmup_max_lr;      ///< default = optimizer lr (WarmupDecayLR: kWarmupDecayMaxLrDefault)
   std::optional<int64_t> warmup_num_steps;  ///< default 1000 (DeepSpeed) / 0
   std::optional<int64_t> total_num_steps;   ///< WarmupDecayLR, WarmupCosineLR, linear, cosine; "auto" = run length
   std::string warmup_type = "log";          ///< "log" or "linear"

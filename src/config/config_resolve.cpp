@@ -135,8 +135,9 @@ void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
   // WarmupLR's absent one is the optimizer's lr, as Transformers' "auto" is.
   if (!scheduler.warmup_max_lr) {
     const bool absent = !config.is_auto("scheduler.params.warmup_max_lr");
-    scheduler.warmup_max_lr = scheduler.type == "WarmupDecayLR" && absent ? std::optional<double>(1e-3)
-                                                                         : config.optimizer.lr;
+    scheduler.warmup_max_lr = scheduler.type == "WarmupDecayLR" && absent
+                                  ? std::optional<double>(SchedulerConfig::kWarmupDecayMaxLrDefault)
+                                  : config.optimizer.lr;
   }
   const bool run_gives_warmup = config.is_auto(config_detail::kWarmupStepsKey) && !context.warmup_steps;
   if (!scheduler.warmup_num_steps && !(run_gives_warmup && context.leave_run_values_auto)) {

@@ -560,6 +560,10 @@ TEST(UnitLRScheduler, WarmupDecayLRDecaysLinearlyToMin) {
   EXPECT_DOUBLE_EQ(s.lr_at(11), 0.25);
   EXPECT_DOUBLE_EQ(s.lr_at(13), 0.0);  // it 12
   EXPECT_DOUBLE_EQ(s.lr_at(40), 0.0);
+  // warmup_max_lr unset: DeepSpeed's WarmupDecayLR peaks at its own default, not the optimizer lr.
+  SchedulerConfig unset = scheduler("WarmupDecayLR", 4, 12, "linear");
+  unset.warmup_min_lr = 0.0;
+  EXPECT_DOUBLE_EQ(LRScheduler(unset, 123.0).lr_at(5), SchedulerConfig::kWarmupDecayMaxLrDefault);
 }
 
 TEST(UnitLRScheduler, WarmupDecayLRRejectsTotalBelowWarmupNamingBothKeys) {
