@@ -311,8 +311,9 @@ TEST(DistZeroUnmarked, ModelWithoutUnitsRunsAsOneUnitAndMatchesPlainTraining) {
     Pair model;
     torch::manual_seed(5);
     Pair reference;
-    // The engines' Adam arithmetic (tiny/reference_adam.h says why not torch::optim::AdamW).
-    tiny::ReferenceAdam optimizer(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01),
+    // The engines' Adam arithmetic (tiny/reference_adam.h says why not torch::optim::AdamW),
+    // without decay: a DeepSpeed AdamW block without weight_decay builds FusedAdam, whose default is 0.
+    tiny::ReferenceAdam optimizer(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.0),
                                   /*decoupled=*/true);
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     for (int step = 0; step < 5; ++step) {

@@ -46,6 +46,7 @@ RunSpec fsdp(int world, int micro) {
   config.fsdp.auto_wrap_policy = shardtrain::AutoWrapPolicy::kTransformerBased;
   config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
   config.optimizer.lr = 1e-3;
+  config.optimizer.weight_decay = 0.0;  // as the ZeRO specs' DeepSpeed AdamW block (FusedAdam's default)
   config.steps_per_print = 1000;
   return {config, world, micro};
 }

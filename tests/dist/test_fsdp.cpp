@@ -40,6 +40,7 @@ shardtrain::TrainingConfig fsdp_config(ShardingStrategy strategy, MixedPrecision
   config.fsdp.transformer_layer_cls_to_wrap = {"TinyBlock"};
   config.optimizer.type = "AdamW";
   config.optimizer.lr = 1e-3;
+  config.optimizer.weight_decay = 0.0;  // as zero3_config's DeepSpeed AdamW block (FusedAdam's default)
   config.steps_per_print = 1000;
   return config;
 }

@@ -33,9 +33,6 @@ inline TrainingConfig zero_test_config(int stage, MixedPrecision precision, int6
   config.optimizer.specified = true;
   config.optimizer.type = "AdamW";
   config.optimizer.lr = 1e-3;
-  // Given, as the FSDP test configs' program optimizer (torch's AdamW) decays
-  // by 0.01: a DeepSpeed block without it would decay by 0 (FusedAdam's).
-  config.optimizer.weight_decay = 0.01;
   config.steps_per_print = 1000;
   config.zero.stage3_param_persistence_threshold = 0;
   config.zero.stage3_max_reuse_distance = 0;
