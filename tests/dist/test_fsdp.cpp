@@ -323,8 +323,9 @@ TEST(DistFsdpFrozen, FrozenParametersNeverChangeTrainableOnesMatchTheReference) 
     for (const auto& p : reference->parameters()) {
       if (p.requires_grad()) trainable.push_back(p);
     }
-    // The engines' Adam arithmetic (tiny/reference_adam.h says why not torch::optim::AdamW).
-    tiny::ReferenceAdam optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), /*decoupled=*/true);
+    // The engines' Adam arithmetic (tiny/reference_adam.h says why not torch::optim::AdamW),
+    // without decay, as fsdp_config states.
+    tiny::ReferenceAdam optimizer(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.0), /*decoupled=*/true);
     auto prepared = accelerator.prepare(model, {}, micro_batch(2));
     for (int step = 0; step < 5; ++step) {
       at::Tensor all = at::sin(at::arange(32, at::kFloat).view({4, 8}) * (step + 1));
