@@ -36,6 +36,12 @@ class SplitMix64 {
   uint64_t state_;
 };
 
+/// Indices per rank per epoch, as torch counts them: drop_last -> ceil((n - W)
+/// / W) when n % W != 0, i.e. floor(n / W); otherwise ceil(n / W).
+int64_t samples_per_rank(int64_t rows, int64_t world, bool drop_last) {
+  return drop_last ? rows / world : (rows + world - 1) / world;
+}
+
 }  // namespace
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int rank, uint64_t seed,
@@ -53,9 +59,7 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int
   ST_CHECK(!drop_last || dataset_size == 0 || dataset_size >= world_size, "DistributedSampler: drop_last over ",
            dataset_size, " rows and ", world_size, " ranks leaves every rank none; use drop_last=false (the rows "
            "are then repeated to one per rank) or at least ", world_size, " rows");
-  // torch: drop_last -> ceil((n - W) / W) when n % W != 0, i.e. floor(n / W);
-  // otherwise ceil(n / W).
-  num_samples_ = drop_last ? dataset_size / world_size : (dataset_size + world_size - 1) / world_size;
+  num_samples_ = samples_per_rank(dataset_size, world_size, drop_last);
 }
 
 void DistributedSampler::set_epoch(int64_t epoch) {
@@ -114,7 +118,7 @@ void DistributedSampler::load_state(const SamplerState& state) {
   // even where this world pads it longer.
   const int64_t saved_world = state.world_size > 0 ? state.world_size : world_size_;
   const int64_t saved_rows = state.dataset_size >= 0 ? state.dataset_size : dataset_size_;
-  const int64_t saved_samples = drop_last_ ? saved_rows / saved_world : (saved_rows + saved_world - 1) / saved_world;
+  const int64_t saved_samples = samples_per_rank(saved_rows, saved_world, drop_last_);
   const int64_t consumed = state.position * saved_world;
   if (state.position >= saved_samples || consumed >= total_size()) {
     set_epoch(state.epoch + 1);

@@ -241,9 +241,11 @@ comm::StorePtr connect_rendezvous(const DistEnv& env, std::chrono::milliseconds 
     ST_LOG_DEBUG("rendezvous store listening on {}", server->bound_address());
     // A host name often resolves to a loopback address (127.0.1.1 on Debian
     // and Ubuntu): the other machines would then time out connecting.
-    const std::string& bound = server->bound_address();
+    const std::string& bound = server->bound_address();  // "host:port" or "[host]:port"
+    std::string bound_host = bound.substr(0, bound.rfind(':'));
+    if (bound_host.size() > 1 && bound_host.front() == '[') bound_host = bound_host.substr(1, bound_host.size() - 2);
     const int machines = env.local_world_size > 0 ? env.world_size / env.local_world_size : 1;
-    if (machines > 1 && (bound.rfind("127.", 0) == 0 || bound.rfind("[::1]", 0) == 0)) {
+    if (machines > 1 && is_loopback(bound_host)) {
       ST_LOG_WARN("the rendezvous listens on {}, a loopback address, while ranks on {} other machine(s) must "
                   "reach it: set --main_process_ip (MASTER_ADDR) to an address of this machine they can reach, or "
                   "SHARDTRAIN_RDZV_BIND=0.0.0.0 to listen on every interface",
