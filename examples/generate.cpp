@@ -9,7 +9,8 @@
 //
 // --prompt is tokenized with DIR/tokenizer.model (or --tokenizer) and BOS
 // (config.json's bos_token_id) is prepended; --prompt-ids are used as given.
-// Generation stops after config.json's eos_token_id (unless --ignore-eos).
+// Generation stops after config.json's eos_token_id, any of them when it lists
+// several, as transformers' generate() does (unless --ignore-eos).
 //
 // --chat-format llama2|mistral formats the prompt exactly as the fine-tune's
 // training prefix (models::format_prompt: "<s>[INST] prompt [/INST]", single
@@ -175,7 +176,11 @@ int main(int argc, char** argv) {
                    " is outside the model's vocabulary (vocab_size ", config.vocab_size, ")");
       }
     }
-    if (!ignore_eos) options.stop_ids = {config.eos_token_id};
+    if (!ignore_eos) {
+      options.stop_ids = {config.eos_token_id};
+      options.stop_ids.insert(options.stop_ids.end(), config.other_eos_token_ids.begin(),
+                              config.other_eos_token_ids.end());
+    }
 
     const at::Device device = shardtrain::resolve_device(device_name, shardtrain::detect_dist_env().local_rank);
     sm::LlamaForCausalLM model(config);

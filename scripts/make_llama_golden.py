@@ -113,11 +113,16 @@ def cases():
     linear = base_config("llama")
     linear["num_key_value_heads"] = 4
     linear["num_hidden_layers"] = 1  # keeps tests/data small
-    linear["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    # These two are written as transformers >= 5 writes a config.json: the
+    # rotary settings in one rope_parameters object, no top-level rope_theta
+    # (the two cases above keep the older layout).
+    del linear["rope_theta"]
+    linear["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}
 
     mistral = base_config("mistral")
     mistral["sliding_window"] = 4
-    mistral["rope_theta"] = 1000000.0
+    del mistral["rope_theta"]
+    mistral["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
     return [("llama", llama, 1), ("llama_tied_llama3", tied, 2), ("llama_linear_mha", linear, 3),
             ("mistral_swa", mistral, 4)]
 

@@ -4,10 +4,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "shardtrain/error.h"
+#include "shardtrain/logging.h"
 
 namespace shardtrain::models {
 
@@ -84,6 +86,31 @@ void HfCheckpoint::check_against(torch::nn::Module& model) const {
              file_of(item.key()), " has shape ", at::IntArrayRef(tensor.shape), ", the model expects ",
              item.value().sizes());
   }
+  warn_of_unexpected_tensors(model);
+}
+
+void HfCheckpoint::warn_of_unexpected_tensors(torch::nn::Module& model) const {
+  std::set<std::string> expected;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) expected.insert(item.key());
+  std::vector<std::string> unexpected;
+  for (const auto& [name, reader] : by_tensor_) {
+    // transformers ignores both as well: the rotary table is recomputed from
+    // the config, and a tied model's head is its embedding.
+    const std::string rotary_suffix = "rotary_emb.inv_freq";
+    const bool rotary_table = name.size() >= rotary_suffix.size() &&
+                              name.compare(name.size() - rotary_suffix.size(), rotary_suffix.size(), rotary_suffix) == 0;
+    const bool tied_head = name == "lm_head.weight";
+    if (expected.count(name) == 0 && !rotary_table && !tied_head) unexpected.push_back(name);
+  }
+  if (unexpected.empty()) return;
+  std::string listed;
+  for (size_t i = 0; i < unexpected.size() && i < 4; ++i) listed += (i == 0 ? "" : ", ") + unexpected[i];
+  if (unexpected.size() > 4) listed += ", ...";
+  // A warning, as transformers' load report lists UNEXPECTED keys and goes on;
+  // the usual cause is a config.json that describes a smaller model.
+  ST_LOG_WARN("{} holds {} tensor(s) the model has no parameter for ({}); they are not loaded. Does config.json "
+              "(num_hidden_layers, tie_word_embeddings) describe the model these weights come from?",
+              where_, unexpected.size(), listed);
 }
 
 int64_t HfCheckpoint::total_tensor_bytes() const {

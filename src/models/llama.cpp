@@ -87,7 +87,8 @@ void LlamaConfig::validate() const {
   ST_CHECK_T(ConfigError, !sliding_window || *sliding_window > 0, "sliding_window must be positive");
   if (rope_scaling) {
     ST_CHECK_T(ConfigError, rope_scaling->type == "linear" || rope_scaling->type == "llama3",
-               "rope_scaling type '", rope_scaling->type, "' is not supported (linear, llama3)");
+               "rope type '", rope_scaling->type,
+               "' (rope_scaling or rope_parameters) is not implemented: default, linear and llama3 are");
     ST_CHECK_T(ConfigError, rope_scaling->factor > 0, "rope_scaling.factor must be positive");
     if (rope_scaling->type == "llama3") {
       ST_CHECK_T(ConfigError, rope_scaling->high_freq_factor != rope_scaling->low_freq_factor,
@@ -95,6 +96,64 @@ void LlamaConfig::validate() const {
     }
   }
 }
+
+namespace {
+
+/// A config.json can ask for architecture variants this model does not build
+/// (biased projections, another activation). transformers builds them, so
+/// training the plain model on such weights would be a different model with
+/// no error anywhere: refused by name instead.
+void refuse_unimplemented_features(const json& j, const std::string& source) {
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    ST_CHECK_T(ConfigError, !get_or<bool>(j, key, false, source), source, ": '", key,
+               "': true (biased projections) is not implemented; shardtrain builds Llama/Mistral without biases");
+  }
+  for (const char* key : {"hidden_act", "hidden_activation"}) {
+    const std::string act = get_or<std::string>(j, key, "silu", source);
+    ST_CHECK_T(ConfigError, act == "silu" || act == "swish", source, ": '", key, "': \"", act,
+               "\" is not implemented; shardtrain's MLP is SwiGLU (silu)");
+  }
+}
+
+/// The rotary settings, where either generation of transformers writes them:
+/// before 5.0 a top-level rope_theta and an optional rope_scaling object;
+/// from 5.0 one rope_parameters object holding rope_theta, rope_type and the
+/// scaling factors (and no top-level rope_theta). transformers' own order of
+/// precedence (PreTrainedConfig.convert_rope_params_to_dict): a non-empty
+/// rope_scaling, else rope_parameters; rope_theta from that object, else the
+/// top-level one, else 10000.
+void read_rotary_parameters(const json& j, const std::string& source, LlamaConfig& c) {
+  c.rope_theta = get_or<double>(j, "rope_theta", c.rope_theta, source);
+  const json* rotary = nullptr;
+  std::string field;
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) continue;
+    ST_CHECK_T(ConfigError, it->is_object(), source, ": field '", key, "' must be an object or null");
+    if (it->empty()) continue;
+    rotary = &*it;
+    field = key;
+    break;
+  }
+  if (rotary == nullptr) return;
+  const json& rs = *rotary;
+  c.rope_theta = get_or<double>(rs, "rope_theta", c.rope_theta, source);
+  const double partial = get_or<double>(rs, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0,
+                                                                                     source), source);
+  ST_CHECK_T(ConfigError, partial == 1.0, source, ": partial_rotary_factor ", partial,
+             " (rotary embeddings on part of each head) is not implemented; Llama/Mistral rotate the whole head");
+  RopeScaling r;
+  r.type = get_or<std::string>(rs, "rope_type", get_or<std::string>(rs, "type", "default", source), source);
+  if (r.type == "default") return;
+  r.factor = get_or<double>(rs, "factor", 1.0, source);
+  r.low_freq_factor = get_or<double>(rs, "low_freq_factor", r.low_freq_factor, source);
+  r.high_freq_factor = get_or<double>(rs, "high_freq_factor", r.high_freq_factor, source);
+  r.original_max_position_embeddings =
+      get_or<int64_t>(rs, "original_max_position_embeddings", r.original_max_position_embeddings, source);
+  c.rope_scaling = r;
+}
+
+}  // namespace
 
 LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::string& source) {
   json j;
@@ -124,7 +183,6 @@ LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::st
   c.num_key_value_heads = get_or<int64_t>(j, "num_key_value_heads", c.num_attention_heads, source);
   c.head_dim = get_or<int64_t>(j, "head_dim", 0, source);
   c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", c.rms_norm_eps, source);
-  c.rope_theta = get_or<double>(j, "rope_theta", c.rope_theta, source);
   c.max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings",
                                               c.model_type == "mistral" ? 4096 * 32 : 2048, source);
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);
@@ -135,6 +193,11 @@ LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::st
       ST_CHECK_T(ConfigError, !it->empty() && (*it)[0].is_number_integer(), source,
                  ": field 'eos_token_id' must be an integer or a non-empty list of integers");
       c.eos_token_id = (*it)[0].get<int64_t>();
+      for (size_t i = 1; i < it->size(); ++i) {
+        ST_CHECK_T(ConfigError, (*it)[i].is_number_integer(), source,
+                   ": field 'eos_token_id' must be an integer or a non-empty list of integers");
+        c.other_eos_token_ids.push_back((*it)[i].get<int64_t>());
+      }
     } else {
       c.eos_token_id = get_or<int64_t>(j, "eos_token_id", c.eos_token_id, source);
     }
@@ -145,21 +208,8 @@ LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::st
   } else if (c.model_type == "mistral") {
     c.sliding_window = 4096;
   }
-  if (auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
-    ST_CHECK_T(ConfigError, it->is_object(), source, ": field 'rope_scaling' must be an object or null");
-    RopeScaling r;
-    const json& rs = *it;
-    r.type = get_or<std::string>(rs, "rope_type", get_or<std::string>(rs, "type", "", source), source);
-    ST_CHECK_T(ConfigError, !r.type.empty(), source, ": rope_scaling needs 'type' or 'rope_type'");
-    if (r.type != "default") {
-      r.factor = get_or<double>(rs, "factor", 1.0, source);
-      r.low_freq_factor = get_or<double>(rs, "low_freq_factor", r.low_freq_factor, source);
-      r.high_freq_factor = get_or<double>(rs, "high_freq_factor", r.high_freq_factor, source);
-      r.original_max_position_embeddings =
-          get_or<int64_t>(rs, "original_max_position_embeddings", r.original_max_position_embeddings, source);
-      c.rope_scaling = r;
-    }
-  }
+  refuse_unimplemented_features(j, source);
+  read_rotary_parameters(j, source, c);
   try {
     c.validate();
   } catch (const ConfigError& e) {

@@ -16,6 +16,7 @@
 #include "shardtrain/error.h"
 #include "shardtrain/models/llama.h"
 #include "support/llama_golden.h"
+#include "support/log_capture.h"
 #include "support/scratch_dir.h"
 #include "shardtrain/safetensors.h"
 
@@ -79,6 +80,8 @@ TEST(UnitLlama, ConfigParsesHfFields) {
   EXPECT_DOUBLE_EQ(tied.rope_scaling->factor, 8.0);
   EXPECT_EQ(tied.rope_scaling->original_max_position_embeddings, 1024);
   EXPECT_EQ(tied.eos_token_id, 2);  // first of [2, 3]
+  EXPECT_EQ(tied.other_eos_token_ids, std::vector<int64_t>{3});
+  EXPECT_DOUBLE_EQ(tied.rope_theta, 500000.0);  // the top-level rope_theta of transformers < 5
   EXPECT_FALSE(tied.sliding_window.has_value());
   EXPECT_EQ(tied.num_key_value_heads, 2);
   auto mistral = sm::LlamaConfig::from_json_file(golden_dir("mistral_swa") + "/config.json");
@@ -86,6 +89,14 @@ TEST(UnitLlama, ConfigParsesHfFields) {
   ASSERT_TRUE(mistral.sliding_window.has_value());
   EXPECT_EQ(*mistral.sliding_window, 4);
   EXPECT_EQ(mistral.decoder_layer_class_name(), "MistralDecoderLayer");
+  // transformers >= 5 writes the rotary settings in rope_parameters, with no top-level rope_theta.
+  EXPECT_DOUBLE_EQ(mistral.rope_theta, 1000000.0);
+  EXPECT_FALSE(mistral.rope_scaling.has_value());  // rope_type "default"
+  auto linear = sm::LlamaConfig::from_json_file(golden_dir("llama_linear_mha") + "/config.json");
+  EXPECT_DOUBLE_EQ(linear.rope_theta, 50000.0);
+  ASSERT_TRUE(linear.rope_scaling.has_value());
+  EXPECT_EQ(linear.rope_scaling->type, "linear");
+  EXPECT_DOUBLE_EQ(linear.rope_scaling->factor, 2.0);
   EXPECT_THROW(sm::LlamaConfig::from_json_string(
                    R"({"vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "hidden_size": 30, "num_attention_heads": 4})"),
                shardtrain::ConfigError);
@@ -115,6 +126,40 @@ TEST(UnitLlama, AModelConfigWithoutItsSizesIsRefusedByName) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(UnitLlama, ArchitectureVariantsThisModelDoesNotBuildAreRefusedByName) {
+  // transformers builds each of these; the plain model on their weights would be another model, silently.
+  const std::string sizes =
+      R"("vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2)";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("attention_bias": true)", "'attention_bias': true (biased projections) is not implemented"},
+      {R"("mlp_bias": true)", "'mlp_bias': true (biased projections) is not implemented"},
+      {R"("hidden_act": "gelu")", "'hidden_act': \"gelu\" is not implemented"},
+      {R"("rope_parameters": {"rope_type": "yarn", "factor": 4.0})", "rope type 'yarn'"},
+      {R"("rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5})", "partial_rotary_factor 0.5"},
+      {R"("rope_parameters": 10000)", "field 'rope_parameters' must be an object or null"},
+  };
+  for (const auto& [field, expected] : cases) {
+    try {
+      (void)sm::LlamaConfig::from_json_string("{" + sizes + ", " + field + "}", "cfg.json");
+      ADD_FAILURE() << field << " was accepted";
+    } catch (const shardtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+  // What the plain model is, said explicitly, is accepted.
+  const auto plain = sm::LlamaConfig::from_json_string(
+      "{" + sizes + R"(, "attention_bias": false, "mlp_bias": false, "hidden_act": "silu", "rope_scaling": null,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}, "rope_theta": 30000.0})");
+  EXPECT_DOUBLE_EQ(plain.rope_theta, 20000.0);  // rope_parameters' own value wins, as in transformers
+  // A non-empty rope_scaling wins over rope_parameters (transformers' convert_rope_params_to_dict).
+  const auto legacy = sm::LlamaConfig::from_json_string(
+      "{" + sizes + R"(, "rope_theta": 30000.0, "rope_scaling": {"type": "linear", "factor": 3.0},
+         "rope_parameters": {"rope_type": "default"}})");
+  EXPECT_DOUBLE_EQ(legacy.rope_theta, 30000.0);
+  ASSERT_TRUE(legacy.rope_scaling.has_value());
+  EXPECT_DOUBLE_EQ(legacy.rope_scaling->factor, 3.0);
 }
 
 TEST(UnitLlama, DecoderLayersAreNamedUnits) {
@@ -300,6 +345,25 @@ TEST_F(UnitLlamaLoad, MissingParameterIsNamed) {
     EXPECT_NE(msg.find(dropped), std::string::npos) << msg;
     EXPECT_NE(msg.find("model.safetensors"), std::string::npos) << msg;
   }
+}
+
+TEST_F(UnitLlamaLoad, TensorsTheModelLacksAreNamedInAWarning) {
+  // The config says one layer; the file holds two (and the rotary table, which transformers ignores too).
+  auto weights = golden_weights();
+  weights.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq", at::ones({3}));
+  st::write_file((dir_ / "model.safetensors").string(), weights, {}, false);
+  sm::LlamaConfig one_layer = config_;
+  one_layer.num_hidden_layers = 1;
+  sm::LlamaForCausalLM model(one_layer);
+  shardtrain::testing::LogCapture log;
+  sm::load_hf_weights(model, dir_.string());
+  const std::string text = log.text();
+  EXPECT_NE(text.find("holds 9 tensor(s) the model has no parameter for (model.layers.1.input_layernorm.weight, "
+                      "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, "
+                      "model.layers.1.mlp.up_proj.weight, ...)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("inv_freq"), std::string::npos) << text;
 }
 
 TEST_F(UnitLlamaLoad, WrongShapeIsNamed) {

@@ -54,6 +54,7 @@ class HfCheckpoint {
   /// Every parameter of `model` is present with its shape (else shardtrain::Error
   /// naming the parameter, the shapes and the file). Reads headers only. Call
   /// it before prepare(): a missing tensor then fails on every rank at once.
+  /// Tensors the model has no parameter for are named in a warning.
   void check_against(torch::nn::Module& model) const;
 
   /// Bytes of tensor data read so far (all read_slice calls).
@@ -62,6 +63,7 @@ class HfCheckpoint {
   int64_t total_tensor_bytes() const;
 
  private:
+  void warn_of_unexpected_tensors(torch::nn::Module& model) const;
   std::string dir_;
   std::string where_;  // the file or index named in messages
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;  // by path

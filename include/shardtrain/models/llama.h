@@ -151,6 +151,10 @@ struct LlamaConfig {
   int64_t bos_token_id = 1;
   /// First id when config.json lists several.
   int64_t eos_token_id = 2;
+  /// The ids after the first when config.json lists several (Llama 3's
+  /// instruct models end a turn with one and a text with another); generation
+  /// stops at any of them, as transformers' generate() does.
+  std::vector<int64_t> other_eos_token_ids;
   /// Standard deviation of the random init (weights not loaded from a checkpoint).
   double initializer_range = 0.02;
 
