@@ -435,9 +435,16 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   comm::CollectiveScope scope("save_model()");
   State& s = *state_;
   std::string resolved = dtype;
-  if (resolved == "auto") resolved = s.config.zero.stage3_gather_16bit_weights_on_model_save ? "bf16" : "fp32";
-  ST_CHECK_T(ConfigError, resolved == "fp32" || resolved == "bf16", "save_model: dtype '", dtype,
-             "' is not one of auto, fp32, bf16");
+  if (resolved == "auto") {
+    // What the peers' save_model writes: DeepSpeed's 16-bit model when
+    // stage3_gather_16bit_weights_on_model_save is on, else the fp32 master
+    // (zero_to_fp32); FSDP's full state dict holds the parameters' own dtype,
+    // the low one in pure mode (no fp32 master exists) and fp32 otherwise.
+    const bool sixteen_bit = s.config.zero.stage3_gather_16bit_weights_on_model_save || s.plan.master_dtype == "none";
+    resolved = sixteen_bit ? s.plan.shard_dtype : "fp32";
+  }
+  ST_CHECK_T(ConfigError, resolved == "fp32" || resolved == "bf16" || resolved == "fp16", "save_model: dtype '",
+             dtype, "' is not one of auto, fp32, bf16, fp16");
   checkpoint::ExportOptions options;
   options.dtype = resolved;
   options.max_shard_bytes = max_shard_bytes;

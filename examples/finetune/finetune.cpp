@@ -508,7 +508,9 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   shardtrain::SchedulerConfig schedule;
   schedule.specified = true;
   schedule.type = "WarmupCosineLR";
-  schedule.warmup_num_steps = options.warmup;
+  // DeepSpeed's WarmupCosineLR refuses 0 and warms up over at least 2 steps;
+  // 0 becomes 1 as transformers fills a DeepSpeed config's "auto" warmup.
+  schedule.warmup_num_steps = std::max<int64_t>(1, options.warmup);
   schedule.total_num_steps = options.max_steps;
   schedule.warmup_type = "linear";
   schedule.cos_min_ratio = 0.1;
@@ -552,6 +554,18 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     fs::create_directories(fs::absolute(summary.metrics_file).parent_path());
     metrics.open(summary.metrics_file, summary.first_step > 0 ? std::ios::app : std::ios::trunc);
     ST_CHECK(metrics.good(), "cannot write the metrics file '", summary.metrics_file, "'");
+  }
+
+  // The model config as this run uses it (model type, window): the export
+  // writes it as its config.json, so it loads back as the same model, and it
+  // stays beside the checkpoints for `shardtrain checkpoint export
+  // --config-json` later. Only rank 0, which writes exports, reads it.
+  const std::string model_config = (output / "model_config.json").string();
+  if (main_process && (!options.no_save || !options.no_export)) {
+    fs::create_directories(output);
+    std::ofstream config_out(model_config);
+    config_out << spec.config_json << "\n";
+    ST_CHECK(config_out.good(), "cannot write ", model_config);
   }
 
   if (summary.first_step == 0 && (eval.rows.num_rows() > 0 || !eval.examples.empty())) {
@@ -718,13 +732,8 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   // A LoRA run exports its merged model only when asked (--merge-lora): the adapter is its result.
   if (!options.no_export && (!lora || options.merge_lora)) {
     summary.export_dir = (output / "hf").string();
-    accelerator.save_model(summary.export_dir, "auto");
+    accelerator.save_model(summary.export_dir, "auto", 5000000000ULL, model_config);
     if (main_process) {
-      // The config as this run used it (model type, window), so the export
-      // loads back as the same model.
-      std::ofstream config_out(fs::path(summary.export_dir) / "config.json");
-      config_out << spec.config_json << "\n";
-      ST_CHECK(config_out.good(), "cannot write ", summary.export_dir, "/config.json");
       fs::copy_file(tokenizer_path, fs::path(summary.export_dir) / "tokenizer.model",
                     fs::copy_options::overwrite_existing);
     }

@@ -259,9 +259,11 @@ class Accelerator {
   void load_state(const std::string& dir, const std::string& tag = "");
   /// Writes a consolidated Hugging Face weights directory (model.safetensors,
   /// or shards of at most `max_shard_bytes` with model.safetensors.index.json;
-  /// `config_json` copied to config.json when given). dtype "auto": bf16 when
-  /// zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save is on,
-  /// else fp32. Streams from the live shards: the ranks gather one unit at a
+  /// `config_json`, a model config.json, written as config.json with its
+  /// torch_dtype set to the weights' dtype when given). dtype "auto": the
+  /// training's 16-bit dtype when zero3_save_16bit_model /
+  /// stage3_gather_16bit_weights_on_model_save is on or FSDP runs in pure low
+  /// precision, else fp32. Streams from the live shards: the ranks gather one unit at a
   /// time and rank 0 writes each parameter as it arrives, so no rank holds
   /// the whole model and nothing but the export is written to disk (no
   /// optimizer state). A failure (a full disk) throws CheckpointSaveError on

@@ -35,7 +35,27 @@ namespace {
 at::ScalarType export_dtype(const std::string& name) {
   if (name == "fp32" || name == "float32" || name == "f32") return at::kFloat;
   if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  ST_THROW(Error, "export: dtype '", name, "' is not supported; use fp32 or bf16");
+  if (name == "fp16" || name == "float16") return at::kHalf;
+  ST_THROW(Error, "export: dtype '", name, "' is not supported; use fp32, bf16 or fp16");
+}
+
+/// The model config as the export writes it: the dtype transformers reads
+/// (torch_dtype before 5.0, dtype from 5.0, which wins when both are there)
+/// is the weights' dtype, so from_pretrained's default loads them unconverted.
+std::string config_with_dtype(const std::string& path, at::ScalarType dtype) {
+  std::ifstream in(path);
+  ST_CHECK(in.good(), "export: config file ", path, " cannot be read");
+  json config;
+  try {
+    config = parse_json_within_depth<Error, json>(in, "export: config file " + path);
+  } catch (const json::exception& e) {
+    ST_THROW(Error, "export: config file ", path, " is not valid JSON (", e.what(), ")");
+  }
+  ST_CHECK(config.is_object(), "export: config file ", path, " is not a JSON object");
+  const char* name = dtype == at::kFloat ? "float32" : dtype == at::kBFloat16 ? "bfloat16" : "float16";
+  if (config.contains("dtype")) config["dtype"] = name;
+  if (config.contains("torch_dtype") || !config.contains("dtype")) config["torch_dtype"] = name;
+  return config.dump(2) + "\n";
 }
 
 
@@ -109,17 +129,7 @@ HfWeightsWriter::HfWeightsWriter(std::vector<ExportTensor> tensors, const std::s
   ST_CHECK(options.max_shard_bytes > 0, "export: max shard size must be positive");
   ST_CHECK(!out_dir.empty(), "export: no output directory given");
   ST_CHECK(!tensors_.empty(), "export: there are no parameters to export");
-  if (!options.config_json_path.empty()) {
-    // Parsed only to catch a wrong file early; it is copied byte for byte.
-    std::ifstream in(options.config_json_path);
-    ST_CHECK(in.good(), "export: config file ", options.config_json_path, " cannot be read");
-    try {
-      const json parsed = parse_json_within_depth<Error, json>(in, "export: config file " + options.config_json_path);
-      ST_CHECK(parsed.is_object(), "export: config file ", options.config_json_path, " is not a JSON object");
-    } catch (const json::exception& e) {
-      ST_THROW(Error, "export: config file ", options.config_json_path, " is not valid JSON (", e.what(), ")");
-    }
-  }
+  if (!options.config_json_path.empty()) config_text_ = config_with_dtype(options.config_json_path, dtype_);
   // Greedy packing in the given order, as save_pretrained does: start a new
   // shard when the next tensor would push the current one past the limit.
   const uint64_t element_size = at::elementSize(dtype_);
@@ -210,9 +220,7 @@ void HfWeightsWriter::finish() {
                          "export");
     }
     for (const auto& [name, text] : options_.text_files) write_durable_text(tmp_ / name, text, "export");
-    if (!options_.config_json_path.empty()) {
-      fs::copy_file(options_.config_json_path, tmp_ / "config.json", fs::copy_options::overwrite_existing);
-    }
+    if (!config_text_.empty()) write_durable_text(tmp_ / "config.json", config_text_, "export");
     publish(tmp_, out_);
     published_ = true;
   } catch (const fs::filesystem_error& e) {

@@ -18,13 +18,16 @@
 namespace shardtrain::checkpoint {
 
 struct ExportOptions {
-  /// "fp32" or "bf16": the dtype of the exported weights.
+  /// "fp32", "bf16" or "fp16": the dtype of the exported weights.
   std::string dtype = "fp32";
   /// Tensor bytes per output file before another shard is started (Hugging
   /// Face's save_pretrained default, 5 GB). One parameter larger than this
   /// gets a shard of its own: tensors are never split across files.
   uint64_t max_shard_bytes = 5000000000ULL;
-  /// When non-empty, this JSON file is copied to OUT/config.json.
+  /// When non-empty, this model config JSON file is written to OUT/config.json
+  /// with its dtype (torch_dtype, and dtype where transformers >= 5 wrote it)
+  /// set to the weights' dtype: transformers' from_pretrained loads the
+  /// weights in the dtype the config names.
   std::string config_json_path;
   /// The weight files' name: STEM.safetensors, or STEM-0000i-of-0000N.safetensors
   /// with STEM.safetensors.index.json ("adapter_model" for a PEFT adapter).
@@ -71,6 +74,7 @@ class HfWeightsWriter {
   std::vector<Shard> shards_;
   at::ScalarType dtype_;
   ExportOptions options_;
+  std::string config_text_;  // OUT/config.json, when ExportOptions::config_json_path is given
   std::filesystem::path out_;
   std::filesystem::path tmp_;
   std::size_t next_tensor_ = 0;

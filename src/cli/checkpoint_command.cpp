@@ -10,6 +10,7 @@
 #include "checkpoint/format.h"
 #include "cli/commands.h"
 #include "shardtrain/error.h"
+#include "shardtrain/logging.h"
 
 namespace shardtrain::cli {
 namespace {
@@ -102,18 +103,27 @@ void register_checkpoint_command(CLI::App& app, int& exit_code) {
   exporter->add_option("--out", flags->out, "Output directory (created; existing weight files are replaced)")
       ->required();
   exporter->add_option("--dtype", flags->dtype, "Weights dtype")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   exporter->add_option("--max-shard-size", flags->max_shard_size,
                        "Bytes per safetensors file before sharding (e.g. 5000000000, 5GB, 500MB)")
       ->capture_default_str();
-  exporter->add_option("--config-json", flags->config_json, "A model config.json to copy into the output");
+  exporter->add_option("--config-json", flags->config_json,
+                       "The model's config.json, written to the output with its torch_dtype set to --dtype "
+                       "(transformers cannot load the directory without one)");
   exporter->callback([flags, &exit_code]() {
     run_reporting_errors("export", exit_code, [&] {
       checkpoint::ExportOptions options;
       options.dtype = flags->dtype;
       options.max_shard_bytes = parse_size(flags->max_shard_size);
       options.config_json_path = flags->config_json;
+      if (flags->config_json.empty()) {
+        // A checkpoint holds the training state, not the model's architecture: only the user has its config.json.
+        ST_LOG_WARN("no --config-json: {} gets the weights without a config.json, which transformers' "
+                    "from_pretrained needs; pass the model's config.json (the fine-tune writes the one it trained "
+                    "to OUTPUT/model_config.json)",
+                    flags->out);
+      }
       checkpoint::export_hf(flags->path, flags->out, options);
       std::cout << "exported " << checkpoint::resolve_checkpoint_dir(flags->path) << " to " << flags->out << " ("
                 << flags->dtype << ")\n";

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -498,6 +499,46 @@ TEST(DistCheckpoint, SamplerPositionAndKeepLastN) {
     EXPECT_EQ(other_data.position(), 7);
     const std::string warned = "the training data has 60 rows, the checkpoint's sampler was over 100";
     EXPECT_EQ(capture.text().find(warned) != std::string::npos, ctx.rank() == 0) << capture.text();
+  }, harness);
+}
+
+}  // namespace
+
+namespace {
+
+/// save_model's "auto" writes what each peer's save writes from the same run:
+/// DeepSpeed's fp32 master (zero_to_fp32), or its 16-bit model with
+/// stage3_gather_16bit_weights_on_model_save; FSDP's parameters in their own
+/// dtype, fp32 in standard mixed precision and bf16 in pure mode.
+TEST(DistCheckpoint, SaveModelAutoWritesTheDtypeThePeersSaveWrites) {
+  MultiRankOptions harness;
+  const fs::path dir = test_scratch_subdir("export_auto");
+  harness.env["EXPORT_DIR"] = dir.string();
+  run_on_ranks(1, [](RankContext& ctx) {
+    const std::string out = std::getenv("EXPORT_DIR");
+    std::ofstream(out + "/config.json") << R"({"model_type": "tiny", "torch_dtype": "float32"})";
+    auto zero_gathering = [](bool gather_16bit) {
+      auto config = shardtrain::testing::zero_test_config(3, MixedPrecision::kBf16);
+      config.zero.stage3_gather_16bit_weights_on_model_save = gather_16bit;
+      return config;
+    };
+    const std::vector<std::tuple<std::string, shardtrain::TrainingConfig, bool, at::ScalarType>> cases = {
+        {"zero3", zero_gathering(false), false, at::kFloat},
+        {"zero3_16bit", zero_gathering(true), false, at::kBFloat16},
+        {"fsdp_standard", fsdp_precision(false), false, at::kFloat},
+        {"fsdp_pure", fsdp_precision(true), true, at::kBFloat16},
+    };
+    for (const auto& [name, config, pure, expected] : cases) {
+      auto accelerator = shardtrain::testing::accelerator_for(config, ctx);
+      tiny::TinyModel model(tiny::TinyConfig{});
+      if (pure) model->to(at::kBFloat16);
+      accelerator->prepare(model, {}, shardtrain::testing::micro_batch(2));
+      accelerator->save_model(out + "/" + name, "auto", 5000000000ULL, out + "/config.json");
+      const shardtrain::safetensors::Reader reader(out + "/" + name + "/model.safetensors");
+      for (const auto& tensor : reader.names()) EXPECT_EQ(reader.read(tensor).scalar_type(), expected) << name;
+      const nlohmann::json written = nlohmann::json::parse(std::ifstream(out + "/" + name + "/config.json"));
+      EXPECT_EQ(written.at("torch_dtype"), expected == at::kFloat ? "float32" : "bfloat16") << name;
+    }
   }, harness);
 }
 

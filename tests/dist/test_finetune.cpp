@@ -154,6 +154,15 @@ TEST(DistFinetune, BundledJobLearnsSavesResumesExactlyAndExports) {
   const fs::path hf = dir / "straight/hf";
   ASSERT_TRUE(fs::exists(hf / "config.json"));
   ASSERT_TRUE(fs::exists(hf / "tokenizer.model"));
+  EXPECT_TRUE(fs::exists(dir / "straight/model_config.json"));  // for an offline export later
+  {
+    // config.json names the dtype the weights were written in, which from_pretrained loads them as.
+    const nlohmann::json config = nlohmann::json::parse(std::ifstream(hf / "config.json"));
+    const at::ScalarType written = shardtrain::safetensors::Reader((hf / "model.safetensors").string())
+                                       .read("model.norm.weight").scalar_type();
+    EXPECT_EQ(written, at::kBFloat16);  // zero3_bf16.json saves the 16-bit model (zero3_save_16bit_model)
+    EXPECT_EQ(config.at("torch_dtype"), "bfloat16");  // the bundled config.json says float32
+  }
   shardtrain::models::LlamaForCausalLM exported(
       shardtrain::models::LlamaConfig::from_json_file((hf / "config.json").string()));
   shardtrain::models::load_hf_weights(exported, hf.string());  // every HF name present, shapes right

@@ -194,8 +194,23 @@ TEST_F(UnitCheckpointTools, ExportBf16CastsEachParameter) {
     EXPECT_EQ(exported.scalar_type(), at::kBFloat16) << name;
     EXPECT_TRUE(at::equal(exported, original.to(at::kBFloat16))) << name;
   }
+  // fp16 (DeepSpeed's 16-bit model of an fp16 run), and the config.json
+  // written names the weights' dtype under both names transformers reads.
+  const fs::path config = dir_ / "fp16_config.json";
+  std::ofstream(config) << R"({"model_type": "tiny", "torch_dtype": "float32", "dtype": "bfloat16"})";
   options.dtype = "fp16";
-  EXPECT_THROW(ck::export_hf(ckpt_.string(), (dir_ / "hf_fp16").string(), options), shardtrain::Error);
+  options.config_json_path = config.string();
+  ck::export_hf(ckpt_.string(), (dir_ / "hf_fp16").string(), options);
+  st::Reader half((dir_ / "hf_fp16" / "model.safetensors").string());
+  for (const auto& [name, original] : originals_) {
+    EXPECT_TRUE(at::equal(half.read(name), original.to(at::kHalf))) << name;
+  }
+  const json written = json::parse(std::ifstream(dir_ / "hf_fp16" / "config.json"));
+  EXPECT_EQ(written.at("torch_dtype"), "float16");
+  EXPECT_EQ(written.at("dtype"), "float16");
+  EXPECT_EQ(written.at("model_type"), "tiny");
+  options.dtype = "int8";
+  EXPECT_THROW(ck::export_hf(ckpt_.string(), (dir_ / "hf_int8").string(), options), shardtrain::Error);
 }
 
 TEST_F(UnitCheckpointTools, ExportShardsWhenPastTheLimitAndWritesAnIndex) {
@@ -212,7 +227,10 @@ TEST_F(UnitCheckpointTools, ExportShardsWhenPastTheLimitAndWritesAnIndex) {
   EXPECT_FALSE(fs::exists(out / "model.safetensors"));
   EXPECT_TRUE(fs::exists(out / "tokenizer.json"));
   std::ifstream config_in(out / "config.json");
-  EXPECT_EQ(json::parse(config_in).at("model_type"), "tiny");
+  const json written_config = json::parse(config_in);
+  EXPECT_EQ(written_config.at("model_type"), "tiny");
+  EXPECT_EQ(written_config.at("torch_dtype"), "float32");  // added: from_pretrained reads it
+  EXPECT_FALSE(written_config.contains("dtype"));           // transformers < 5 would not know it
   std::ifstream index_in(out / "model.safetensors.index.json");
   const json index = json::parse(index_in);
   EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), (15u + 5u + 4u) * 4u);
