@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <iomanip>
 #include <map>
 #include <regex>
 #include <set>
@@ -14,6 +15,7 @@
 
 #include "lora/lora_common.h"
 #include "shardtrain/error.h"
+#include "shardtrain/logging.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/safetensors.h"
@@ -24,6 +26,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using lora_detail::inside_module;
 using lora_detail::names_module;
 using lora_detail::with_thousands;
 
@@ -63,7 +66,8 @@ std::vector<std::pair<std::string, const nn::LinearImpl*>> lora_layers(const tor
 std::string LoraSummary::describe() const {
   std::ostringstream out;
   out << "trainable params: " << with_thousands(trainable_parameters)
-      << " || all params: " << with_thousands(total_parameters) << " || trainable%: "
+      << " || all params: " << with_thousands(total_parameters) << " || trainable%: " << std::fixed
+      << std::setprecision(4)
       << (total_parameters > 0 ? 100.0 * static_cast<double>(trainable_parameters) / static_cast<double>(total_parameters)
                                : 0.0);
   return out.str();
@@ -103,9 +107,27 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
                e.what(), ")");
     }
   }
+  // PEFT never puts an adapter inside a module of modules_to_save (its
+  // check_target_module_exists): the module trains whole instead, and an
+  // adapter saved beside it would be dropped silently when PEFT loads it.
+  auto saved_whole = [&](const std::string& path) {
+    return std::any_of(config.modules_to_save.begin(), config.modules_to_save.end(),
+                       [&](const std::string& name) { return inside_module(path, name); });
+  };
+  if (!config.target_modules_regex.empty()) {
+    // PEFT full-matches the pattern against every module and refuses one it cannot adapt.
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (saved_whole(item.key()) || !std::regex_match(item.key(), pattern)) continue;
+      ST_CHECK_T(ConfigError, dynamic_cast<nn::LinearImpl*>(item.value().get()) != nullptr, "LoRA target_modules '",
+                 config.target_modules_regex, "' matches ", item.key(), " (", item.value()->name(),
+                 "), which is not a Linear layer; PEFT refuses that pattern too. Narrow it to the Linear layers, "
+                 "e.g. '.*\\.(q_proj|v_proj)'");
+    }
+  }
   std::map<std::string, int> matches;
   for (const auto& name : targets) matches[name] = 0;
   std::vector<nn::LinearImpl*> adapted;
+  std::vector<std::string> left_to_modules_to_save;
   LoraSummary summary;
   for (const auto& [path, linear] : linears) {
     bool chosen = false;
@@ -121,20 +143,37 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
         }
       }
     }
-    if (chosen) {
+    if (chosen && saved_whole(path)) {
+      left_to_modules_to_save.push_back(path);
+    } else if (chosen) {
       adapted.push_back(linear);
       summary.adapted_modules.push_back(path);
     }
   }
   if (!config.target_modules_regex.empty()) {
-    ST_CHECK_T(ConfigError, !adapted.empty(), "LoRA target_modules '", config.target_modules_regex,
-               "' matches no Linear layer of the model; its layers are ", join(linear_paths, 8));
+    ST_CHECK_T(ConfigError, !adapted.empty() || !left_to_modules_to_save.empty(), "LoRA target_modules '",
+               config.target_modules_regex, "' matches no Linear layer of the model; its layers are ",
+               join(linear_paths, 8));
   } else if (!all_linear) {
+    // As PEFT: a name that matches nothing is passed over while another
+    // matches (one target list serves several architectures: q_proj, c_attn);
+    // nothing matching at all is an error.
+    std::vector<std::string> unmatched;
     for (const auto& [name, count] : matches) {
-      ST_CHECK_T(ConfigError, count > 0, "LoRA target module '", name, "' matches no Linear layer of the model; "
-                 "the names there are ", join(distinct_leaf_names(linear_paths), 16));
+      if (count == 0) unmatched.push_back(name);
+    }
+    ST_CHECK_T(ConfigError, unmatched.size() < matches.size(), "LoRA target_modules ", join(unmatched, 16),
+               " match no Linear layer of the model; the names there are ",
+               join(distinct_leaf_names(linear_paths), 16));
+    if (!unmatched.empty()) {
+      ST_LOG_WARN("LoRA target module(s) {} match no Linear layer of this model and are passed over, as PEFT does "
+                  "(a slip of a name? the names here are {})",
+                  join(unmatched, 16), join(distinct_leaf_names(linear_paths), 16));
     }
   }
+  ST_CHECK_T(ConfigError, !adapted.empty(), "LoRA: every layer target_modules names is in modules_to_save (",
+             join(left_to_modules_to_save, 8), "), which trains whole and gets no adapter, as in PEFT; leave it out "
+             "of one of the two");
 
   // Everything is resolved before the model changes, so a refused config
   // leaves it as it was (and a corrected one can be applied).
@@ -167,6 +206,11 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
   for (const auto& p : model.parameters()) {
     summary.total_parameters += p.numel();
     if (p.requires_grad()) summary.trainable_parameters += p.numel();
+  }
+  // PEFT trains a copy of each module to save beside the frozen original, and
+  // its print_trainable_parameters counts both under "all params".
+  for (const auto& module : saved_modules) {
+    for (const auto& p : module->parameters()) summary.total_parameters += p.numel();
   }
   return summary;
 }

@@ -24,6 +24,7 @@
 #include "shardtrain/safetensors.h"
 #include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
+#include "support/log_capture.h"
 #include "support/scratch_dir.h"
 
 namespace {
@@ -222,16 +223,44 @@ TEST(UnitLora, BadTargetsAreRefusedNamingWhatThereIs) {
   {
     LlamaForCausalLM model = golden_llama();
     LoraConfig config = attention_lora();
-    config.target_modules = {"q_proj", "qkv_proj"};
+    config.target_modules = {"c_attn", "qkv_proj"};
     try {
       shardtrain::apply_lora(*model, config);
-      ADD_FAILURE() << "a target that matches nothing was accepted";
+      ADD_FAILURE() << "targets that match nothing were accepted";
     } catch (const ConfigError& e) {
       const std::string what = e.what();
-      EXPECT_NE(what.find("'qkv_proj' matches no Linear layer"), std::string::npos) << what;
+      EXPECT_NE(what.find("target_modules c_attn, qkv_proj match no Linear layer"), std::string::npos) << what;
       EXPECT_NE(what.find("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"), std::string::npos)
           << what;
     }
+  }
+  {
+    // One name matching nothing beside one that matches is passed over with a warning, as PEFT passes it
+    // over (one target list serving several architectures): PEFT's adapters made so must load.
+    LlamaForCausalLM model = golden_llama();
+    LoraConfig config = attention_lora();
+    config.target_modules = {"q_proj", "c_attn"};
+    shardtrain::testing::LogCapture log;
+    EXPECT_EQ(shardtrain::apply_lora(*model, config).adapted_modules.size(), 2u);
+    EXPECT_NE(log.text().find("LoRA target module(s) c_attn match no Linear layer of this model and are passed over"),
+              std::string::npos)
+        << log.text();
+  }
+  {
+    // PEFT full-matches a pattern against every module and refuses one that is not a Linear layer.
+    LlamaForCausalLM model = golden_llama();
+    LoraConfig config = attention_lora();
+    config.target_modules.clear();
+    config.target_modules_regex = ".*layers\\.0\\..*";
+    try {
+      shardtrain::apply_lora(*model, config);
+      ADD_FAILURE() << "a pattern matching an attention module was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("matches model.layers.0.self_attn ("), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("which is not a Linear layer"), std::string::npos) << e.what();
+    }
+    config.target_modules_regex = ".*layers\\.0\\..*_proj";
+    EXPECT_EQ(shardtrain::apply_lora(*model, config).adapted_modules.size(), 7u);
   }
   {
     // A refused config leaves the model as it was: the corrected one applies.
@@ -248,6 +277,43 @@ TEST(UnitLora, BadTargetsAreRefusedNamingWhatThereIs) {
     LoraConfig config = attention_lora();
     config.r = 0;
     EXPECT_THROW(shardtrain::apply_lora(*model, config), ConfigError);
+  }
+}
+
+TEST(UnitLora, AModuleToSaveGetsNoAdapterAndTrainsWholeAsInPeft) {
+  // PEFT keeps adapters out of modules_to_save; an adapter beside the whole
+  // module would be dropped without a word when PEFT loads the file.
+  LlamaForCausalLM model = golden_llama();
+  LoraConfig config = attention_lora();
+  config.target_modules = {"q_proj", "o_proj"};
+  config.modules_to_save = {"o_proj"};
+  const auto summary = shardtrain::apply_lora(*model, config);
+  EXPECT_EQ(summary.adapted_modules,
+            (std::vector<std::string>{"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}));
+  auto params = model->named_parameters();
+  EXPECT_TRUE(params["model.layers.0.self_attn.o_proj.weight"].requires_grad());
+  EXPECT_FALSE(params.contains("model.layers.0.self_attn.o_proj.lora_A.weight"));
+  // As print_trainable_parameters: the copy PEFT trains is counted under "all params" beside the original.
+  int64_t base = 0, o_proj = 0, adapters = 0;
+  for (const auto& item : params) {
+    const bool adapter = item.key().find("lora_") != std::string::npos;
+    (adapter ? adapters : base) += item.value().numel();
+    if (item.key().find("o_proj") != std::string::npos) o_proj += item.value().numel();
+  }
+  EXPECT_EQ(summary.total_parameters, base + adapters + o_proj);
+  EXPECT_EQ(summary.trainable_parameters, adapters + o_proj);
+  const std::string described = summary.describe();
+  EXPECT_NE(described.find(" || trainable%: "), std::string::npos) << described;
+  EXPECT_EQ(described.size() - described.find('.', described.find("trainable%")), 5u) << described;  // ".dddd"
+
+  LlamaForCausalLM other = golden_llama();
+  config.target_modules = {"o_proj"};
+  try {
+    shardtrain::apply_lora(*other, config);
+    ADD_FAILURE() << "a config adapting only modules to save was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("every layer target_modules names is in modules_to_save"), std::string::npos)
+        << e.what();
   }
 }
 
