@@ -56,11 +56,12 @@ LRScheduler::LRScheduler(const SchedulerConfig& config, double base_lr)
 
   if (deepspeed_kind) {
     const int64_t warmup = config.warmup_num_steps.value_or(1000);
-    // "auto" with no warmup in the run resolves to 0; DeepSpeed clamps the
-    // warmup to at least 2 steps (below), so only a negative count is wrong.
-    ST_CHECK_T(ConfigError, warmup >= 0,
-               "scheduler.params.warmup_num_steps must be a non-negative integer for ", type_name(), ", got ",
-               warmup);
+    // DeepSpeed (0.19.6 on) refuses a warmup of 0 for its schedulers, which
+    // warm up over at least 2 steps (the clamp below) in any case; "auto"
+    // resolves to at least 1, as transformers fills it.
+    ST_CHECK_T(ConfigError, warmup >= 1, "scheduler.params.warmup_num_steps must be a positive integer for ",
+               type_name(), ", got ", warmup, " (DeepSpeed refuses it too; its warmup lasts at least 2 steps). For "
+               "no warmup use transformers' linear or cosine schedule with warmup_num_steps 0");
     if (iequals(config.warmup_type, "log")) {
       log_warmup_ = true;
     } else if (iequals(config.warmup_type, "linear")) {
@@ -69,11 +70,9 @@ LRScheduler::LRScheduler(const SchedulerConfig& config, double base_lr)
       ST_THROW(ConfigError, "scheduler.params.warmup_type '", config.warmup_type,
                "' is not supported; expected log or linear");
     }
-    if (kind_ == Kind::kWarmupDecayLR) {
-      ST_CHECK_T(ConfigError, total_ >= warmup, "scheduler.params.total_num_steps (", total_,
-                 ") is smaller than scheduler.params.warmup_num_steps (", warmup,
-                 "): WarmupDecayLR would drop from warmup_max_lr straight to warmup_min_lr when warmup ends");
-    }
+    // WarmupDecayLR with total_num_steps below the warmup runs as DeepSpeed
+    // runs it (the lr drops to warmup_min_lr when the warmup ends); the
+    // config's resolution warns that the run ends during its warmup.
     // DeepSpeed clamps to 2 so that log(warmup) is not 0.
     warmup_ = std::max<int64_t>(2, warmup);
     inverse_log_warmup_ = 1.0 / std::log(static_cast<double>(warmup_));

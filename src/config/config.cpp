@@ -4,6 +4,7 @@
 // resolution in config_resolve.cpp and the writers in config_output.cpp.
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "config/config_internal.h"
 #include "shardtrain/config.h"
@@ -138,9 +139,35 @@ bool scheduler_needs_total_steps(const std::string& type) {
   return type == "WarmupDecayLR" || type == "WarmupCosineLR" || type == "linear" || type == "cosine";
 }
 
-int64_t default_warmup_steps(const std::string& type) {
-  const bool deepspeed_scheduler = type == "WarmupLR" || type == "WarmupDecayLR" || type == "WarmupCosineLR";
-  return deepspeed_scheduler ? kDeepSpeedWarmupSteps : 0;
+bool is_deepspeed_scheduler(const std::string& type) {
+  return type == "WarmupLR" || type == "WarmupDecayLR" || type == "WarmupCosineLR";
+}
+
+int64_t default_warmup_steps(const std::string& type) { return is_deepspeed_scheduler(type) ? kDeepSpeedWarmupSteps : 0; }
+
+const std::vector<std::string>& scheduler_params(const std::string& type) {
+  // deepspeed/runtime/lr_schedules.py's constructors (last_batch_iteration,
+  // which all three take, is read and warned about separately); transformers'
+  // get_scheduler: warmup and total steps for linear and cosine, none for constant.
+  static const std::map<std::string, std::vector<std::string>> kParams = {
+      {"WarmupLR", {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}},
+      {"WarmupDecayLR", {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}},
+      {"WarmupCosineLR", {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"}},
+      {"linear", {"warmup_num_steps", "total_num_steps"}},
+      {"cosine", {"warmup_num_steps", "total_num_steps"}},
+      {"constant", {}},
+  };
+  static const std::vector<std::string> kNone;
+  auto it = kParams.find(type);
+  return it == kParams.end() ? kNone : it->second;
+}
+
+bool is_scheduler_param(const std::string& key) {
+  for (const std::string& type : scheduler_types()) {
+    const auto& params = scheduler_params(type);
+    if (std::find(params.begin(), params.end(), key) != params.end()) return true;
+  }
+  return false;
 }
 
 void check_precision_flags(const TrainingConfig& config, const std::string& where) {

@@ -30,8 +30,16 @@ std::optional<DType> dtype_from_name(const std::string& name);
 const std::vector<std::string>& optimizer_types();           ///< AdamW, Adam, SGD
 const std::vector<std::string>& scheduler_types();           ///< WarmupLR, ..., constant
 bool scheduler_needs_total_steps(const std::string& type);
+/// WarmupLR, WarmupDecayLR, WarmupCosineLR (as against transformers' linear, cosine, constant).
+bool is_deepspeed_scheduler(const std::string& type);
 /// DeepSpeed's own schedulers default to 1000 warmup steps; the others to 0.
 int64_t default_warmup_steps(const std::string& type);
+/// The scheduler.params keys `type` takes: its constructor's keyword
+/// arguments (DeepSpeed calls scheduler(optimizer, **params), so any other is
+/// a TypeError there). The reader refuses the others; the writer writes these.
+const std::vector<std::string>& scheduler_params(const std::string& type);
+/// `key` is a parameter of some scheduler (of scheduler_types()).
+bool is_scheduler_param(const std::string& key);
 
 /// Raises ConfigError when fp16 and bf16 are both on, or when either
 /// contradicts mixed_precision; `where` names the caller for the message.

@@ -50,25 +50,22 @@ Node optimizer_tree(const TrainingConfig& config, bool for_deepspeed) {
   return Node::map().add("type", Node::of(optimizer.type)).add("params", std::move(params));
 }
 
-Node scheduler_tree(const TrainingConfig& config, bool for_deepspeed) {
+Node scheduler_tree(const TrainingConfig& config) {
   const SchedulerConfig& scheduler = config.scheduler;
   const std::string& type = scheduler.type;
-  const bool warmup_lr_family = type == "WarmupLR" || type == "WarmupDecayLR";
-  const bool cosine_family = type == "WarmupCosineLR";
+  // Only the keys the type takes: DeepSpeed refuses any other, and a value
+  // the schedule never reads would only mislead whoever reads the dump.
   Node params = Node::map();
-  if (!for_deepspeed || warmup_lr_family) {
-    params.add("warmup_min_lr", optional_double(scheduler.warmup_min_lr));
-    params.add("warmup_max_lr", optional_double(scheduler.warmup_max_lr));
-  }
-  params.add("warmup_num_steps", int_or_default(config, scheduler.warmup_num_steps, kWarmupStepsKey,
-                                                default_warmup_steps(type)));
-  if (!for_deepspeed || scheduler_needs_total_steps(type)) {
-    params.add("total_num_steps", optional_int(scheduler.total_num_steps));
-  }
-  if (!for_deepspeed || warmup_lr_family || cosine_family) params.add("warmup_type", Node::of(scheduler.warmup_type));
-  if (!for_deepspeed || cosine_family) {
-    params.add("cos_min_ratio", Node::of(scheduler.cos_min_ratio));
-    params.add("warmup_min_ratio", Node::of(scheduler.warmup_min_ratio));
+  for (const std::string& key : scheduler_params(type)) {
+    if (key == "warmup_min_lr") params.add(key, optional_double(scheduler.warmup_min_lr));
+    if (key == "warmup_max_lr") params.add(key, optional_double(scheduler.warmup_max_lr));
+    if (key == "warmup_num_steps") {
+      params.add(key, int_or_default(config, scheduler.warmup_num_steps, kWarmupStepsKey, default_warmup_steps(type)));
+    }
+    if (key == "total_num_steps") params.add(key, optional_int(scheduler.total_num_steps));
+    if (key == "warmup_type") params.add(key, Node::of(scheduler.warmup_type));
+    if (key == "cos_min_ratio") params.add(key, Node::of(scheduler.cos_min_ratio));
+    if (key == "warmup_min_ratio") params.add(key, Node::of(scheduler.warmup_min_ratio));
   }
   return Node::map().add("type", Node::of(type)).add("params", std::move(params));
 }
@@ -161,7 +158,7 @@ Node deepspeed_tree(const TrainingConfig& config, bool for_deepspeed) {
   // No block means the program brings its own optimizer / scheduler (DeepSpeed's
   // client optimizer); printing defaults would claim a choice nobody made.
   if (config.optimizer.specified) tree.add("optimizer", optimizer_tree(config, for_deepspeed));
-  if (config.scheduler.specified) tree.add("scheduler", scheduler_tree(config, for_deepspeed));
+  if (config.scheduler.specified) tree.add("scheduler", scheduler_tree(config));
   const LossScaleConfig& fp16 = config.fp16;
   Node fp16_tree = Node::map()
                        .add("enabled", Node::of(fp16.enabled))

@@ -1,6 +1,7 @@
 // resolve_auto: fills "auto" and unset values from the run, following
 // Transformers' HfTrainerDeepSpeedConfig and Accelerate's _prepare_deepspeed
 // (reference/deepspeed.md §3), and checks what only the run can check.
+#include <algorithm>
 #include <string>
 
 #include "config/config_internal.h"
@@ -142,9 +143,12 @@ void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
   const bool run_gives_warmup = config.is_auto(config_detail::kWarmupStepsKey) && !context.warmup_steps;
   if (!scheduler.warmup_num_steps && !(run_gives_warmup && context.leave_run_values_auto)) {
     // "auto" is the run's warmup (Transformers: warmup_steps / warmup_ratio,
-    // 0 unless asked); an absent key is DeepSpeed's default for its schedulers.
+    // 0 unless asked), at least 1 for DeepSpeed's schedulers, which refuse 0
+    // (transformers' own fill does the same); an absent key is DeepSpeed's
+    // default for its schedulers.
+    const int64_t floor = config_detail::is_deepspeed_scheduler(scheduler.type) ? 1 : 0;
     scheduler.warmup_num_steps = config.is_auto(config_detail::kWarmupStepsKey)
-                                     ? context.warmup_steps.value_or(0)
+                                     ? std::max(floor, context.warmup_steps.value_or(0))
                                      : config_detail::default_warmup_steps(scheduler.type);
   }
   if (scheduler.warmup_num_steps && *scheduler.warmup_num_steps < 0) {

@@ -4,6 +4,7 @@
 // plus the extras shardtrain honours in any config file (precision_audit,
 // strict, ...). config_load.cpp runs these keys over every document, since
 // an Accelerate file may carry them inline.
+#include <algorithm>
 #include <array>
 #include <functional>
 #include <limits>
@@ -104,6 +105,20 @@ void read_optimizer(ParseState& state, const Field& block) {
 void read_scheduler_params(ParseState& state, const Field& block) {
   require_map(block, "{warmup_num_steps: 100}");
   SchedulerConfig& scheduler = state.config.scheduler;
+  // A key of another scheduler would be read and never used (a WarmupCosineLR
+  // that ignores its warmup_max_lr); DeepSpeed stops with a TypeError.
+  const std::vector<std::string>& takes = config_detail::scheduler_params(scheduler.type);
+  for (const auto& [key, value] : block.node.members) {
+    const bool another_schedulers = key != "last_batch_iteration" &&
+                                    std::find(takes.begin(), takes.end(), key) == takes.end() &&
+                                    config_detail::is_scheduler_param(key);
+    if (another_schedulers) {
+      Field{block.source, "scheduler.params." + key, "scheduler.params." + key, value}.fail(
+          "scheduler.params." + key + " is not a parameter of " + scheduler.type + ", which takes " +
+          (takes.empty() ? std::string("none") : join(takes, ", ")) +
+          " (DeepSpeed refuses it too); remove it, or pick the scheduler it belongs to");
+    }
+  }
   Section section(state, block.source, "scheduler.params.");
   section
       .on("warmup_min_lr",
@@ -118,8 +133,13 @@ void read_scheduler_params(ParseState& state, const Field& block) {
           })
       .on("warmup_num_steps",
           [&](const Field& f) {
-            assign(state, f, scheduler.warmup_num_steps,
-                   [&] { return f.integer_at_least(0, "an integer >= 0 or \"auto\""); });
+            // DeepSpeed's schedulers refuse 0 (they warm up over at least 2 steps); transformers' take it.
+            assign(state, f, scheduler.warmup_num_steps, [&] {
+              return config_detail::is_deepspeed_scheduler(scheduler.type)
+                         ? f.integer_at_least(1, "a positive integer or \"auto\" for " + scheduler.type +
+                                                     " (DeepSpeed refuses 0)")
+                         : f.integer_at_least(0, "an integer >= 0 or \"auto\"");
+            });
           })
       .on("total_num_steps",
           [&](const Field& f) {

@@ -258,6 +258,12 @@ TEST(UnitConfigErrors, EveryMalformedConfigFailsWithItsMessage) {
       {"scheduler_unknown.json",
        {"scheduler.type: WarmupDecay is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR, linear, cosine, "
         "constant"}},
+      {"scheduler_param_of_another.json",
+       {"scheduler_param_of_another.json", "scheduler.params.warmup_max_lr is not a parameter of WarmupCosineLR, "
+        "which takes total_num_steps, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type"}},
+      {"scheduler_warmup_zero.json",
+       {"scheduler.params.warmup_num_steps must be a positive integer or \"auto\" for WarmupLR (DeepSpeed refuses 0)",
+        "got 0"}},
       {"gradient_accumulation_zero.json", {"gradient_accumulation_steps must be an integer >= 1", "got 0"}},
       {"mixed_precision_fp32.yaml", {"mixed_precision: fp32 is not one of no, fp16, bf16"}},
       {"bucket_not_integral.json", {"zero_optimization.reduce_bucket_size must be an integer >= 0", "got 1.5"}},
@@ -674,6 +680,8 @@ TEST(UnitConfigAuto, OptimizerSchedulerAndFsdpDefaults) {
   EXPECT_EQ(resolved.scheduler.warmup_max_lr, std::optional<double>(1e-3));
   EXPECT_EQ(resolved.scheduler.warmup_min_lr, std::optional<double>(0.0));
   EXPECT_EQ(resolved.scheduler.warmup_num_steps, std::optional<int64_t>(30));
+  // A run without warmup fills "auto" with 1, as transformers does: DeepSpeed's schedulers refuse 0.
+  EXPECT_EQ(shardtrain::resolve_auto(config, AutoContext{}).scheduler.warmup_num_steps, std::optional<int64_t>(1));
 
   const TrainingConfig adamw = shardtrain::resolve_auto(
       shardtrain::parse_config(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},

@@ -566,15 +566,36 @@ TEST(UnitLRScheduler, WarmupDecayLRDecaysLinearlyToMin) {
   EXPECT_DOUBLE_EQ(LRScheduler(unset, 123.0).lr_at(5), SchedulerConfig::kWarmupDecayMaxLrDefault);
 }
 
-TEST(UnitLRScheduler, WarmupDecayLRRejectsTotalBelowWarmupNamingBothKeys) {
-  try {
-    LRScheduler s(scheduler("WarmupDecayLR", 10, 5), 1e-3);
-    FAIL() << "no ConfigError";
-  } catch (const ConfigError& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("total_num_steps"), std::string::npos) << what;
-    EXPECT_NE(what.find("warmup_num_steps"), std::string::npos) << what;
+TEST(UnitLRScheduler, WarmupDecayLRWithTotalBelowWarmupRunsAsDeepSpeedRunsIt) {
+  // DeepSpeed warns and runs: the warmup, then warmup_min_lr (deepspeed 0.19.8, linear warmup 5, total 3).
+  SchedulerConfig c = scheduler("WarmupDecayLR", 5, 3, "linear");
+  c.warmup_min_lr = 0.0;
+  c.warmup_max_lr = 1e-3;
+  const LRScheduler s(c, 1.0);
+  // DeepSpeed's arithmetic, min_lr + (max_lr - min_lr) * gamma with gamma = it / warmup: 0, 0, 2e-4, ..., 8e-4,
+  // then 0 once the warmup is over (gamma = max(0, (3 - it) / max(1, 3 - 5))).
+  const std::vector<double> deepspeed = {0, 0, 1e-3 * (1 / 5.0), 1e-3 * (2 / 5.0), 1e-3 * (3 / 5.0),
+                                         1e-3 * (4 / 5.0), 0, 0};
+  for (size_t step = 0; step < deepspeed.size(); ++step) {
+    EXPECT_DOUBLE_EQ(s.lr_at(static_cast<int64_t>(step)), deepspeed[step]) << "step " << step;
   }
+}
+
+TEST(UnitLRScheduler, DeepSpeedSchedulersRefuseAWarmupOfZeroAsDeepSpeedDoes) {
+  for (const char* type : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}) {
+    try {
+      LRScheduler s(scheduler(type, 0, 10), 1e-3);
+      ADD_FAILURE() << type << " took a warmup of 0";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("warmup_num_steps must be a positive integer for " + std::string(type) +
+                                           ", got 0 (DeepSpeed refuses it too"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // transformers' schedules take 0: the first update runs at the full lr.
+  EXPECT_DOUBLE_EQ(LRScheduler(scheduler("linear", 0, 10), 2.0).lr_at(0), 2.0);
+  EXPECT_DOUBLE_EQ(LRScheduler(scheduler("cosine", 0, 10), 2.0).lr_at(0), 2.0);
 }
 
 TEST(UnitLRScheduler, WarmupCosineLRRatios) {
