@@ -113,6 +113,13 @@ def main():
                                            output_scores=True, return_dict_in_generate=True)
             ids = generated.sequences[0, len(prompt["prompt_ids"]):].tolist()
             gap = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in generated.scores)
+            # Two fp32 implementations of the same forward (shardtrain's SDPA,
+            # transformers' eager attention) differ in the logits by summation
+            # order alone: at most about n * 2^-24 * sum|terms| per logit, with
+            # n ~ 2 layers x (hidden 24 + intermediate 32) products and terms of
+            # these small random models below 10: ~7e-5, doubled for both
+            # sides 1.3e-4. A step whose two best logits are closer than 1e-3
+            # could flip the greedy id with rounding alone.
             if gap <= 1e-3:
                 sys.exit(f"hf_golden: {name}: greedy step with near-tied logits ({gap}); pick another prompt")
             with open(os.path.join(out, "greedy.json"), "w") as f:

@@ -385,6 +385,10 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   const bool verbose = main_process && !options.quiet;
 
   // ---- model, tokenizer, data
+  // The LoRA config is read and checked before the data is tokenized (which
+  // takes a while on a large set), so a mistake in it stops the run at once.
+  const std::optional<shardtrain::LoraConfig> lora = lora_config_of(options);
+  if (lora) lora->validate();
   ModelSpec spec = model_spec(options);
   const models::LlamaConfig& mc = spec.config;
   const std::string tokenizer_path =
@@ -464,7 +468,6 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   if (checkpointing == "selective") model->set_activation_checkpointing(models::ActivationCheckpointing::kSelective);
   int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();
-  const std::optional<shardtrain::LoraConfig> lora = lora_config_of(options);
   if (lora) {
     shardtrain::LoraSummary adapters;
     if (!options.lora_adapter.empty()) {

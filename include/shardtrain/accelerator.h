@@ -161,11 +161,16 @@ class Accelerator {
   Accelerator& operator=(const Accelerator&) = delete;
 
   // ---- processes
+  /// This process's rank in the job (RANK), its rank on this machine
+  /// (LOCAL_RANK) and the job's size (WORLD_SIZE), as Accelerate's
+  /// process_index, local_process_index and num_processes.
   int process_index() const;
   int local_process_index() const;
   int num_processes() const;
   bool is_main_process() const { return process_index() == 0; }
   bool is_local_main_process() const { return local_process_index() == 0; }
+  /// The job's collectives (comm/communicator.h), for a program's own
+  /// all-reduces and barriers; every rank must make the same calls.
   comm::Communicator& communicator();
   /// Where this process computes: the communicator's device (cuda:LOCAL_RANK
   /// under nccl, cpu under gloo). Put the model and the batches here before
@@ -193,6 +198,8 @@ class Accelerator {
   /// and load_state restores them, so a resumed run continues at the exact sample.
   DistributedSampler& prepare_sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true,
                                       bool drop_last = false);
+  /// Which dtype each stage uses and the bytes per parameter each rank holds,
+  /// resolved at prepare() (precision_plan.h); rank 0 prints it then.
   const PrecisionPlan& precision_plan() const;
   /// Whether this rank should build the model with its weights (and load
   /// them). False on ranks other than 0 under fsdp_cpu_ram_efficient_loading
@@ -228,8 +235,15 @@ class Accelerator {
   /// NO_SHARD units that do not alias their shard) follow the first rule;
   /// FSDP always overlaps.
   void step();
+  /// Clears the gradients, as optimizer.zero_grad() in an Accelerate loop:
+  /// at an accumulation boundary or before a window's first backward; inside
+  /// a window it keeps the gradients accumulated so far (as Accelerate's
+  /// accumulate() does).
   void zero_grad();
+  /// The learning rate the next optimizer update uses (the scheduler's, else the optimizer's).
   double current_lr() const;
+  /// What the last step() did: its number, whether it updated or skipped
+  /// (fp16 overflow), the loss scale and the gradient norm (step_report.h).
   const StepInfo& last_step() const;
 
   // ---- collectives for metrics
@@ -239,11 +253,12 @@ class Accelerator {
   at::Tensor gather_for_metrics(const at::Tensor& tensor);
   /// All-reduces a copy ("sum", "mean" or "max"), with gather_for_metrics's device rule.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "mean");
+  /// A barrier over every rank (with the collective timeout).
   void wait_for_everyone();
   /// Prints on the main process only.
   void print(const std::string& text) const;
 
-  // ---- checkpoints (both engines, any world size; see DESIGN.md)
+  // ---- checkpoints (both engines, any world size; docs/checkpoints.md)
   /// Saves the run's whole state under DIR/TAG (TAG empty: "step_<N>") and
   /// points DIR/latest at it once it is complete. Collective. Returns DIR/TAG.
   /// Call it after step() (not inside an accumulation window: that throws).
@@ -289,19 +304,24 @@ class Accelerator {
   /// too big for every rank's host memory is written with save_model, which
   /// streams from the shards.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  /// The bytes this rank's engine holds, by kind (parameter shards,
+  /// gradients, master, optimizer state, gathered buffers, their peaks since
+  /// reset_memory_peaks()); step_report.h.
   MemoryReport memory() const;
   void reset_memory_peaks();
   /// Parameter bytes all-gathered since the last reset_traffic() (zero before prepare()).
   TrafficReport traffic() const;
   void reset_traffic();
 
-  // Used by PreparedModel.
+ private:
+  // The forward's frame, which only PreparedModel opens and closes.
+  template <typename ModuleHolder>
+  friend class PreparedModel;
   void begin_forward();
   at::Tensor end_forward(at::Tensor output);
   /// Waits for the parameter gathers step() left in flight (see step()).
   void complete_parameters();
 
- private:
   // The engine is not part of the installed API; shardtrain's own tests reach
   // it through src/accelerator_internals.h.
   friend struct AcceleratorInternals;

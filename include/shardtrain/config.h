@@ -233,6 +233,7 @@ struct TrainingConfig {
   /// DeepSpeed's fixed defaults; scheduler warmup: the run's vs DeepSpeed's
   /// 1000) resolve_auto reads this; it empties the list once everything is resolved.
   std::vector<std::string> auto_keys;
+  /// Whether `key` (DeepSpeed's dotted name) was "auto" and is not resolved yet.
   bool is_auto(const std::string& key) const;
 
   /// The ZeRO stage the run uses: zero.stage under DEEPSPEED; 0 otherwise.

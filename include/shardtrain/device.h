@@ -51,7 +51,10 @@ struct DeviceMemory {
   int64_t reserved = 0;        ///< bytes the allocator holds from the driver now
   int64_t peak_reserved = 0;
 };
+/// The counters now (torch.cuda.memory_allocated / max_memory_allocated /
+/// memory_reserved / max_memory_reserved).
 DeviceMemory device_memory(const c10::Device& device);
+/// Starts the peaks anew from the current values (torch.cuda.reset_peak_memory_stats).
 void reset_device_peak_memory(const c10::Device& device);
 
 }  // namespace shardtrain

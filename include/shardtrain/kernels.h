@@ -1,19 +1,20 @@
 #pragma once
-// The kernel layer the engines call: one function per feature, dispatched on
-// the device of the tensors it is given, to the CPU kernels
-// (src/kernels/cpu/cpu_kernels.h) or the CUDA launchers
-// (src/kernels/cuda/cuda_kernels.h), which share their per-element arithmetic
-// (src/kernels/element_math.h).
-//
-// Public because a plain training loop that must match an engine bit for bit
-// (examples/tiny/reference_adam.h, the parity tests' reference) steps its
-// parameters with these same functions.
-//
-// Every tensor must be defined, contiguous and on one device. CUDA kernels
-// are enqueued on ATen's current stream of that device and never synchronise
-// the host. Results (norms, flags) stay on the tensors' device as 0-dim
-// tensors, so the engines can reduce them over ranks before anything waits
-// for the GPU. Errors throw shardtrain::Error naming the argument and device.
+/// @file kernels.h
+/// The kernel layer the engines call: one function per feature, dispatched on
+/// the device of the tensors it is given, to the CPU kernels
+/// (src/kernels/cpu/cpu_kernels.h) or the CUDA launchers
+/// (src/kernels/cuda/cuda_kernels.h), which share their per-element arithmetic
+/// (src/kernels/element_math.h).
+///
+/// Public because a plain training loop that must match an engine bit for bit
+/// (examples/tiny/reference_adam.h, the parity tests' reference) steps its
+/// parameters with these same functions.
+///
+/// Every tensor must be defined, contiguous and on one device. CUDA kernels
+/// are enqueued on ATen's current stream of that device and never synchronise
+/// the host. Results (norms, flags) stay on the tensors' device as 0-dim
+/// tensors, so the engines can reduce them over ranks before anything waits
+/// for the GPU. Errors throw shardtrain::Error naming the argument and device.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>

@@ -1,27 +1,28 @@
 #pragma once
-// Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and
-// WarmupCosineLR (deepspeed/runtime/lr_schedules.py) and Transformers'
-// "linear" / "cosine" with warmup (get_linear_schedule_with_warmup,
-// get_cosine_schedule_with_warmup), plus "constant".
-//
-// The scheduler is a pure function of the number of optimizer updates already
-// applied, so its whole checkpoint state is that counter.
-//
-// Step conventions, reproduced from how each original is driven:
-//  * DeepSpeed constructs its scheduler with last_batch_iteration = -1, which
-//    sets the lr of the first update to get_lr() at iteration -1 (warmup_min_lr
-//    for WarmupLR/WarmupDecayLR, 0 for WarmupCosineLR), and calls
-//    scheduler.step() after every applied update. The lr of update k+1 is
-//    therefore DeepSpeed's formula at last_batch_iteration = k - 1:
-//      lr_at(0)   = formula(-1)
-//      lr_at(k)   = formula(k - 1)
-//    e.g. WarmupLR/log: lr_at(k) = min + (max - min) * log(k) / log(W) for
-//    1 <= k <= W, with W = max(2, warmup_num_steps); the first two updates
-//    both use warmup_min_lr, exactly as under DeepSpeed.
-//  * Transformers' schedules are LambdaLR(last_epoch = 0 at construction), so
-//    the lr of update k+1 is base_lr * lambda(k): lr_at(k) = base_lr * lambda(k).
-// Skipped (fp16 overflow) updates do not advance the counter: DeepSpeed and
-// Accelerate do not step the scheduler for them either.
+/// @file lr_scheduler.h
+/// Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and
+/// WarmupCosineLR (deepspeed/runtime/lr_schedules.py) and Transformers'
+/// "linear" / "cosine" with warmup (get_linear_schedule_with_warmup,
+/// get_cosine_schedule_with_warmup), plus "constant".
+///
+/// The scheduler is a pure function of the number of optimizer updates already
+/// applied, so its whole checkpoint state is that counter.
+///
+/// Step conventions, reproduced from how each original is driven:
+///  * DeepSpeed constructs its scheduler with last_batch_iteration = -1, which
+///    sets the lr of the first update to get_lr() at iteration -1 (warmup_min_lr
+///    for WarmupLR/WarmupDecayLR, 0 for WarmupCosineLR), and calls
+///    scheduler.step() after every applied update. The lr of update k+1 is
+///    therefore DeepSpeed's formula at last_batch_iteration = k - 1:
+///      lr_at(0)   = formula(-1)
+///      lr_at(k)   = formula(k - 1)
+///    e.g. WarmupLR/log: lr_at(k) = min + (max - min) * log(k) / log(W) for
+///    1 <= k <= W, with W = max(2, warmup_num_steps); the first two updates
+///    both use warmup_min_lr, exactly as under DeepSpeed.
+///  * Transformers' schedules are LambdaLR(last_epoch = 0 at construction), so
+///    the lr of update k+1 is base_lr * lambda(k): lr_at(k) = base_lr * lambda(k).
+/// Skipped (fp16 overflow) updates do not advance the counter: DeepSpeed and
+/// Accelerate do not step the scheduler for them either.
 
 #include <cstdint>
 #include <string>

@@ -1,7 +1,7 @@
 #pragma once
 /// @file precision_plan.h
 /// Which dtype each stage of a run uses and what it costs per parameter — the
-/// table of DESIGN.md, resolved for one config, model size and world size.
+/// table of docs/precision.md, resolved for one config, model size and world size.
 /// Rank 0 prints it at start; tests compare the engines' measured memory to it.
 
 #include <cstdint>
@@ -71,7 +71,8 @@ struct PrecisionPlan {
   int shard_count = 1;
   std::string notes;  ///< e.g. fp16 on CPU computes in fp32; pure mode loses small updates
 
-  /// Optimizer bytes per parameter per copy of the model (master + state), DESIGN.md's last column.
+  /// Optimizer bytes per parameter per copy of the model (master + state): the
+  /// last column of docs/precision.md's table.
   double optimizer_bytes_per_param_total() const;
   int64_t predicted_bytes(double per_param) const { return static_cast<int64_t>(per_param * num_params); }
   /// The NF4 base's bytes on one rank: its shard, or all of it where

@@ -590,8 +590,7 @@ std::vector<double> train_buffered(shardtrain::Accelerator& accelerator, Buffere
   std::vector<double> losses;
   for (int step = first; step < first + steps; ++step) {
     at::Tensor x = at::sin(at::arange(16, at::kFloat).view({2, 8}) * (rank + 1) * (step + 1));
-    accelerator.begin_forward();
-    at::Tensor out = accelerator.end_forward(model->forward(x));
+    at::Tensor out = shardtrain::PreparedModel<BufferedModel>(model, &accelerator)(x);
     at::Tensor loss = out.pow(2).mean();
     accelerator.backward(loss);
     accelerator.step();

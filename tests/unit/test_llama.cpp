@@ -1,5 +1,5 @@
-// Llama / Mistral models against golden logits from Hugging Face transformers (scripts/hf_golden.py)
-// (an independent plain-PyTorch transcription of transformers' math).
+// Llama / Mistral models against golden logits that Hugging Face transformers
+// computes on the same weights at build time (scripts/hf_golden.py).
 
 #include <gtest/gtest.h>
 

@@ -115,9 +115,23 @@ class Communicator {
   virtual void check_health() const {}
   const CommOptions& options() const { return options_; }
 
+  // The collectives. Each returns at once with a handle whose wait() blocks
+  // until the result is in place (bounded by CommOptions::timeout); every
+  // rank must issue the same collectives in the same order, on tensors of
+  // device() and one dtype, flattened in memory order (any shape).
+
+  /// `output` receives every rank's `input` in rank order. It holds
+  /// world_size x input.numel() elements, or fewer by part of the last
+  /// rank's chunk (a flat buffer whose padding is cut off).
   WorkPtr all_gather_async(const at::Tensor& output, const at::Tensor& input);
+  /// `input` reduced over the ranks with `op`; this rank receives chunk
+  /// rank() (output.numel() elements) in `output`. `input` holds world_size x
+  /// output.numel() elements, or fewer by less than one chunk (the missing
+  /// tail counts as zeros). kAvg needs a floating-point dtype.
   WorkPtr reduce_scatter_async(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  /// `tensor` reduced over the ranks with `op`, in place on every rank.
   WorkPtr all_reduce_async(const at::Tensor& tensor, ReduceOp op);
+  /// Copies `root`'s (group rank) tensor into every rank's `tensor`, in place.
   WorkPtr broadcast_async(const at::Tensor& tensor, int root);
 
   /// Several all-gathers issued together: outputs[i] receives every rank's

@@ -36,9 +36,12 @@ namespace shardtrain::models {
 /// read); reads are thread-safe.
 class HfCheckpoint {
  public:
+  /// Throws shardtrain::Error naming the file when neither weights file is
+  /// there, the index is malformed, or it maps a tensor to a file without it.
   explicit HfCheckpoint(const std::string& model_dir);
 
   const std::string& dir() const { return dir_; }
+  /// Whether some file of the directory holds tensor `name`.
   bool contains(const std::string& name) const;
   /// Throws shardtrain::Error naming the tensor and the directory when absent.
   const safetensors::TensorInfo& info(const std::string& name) const;
