@@ -9,8 +9,11 @@
 //
 // --prompt is tokenized with DIR/tokenizer.model (or --tokenizer) and BOS
 // (config.json's bos_token_id) is prepended; --prompt-ids are used as given.
-// Generation stops after config.json's eos_token_id, any of them when it lists
-// several, as transformers' generate() does (unless --ignore-eos).
+// Generation stops after the eos ids of generation_config.json, else of
+// config.json, any of them when several are listed, as transformers'
+// generate() does (unless --ignore-eos). Sampling (--temperature, --top-k
+// default 50, --top-p) follows transformers' warpers; a generation_config.json
+// that samples sets the defaults.
 //
 // --chat-format llama2|mistral formats the prompt exactly as the fine-tune's
 // training prefix (models::format_prompt: "<s>[INST] prompt [/INST]", single
@@ -100,16 +103,20 @@ int main(int argc, char** argv) {
   text_opt->excludes(ids_opt)->excludes(file_opt);
   ids_opt->excludes(file_opt);
   app.add_option("--max-new-tokens", options.max_new_tokens, "Tokens to generate at most")->capture_default_str();
-  app.add_option("--temperature", options.temperature, "0: greedy; otherwise sampling temperature")
-      ->capture_default_str();
-  app.add_option("--top-p", options.top_p, "Nucleus sampling mass in (0, 1]")->capture_default_str();
+  auto* temperature_opt = app.add_option("--temperature", options.temperature,
+                                         "0: greedy; otherwise sampling temperature (default: greedy, or the "
+                                         "model's generation_config.json when it samples)");
+  auto* top_k_opt = app.add_option("--top-k", options.top_k,
+                                   "Sampling among the K most probable tokens (0: all; transformers' default 50)")
+                        ->capture_default_str();
+  auto* top_p_opt = app.add_option("--top-p", options.top_p, "Nucleus sampling mass in (0, 1]")->capture_default_str();
   app.add_option("--seed", options.seed, "Sampling seed")->capture_default_str();
   app.add_option("--device", device_name,
                  "cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto (a GPU when visible); with --config the backend "
                  "follows the device")
       ->capture_default_str();
   app.add_flag("--print-ids", print_ids, "Print the generated token ids comma-separated instead of text");
-  app.add_flag("--ignore-eos", ignore_eos, "Do not stop at config.json's eos_token_id");
+  app.add_flag("--ignore-eos", ignore_eos, "Do not stop at the eos ids (generation_config.json's, else config.json's)");
   app.add_flag("--no-bos", no_bos, "Do not prepend BOS to --prompt");
   app.add_option("--chat-format", chat_format,
                  "Format --prompt as the fine-tune's training prefix (llama2, mistral: '<s>[INST] prompt [/INST]')")
@@ -176,10 +183,42 @@ int main(int argc, char** argv) {
                    " is outside the model's vocabulary (vocab_size ", config.vocab_size, ")");
       }
     }
+    // generation_config.json's settings are the defaults, as transformers'
+    // generate() takes them: its eos ids (Llama 3 instruct lists its
+    // end-of-turn id there only) and, when it samples, its sampling values;
+    // the flags given override them.
+    const std::optional<sm::GenerationConfigFile> generation_config = sm::read_generation_config(model_dir);
+    if (generation_config && generation_config->do_sample && temperature_opt->count() == 0) {
+      options.temperature = generation_config->temperature.value_or(1.0);
+    }
+    if (generation_config && options.temperature > 0.0) {
+      if (top_k_opt->count() == 0 && generation_config->top_k) options.top_k = *generation_config->top_k;
+      if (top_p_opt->count() == 0 && generation_config->top_p) options.top_p = *generation_config->top_p;
+      std::cerr << "sampling with " << model_dir << "/generation_config.json's defaults under the flags given: "
+                << "temperature " << options.temperature << ", top_k " << options.top_k << ", top_p "
+                << options.top_p << " (--temperature 0: greedy)" << std::endl;
+    }
+    if (options.temperature == 0.0 && (top_k_opt->count() > 0 || top_p_opt->count() > 0)) {
+      std::cerr << "warning: --top-k and --top-p shape sampling only; without --temperature the decoding is greedy"
+                << std::endl;
+    }
     if (!ignore_eos) {
-      options.stop_ids = {config.eos_token_id};
-      options.stop_ids.insert(options.stop_ids.end(), config.other_eos_token_ids.begin(),
-                              config.other_eos_token_ids.end());
+      if (generation_config && !generation_config->eos_token_ids.empty()) {
+        options.stop_ids = generation_config->eos_token_ids;
+      } else {
+        options.stop_ids = {config.eos_token_id};
+        options.stop_ids.insert(options.stop_ids.end(), config.other_eos_token_ids.begin(),
+                                config.other_eos_token_ids.end());
+      }
+    }
+    for (const auto& p : prompts) {
+      const int64_t length = static_cast<int64_t>(p.ids.size()) + options.max_new_tokens;
+      if (length > config.max_position_embeddings) {
+        std::cerr << "warning: prompt and new tokens reach " << length << " positions, past the model's "
+                  << "max_position_embeddings (" << config.max_position_embeddings
+                  << "); what comes after may be degenerate" << std::endl;
+        break;
+      }
     }
 
     const at::Device device = shardtrain::resolve_device(device_name, shardtrain::detect_dist_env().local_rank);
@@ -193,6 +232,7 @@ int main(int argc, char** argv) {
       shardtrain::load_lora_adapter(*model, lora_adapter, &adapters);
       std::cerr << "LoRA adapter " << lora_adapter << " on " << adapters.adapted_modules.size() << " layers"
                 << std::endl;
+      if (!adapters.unmatched_targets.empty()) std::cerr << "warning: " << adapters.describe_unmatched() << std::endl;
     }
     model->to(device);
     model->eval();

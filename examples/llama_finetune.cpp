@@ -73,8 +73,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", options.max_steps, "Optimizer steps")->capture_default_str();
   app.add_option("--lr", options.lr, "Peak learning rate")->capture_default_str();
   app.add_option("--weight-decay", options.weight_decay, "AdamW weight decay")->capture_default_str();
-  app.add_option("--warmup", options.warmup, "Warmup steps (linear, DeepSpeed's WarmupCosineLR: the first two updates run at lr 0 "
-                 "whatever the warmup), then cosine decay to 0.1 x lr")->capture_default_str();
+  app.add_option("--warmup", options.warmup,
+                 "Warmup steps: linear (DeepSpeed's WarmupCosineLR: the first two updates run at lr 0 whatever "
+                 "the warmup), then cosine decay to 0.1 x lr; a config with a scheduler block runs its own "
+                 "schedule, with this as its \"auto\" warmup_num_steps")
+      ->capture_default_str();
   app.add_option("--max-grad-norm", options.max_grad_norm, "Gradient clipping (config \"auto\")")->capture_default_str();
   app.add_option("--seed", options.seed, "Seed of the init, the data order and sampling")->capture_default_str();
   app.add_option("--load-dtype", options.load_dtype,

@@ -90,6 +90,8 @@ struct Accelerator::State {
   double base_lr = 1e-3;
   int64_t accumulation = 1;
   int64_t micro_in_window = 0;  // backward() calls since the last boundary
+  bool window_closed = false;    // the last backward() was the window's last: step() applies the update
+  bool close_window_early = false;  // end_accumulation_early(): the next backward() closes the window
   bool clipped_this_window = false;
   StepInfo last;
   bool prepared = false;
@@ -232,8 +234,8 @@ void Accelerator::prepare_module(std::shared_ptr<torch::nn::Module> module, cons
   s.lost_update_watch = std::make_unique<engine::LostUpdateWatch>(
       s.config.precision_audit,
       s.plan.engine + ": " + s.plan.shard_dtype + " parameters, " +
-          (s.plan.master_dtype == "none" ? std::string("no fp32 master") : s.plan.master_dtype + " master"),
-      s.plan.master_dtype != "none");
+          (s.plan.no_master() ? std::string("no fp32 master") : s.plan.master_dtype + " master"),
+      !s.plan.no_master());
   if (is_main_process() && s.options.print_plan) {
     std::cout << s.plan.to_string() << std::flush;
   }
@@ -266,10 +268,11 @@ void Accelerator::backward(const at::Tensor& loss) { backward(loss, LossNormaliz
 void Accelerator::backward(const at::Tensor& loss, LossNormalization normalization) {
   comm::CollectiveScope scope("backward()");
   State& s = *state_;
-  if (s.micro_in_window == s.accumulation) {  // step() was not called: start a new window anyway
+  if (s.window_closed) {  // step() was not called: start a new window anyway
     s.micro_in_window = 0;
+    s.window_closed = false;
   }
-  const bool sync = s.micro_in_window + 1 == s.accumulation;
+  const bool sync = s.micro_in_window + 1 == s.accumulation || s.close_window_early;
   // The engine divides the summed gradients by the world size (gradient
   // predivide x postdivide); a global-token loss is already a share of the
   // global mean, so it is multiplied back here (exact for powers of two).
@@ -278,7 +281,13 @@ void Accelerator::backward(const at::Tensor& loss, LossNormalization normalizati
                             : 1.0 / static_cast<double>(s.accumulation);
   engine().backward(factor == 1.0 ? loss : loss * factor, sync);
   ++s.micro_in_window;
+  if (sync) {
+    s.window_closed = true;
+    s.close_window_early = false;
+  }
 }
+
+void Accelerator::end_accumulation_early() { state_->close_window_early = true; }
 
 int64_t Accelerator::sum_over_processes(int64_t local_count) {
   comm::CollectiveScope scope("sum_over_processes()");
@@ -287,7 +296,7 @@ int64_t Accelerator::sum_over_processes(int64_t local_count) {
   return static_cast<int64_t>(total.item<double>());
 }
 
-bool Accelerator::sync_gradients() const { return state_->micro_in_window == state_->accumulation; }
+bool Accelerator::sync_gradients() const { return state_->window_closed; }
 int64_t Accelerator::gradient_accumulation_steps() const { return state_->accumulation; }
 
 double Accelerator::clip_grad_norm(double max_norm) {
@@ -320,6 +329,8 @@ void Accelerator::step() {
   result.non_finite_total = s.last.non_finite_total + (result.non_finite ? 1 : 0);
   s.last = result;
   s.micro_in_window = 0;
+  s.window_closed = false;
+  s.close_window_early = false;  // asked for after the window's last backward: it ended this window anyway
   s.clipped_this_window = false;
   if (result.non_finite) {
     // The update was not applied and the gradients are zeroed: stopping here
@@ -393,7 +404,7 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
   comm::CollectiveScope scope("save_state()");
   State& s = *state_;
   engine::Engine& running = engine();
-  ST_CHECK(s.micro_in_window == 0 || s.micro_in_window == s.accumulation,
+  ST_CHECK(s.micro_in_window == 0 || s.window_closed,
            "save_state in the middle of a gradient-accumulation window (", s.micro_in_window, " of ", s.accumulation,
            " micro-batches done): the accumulated gradients are not saved; call it after accelerator.step()");
   // The scheduler is a pure function of the step, so the step is its state.
@@ -434,14 +445,19 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
                              const std::string& config_json) {
   comm::CollectiveScope scope("save_model()");
   State& s = *state_;
+  engine::Engine& running = engine();  // refuses a call before prepare(), where the plan is not made yet
   std::string resolved = dtype;
   if (resolved == "auto") {
-    // What the peers' save_model writes: DeepSpeed's 16-bit model when
-    // stage3_gather_16bit_weights_on_model_save is on, else the fp32 master
-    // (zero_to_fp32); FSDP's full state dict holds the parameters' own dtype,
-    // the low one in pure mode (no fp32 master exists) and fp32 otherwise.
-    const bool sixteen_bit = s.config.zero.stage3_gather_16bit_weights_on_model_save || s.plan.master_dtype == "none";
-    resolved = sixteen_bit ? s.plan.shard_dtype : "fp32";
+    // What Accelerate's save_model writes from each peer's state dict.
+    // DeepSpeed holds the module in the training dtype: its 16-bit state dict
+    // at stages 0-2, and at stage 3 with stage3_gather_16bit_weights_on_model_save
+    // (without it Accelerate refuses and points at zero_to_fp32, the fp32
+    // master written here). FSDP's full state dict holds the flat
+    // parameters' dtype: the low one in pure mode (no fp32 master exists),
+    // fp32 otherwise; so do DDP and a single process.
+    const bool deepspeed_16bit = s.config.distributed_type == DistributedType::kDeepSpeed &&
+                                 (s.config.zero_stage() < 3 || s.config.zero.stage3_gather_16bit_weights_on_model_save);
+    resolved = deepspeed_16bit || s.plan.no_master() ? s.plan.shard_dtype : "fp32";
   }
   ST_CHECK_T(ConfigError, resolved == "fp32" || resolved == "bf16" || resolved == "fp16", "save_model: dtype '",
              dtype, "' is not one of auto, fp32, bf16, fp16");
@@ -449,7 +465,6 @@ void Accelerator::save_model(const std::string& out_dir, const std::string& dtyp
   options.dtype = resolved;
   options.max_shard_bytes = max_shard_bytes;
   options.config_json_path = config_json;
-  engine::Engine& running = engine();  // refuses a call before prepare()
   for (const auto& item : s.module->named_parameters()) {
     // Every rank has the same parameters, so every rank refuses alike.
     ST_CHECK_T(ConfigError, item.value().scalar_type() != at::kByte, "save_model: ", item.key(),
@@ -521,6 +536,8 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
     s.sampler->load_state(sampler);
   }
   s.micro_in_window = 0;
+  s.window_closed = false;
+  s.close_window_early = false;
   s.clipped_this_window = false;
   if (is_main_process()) {
     const std::string changed = describe_batch_change(training, s.config, s.accumulation, num_processes());

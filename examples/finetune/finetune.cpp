@@ -452,7 +452,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     // and receive their shards of rank 0's bytes in prepare().
     auto checkpoint = std::make_shared<models::HfCheckpoint>(options.model_dir);
     model = models::make_llama_without_weights(mc, dtype_of(load_dtype), device);
-    checkpoint->check_against(*model);
+    checkpoint->check_against(*model, /*warn_unexpected=*/accelerator.is_main_process());
     if (!options.load_in_4bit) {
       weight_source = models::hf_weight_source(checkpoint);
     } else if (accelerator.materialize_full_weights()) {
@@ -475,6 +475,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
     } else {
       adapters = shardtrain::apply_lora(*model, *lora);
     }
+    if (main_process && !adapters.unmatched_targets.empty()) ST_LOG_WARN("{}", adapters.describe_unmatched());
     if (verbose) {
       std::cout << "LoRA r " << lora->r << ", alpha " << lora->lora_alpha << " on " << adapters.adapted_modules.size()
                 << " layers: " << adapters.describe() << std::endl;
@@ -531,7 +532,9 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   if (!options.resume.empty()) {
     const shardtrain::CheckpointLocation resume = shardtrain::find_checkpoint(options.resume, options.output_dir);
     accelerator.load_state(resume.dir, resume.tag);
-    summary.first_step = accelerator.last_step().step;
+    // The loop counts windows, skipped ones (an fp16 overflow, non_finite_policy:
+    // skip) too, as the Trainer's global_step does; the step count is applied updates only.
+    summary.first_step = accelerator.last_step().step + accelerator.last_step().skipped_total;
     if (verbose) std::cout << "resumed from " << options.resume << " at step " << summary.first_step << std::endl;
   }
 

@@ -220,6 +220,15 @@ class Accelerator {
   int64_t sum_over_processes(int64_t local_count);
   /// True when the next step() applies the optimizer (end of an accumulation window).
   bool sync_gradients() const;
+  /// The next backward() ends the accumulation window even when it holds
+  /// fewer than gradient_accumulation_steps micro-batches: call it before the
+  /// last micro-batch of the data, so that its step() applies the short
+  /// window's update instead of carrying its gradients into the next epoch
+  /// (or dropping them at the end of training). As Accelerate syncs at the
+  /// end of a dataloader, each micro-batch's loss is still divided by
+  /// gradient_accumulation_steps under kPerRankMean; under kGlobalTokens the
+  /// window's own token count normalises it (the Trainer's num_items_in_batch).
+  void end_accumulation_early();
   int64_t gradient_accumulation_steps() const;
   /// Global gradient norm over the sharded gradients (fp64), clipping to
   /// max_norm at the next step(); only at an accumulation boundary. Returns the norm.
@@ -275,10 +284,11 @@ class Accelerator {
   /// Writes a consolidated Hugging Face weights directory (model.safetensors,
   /// or shards of at most `max_shard_bytes` with model.safetensors.index.json;
   /// `config_json`, a model config.json, written as config.json with its
-  /// torch_dtype set to the weights' dtype when given). dtype "auto": the
-  /// training's 16-bit dtype when zero3_save_16bit_model /
-  /// stage3_gather_16bit_weights_on_model_save is on or FSDP runs in pure low
-  /// precision, else fp32. Streams from the live shards: the ranks gather one unit at a
+  /// torch_dtype set to the weights' dtype when given). dtype "auto": what
+  /// Accelerate's save_model writes, the training's 16-bit dtype under
+  /// DeepSpeed (at stage 3 with zero3_save_16bit_model /
+  /// stage3_gather_16bit_weights_on_model_save only) and under FSDP's pure low
+  /// precision, else fp32 (the master). Streams from the live shards: the ranks gather one unit at a
   /// time and rank 0 writes each parameter as it arrives, so no rank holds
   /// the whole model and nothing but the export is written to disk (no
   /// optimizer state). A failure (a full disk) throws CheckpointSaveError on

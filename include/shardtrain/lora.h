@@ -83,15 +83,21 @@ struct LoraSummary {
   int64_t total_parameters = 0;
   /// Paths of the Linear layers that gained an adapter.
   std::vector<std::string> adapted_modules;
+  /// target_modules names that matched no Linear layer while others did:
+  /// passed over, as PEFT passes them over (a program says so once).
+  std::vector<std::string> unmatched_targets;
   /// "trainable params: 1,024 || all params: 58,000,000 || trainable%: 0.0018", as PEFT prints it.
   std::string describe() const;
+  /// The warning unmatched_targets deserves ("" when there are none).
+  std::string describe_unmatched() const;
 };
 
 /// Adds adapters to `model` and freezes the rest, as PEFT's get_peft_model.
-/// Call before Accelerator::prepare(). Throws ConfigError when a target
-/// module matches nothing (naming it and listing the Linear layers there
-/// are), when a module_to_save matches nothing, or when the model already
-/// has adapters.
+/// Call before Accelerator::prepare(). Throws ConfigError when no target
+/// module matches (naming them and listing the Linear layers there are),
+/// when a pattern matches a module that is not a Linear layer, when every
+/// target lies inside modules_to_save, when a module_to_save matches nothing,
+/// or when the model already has adapters.
 LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config);
 
 /// Applies the adapter in `dir` (a PEFT adapter_config.json and

@@ -21,6 +21,8 @@ struct PrecisionPlan {
   /// dtype in pure mode and with fsdp_keep_low_precision_grads.
   std::string grad_dtype;
   std::string master_dtype;     ///< "fp32" or "none"
+  /// No fp32 master: the parameters at rest are all there is (FSDP's pure low precision).
+  bool no_master() const { return master_dtype == "none"; }
   std::string optimizer_dtype;  ///< dtype of m, v
   /// How the compute dtype's GEMMs run here (shardtrain::nn): cuBLAS, LibTorch's
   /// native CPU kernel, or widened to fp32 on a CPU without fast bf16.

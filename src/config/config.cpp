@@ -143,7 +143,9 @@ bool is_deepspeed_scheduler(const std::string& type) {
   return type == "WarmupLR" || type == "WarmupDecayLR" || type == "WarmupCosineLR";
 }
 
-int64_t default_warmup_steps(const std::string& type) { return is_deepspeed_scheduler(type) ? kDeepSpeedWarmupSteps : 0; }
+int64_t default_warmup_steps(const std::string& type) {
+  return is_deepspeed_scheduler(type) ? kDeepSpeedWarmupSteps : 0;
+}
 
 const std::vector<std::string>& scheduler_params(const std::string& type) {
   // deepspeed/runtime/lr_schedules.py's constructors (last_batch_iteration,

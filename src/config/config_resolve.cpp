@@ -169,9 +169,12 @@ void resolve_scheduler(TrainingConfig& config, const AutoContext& context) {
                *scheduler.total_num_steps);
     }
     if (scheduler.warmup_num_steps && *scheduler.warmup_num_steps > *scheduler.total_num_steps) {
-      config.warnings.push_back("scheduler.params.warmup_num_steps " + std::to_string(*scheduler.warmup_num_steps) +
-                                " is larger than total_num_steps " + std::to_string(*scheduler.total_num_steps) +
-                                "; the run ends during warmup");
+      config.warnings.push_back(
+          "scheduler.params.warmup_num_steps " + std::to_string(*scheduler.warmup_num_steps) +
+          " is larger than total_num_steps " + std::to_string(*scheduler.total_num_steps) +
+          (scheduler.type == "WarmupDecayLR"
+               ? ": WarmupDecayLR warms up over all of them, then drops to warmup_min_lr at once (no decay)"
+               : ": the warmup does not end within total_num_steps"));
     }
   }
 }

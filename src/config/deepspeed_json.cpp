@@ -109,14 +109,16 @@ void read_scheduler_params(ParseState& state, const Field& block) {
   // that ignores its warmup_max_lr); DeepSpeed stops with a TypeError.
   const std::vector<std::string>& takes = config_detail::scheduler_params(scheduler.type);
   for (const auto& [key, value] : block.node.members) {
-    const bool another_schedulers = key != "last_batch_iteration" &&
+    // null sets nothing: dumps of older `shardtrain config check` runs list every scheduler's keys, unused ones null.
+    const bool another_schedulers = key != "last_batch_iteration" && value.kind != Kind::kNull &&
                                     std::find(takes.begin(), takes.end(), key) == takes.end() &&
                                     config_detail::is_scheduler_param(key);
     if (another_schedulers) {
       Field{block.source, "scheduler.params." + key, "scheduler.params." + key, value}.fail(
           "scheduler.params." + key + " is not a parameter of " + scheduler.type + ", which takes " +
           (takes.empty() ? std::string("none") : join(takes, ", ")) +
-          " (DeepSpeed refuses it too); remove it, or pick the scheduler it belongs to");
+          " (DeepSpeed refuses it too); remove it, or pick the scheduler it belongs to (a dump of an older "
+          "`shardtrain config check` lists every scheduler's keys: delete the others)");
     }
   }
   Section section(state, block.source, "scheduler.params.");

@@ -15,7 +15,6 @@
 
 #include "lora/lora_common.h"
 #include "shardtrain/error.h"
-#include "shardtrain/logging.h"
 #include "shardtrain/lora.h"
 #include "shardtrain/nn/linear.h"
 #include "shardtrain/safetensors.h"
@@ -73,6 +72,12 @@ std::string LoraSummary::describe() const {
   return out.str();
 }
 
+std::string LoraSummary::describe_unmatched() const {
+  if (unmatched_targets.empty()) return "";
+  return "LoRA target module(s) " + join(unmatched_targets, 16) +
+         " match no Linear layer of this model and are passed over, as PEFT passes them over (a slip of a name?)";
+}
+
 at::Tensor merged_lora_weight(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
                               double scaling) {
   ST_CHECK(lora_A.dim() == 2 && lora_B.dim() == 2 && lora_B.size(1) == lora_A.size(0) &&
@@ -120,8 +125,9 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
       if (saved_whole(item.key()) || !std::regex_match(item.key(), pattern)) continue;
       ST_CHECK_T(ConfigError, dynamic_cast<nn::LinearImpl*>(item.value().get()) != nullptr, "LoRA target_modules '",
                  config.target_modules_regex, "' matches ", item.key(), " (", item.value()->name(),
-                 "), which is not a Linear layer; PEFT refuses that pattern too. Narrow it to the Linear layers, "
-                 "e.g. '.*\\.(q_proj|v_proj)'");
+                 "), which is not a Linear layer: shardtrain adapts Linear layers only (PEFT refuses such a pattern "
+                 "too, unless the module is an Embedding). Narrow it to the Linear layers, e.g. "
+                 "'.*\\.(q_proj|v_proj)'");
     }
   }
   std::map<std::string, int> matches;
@@ -165,11 +171,7 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraConfig& config) {
     ST_CHECK_T(ConfigError, unmatched.size() < matches.size(), "LoRA target_modules ", join(unmatched, 16),
                " match no Linear layer of the model; the names there are ",
                join(distinct_leaf_names(linear_paths), 16));
-    if (!unmatched.empty()) {
-      ST_LOG_WARN("LoRA target module(s) {} match no Linear layer of this model and are passed over, as PEFT does "
-                  "(a slip of a name? the names here are {})",
-                  join(unmatched, 16), join(distinct_leaf_names(linear_paths), 16));
-    }
+    summary.unmatched_targets = unmatched;
   }
   ST_CHECK_T(ConfigError, !adapted.empty(), "LoRA: every layer target_modules names is in modules_to_save (",
              join(left_to_modules_to_save, 8), "), which trains whole and gets no adapter, as in PEFT; leave it out "

@@ -1,32 +1,51 @@
-// Greedy and sampled generation over a step function, and the KV-cached
-// step of a LlamaForCausalLM (generation.h).
+// Greedy and sampled generation over a step function, the KV-cached step of a
+// LlamaForCausalLM, and a model directory's generation_config.json (generation.h).
 #include "shardtrain/models/generation.h"
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
 
+#include "json_depth.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::models {
 
-Sampler::Sampler(double temperature, double top_p, uint64_t seed)
-    : temperature_(temperature), top_p_(top_p), generator_(at::make_generator<at::CPUGeneratorImpl>(seed)) {
-  ST_CHECK_T(ConfigError, std::isfinite(temperature) && temperature >= 0.0, "temperature must be >= 0 (0: greedy), got ",
-             temperature);
+Sampler::Sampler(double temperature, int64_t top_k, double top_p, uint64_t seed)
+    : temperature_(temperature),
+      top_k_(top_k),
+      top_p_(top_p),
+      generator_(at::make_generator<at::CPUGeneratorImpl>(seed)) {
+  ST_CHECK_T(ConfigError, std::isfinite(temperature) && temperature >= 0.0,
+             "temperature must be >= 0 (0: greedy), got ", temperature);
+  ST_CHECK_T(ConfigError, top_k >= 0, "top_k must be >= 0 (0: all tokens), got ", top_k);
   ST_CHECK_T(ConfigError, top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
 }
 
 int64_t Sampler::next(const at::Tensor& logits) {
   ST_CHECK(logits.dim() == 1 && logits.size(0) > 0, "Sampler: logits must be [V], got ", logits.sizes());
   at::Tensor l = logits.detach().to(at::kCPU, at::kFloat);
+  // NaN or +inf logits would leave no token to sample (and make argmax arbitrary): a broken model, said as such.
+  ST_CHECK(!l.isnan().any().item<bool>() && !l.isposinf().any().item<bool>(),
+           "Sampler: the logits hold NaN or +inf (the model's forward overflowed or its weights are broken)");
   if (greedy()) return l.argmax().item<int64_t>();
   at::Tensor probs = at::softmax(l / temperature_, -1);
   // Sorted descending; stable so equal probabilities keep index order and the
   // draw is the same on every run and rank.
   auto [sorted, order] = probs.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
+  if (top_k_ > 0 && top_k_ < sorted.size(0)) {
+    // transformers' TopKLogitsWarper (tokens tied with the k-th stay), then
+    // TopPLogitsWarper on the softmax of what it kept: the nucleus is
+    // measured in the renormalised top-k mass.
+    const int64_t kept = sorted.ge(sorted[top_k_ - 1]).sum().item<int64_t>();
+    sorted = sorted.narrow(0, 0, kept);
+    sorted = sorted / sorted.sum();
+  }
   if (top_p_ < 1.0) {
     // Keep a token while the tokens before it add up to less than top_p: the
     // smallest prefix reaching top_p, and always the most probable token.
@@ -43,7 +62,7 @@ GenerationResult generate(const StepFunction& step, const std::vector<int64_t>& 
   ST_CHECK(static_cast<bool>(step), "generate: no step function");
   ST_CHECK(!prompt.empty(), "generate: the prompt is empty (prepend BOS at least)");
   ST_CHECK_T(ConfigError, options.max_new_tokens >= 0, "max_new_tokens must be >= 0, got ", options.max_new_tokens);
-  Sampler sampler(options.temperature, options.top_p, options.seed);
+  Sampler sampler(options.temperature, options.top_k, options.top_p, options.seed);
   GenerationResult result;
   KVCache cache;
   const auto long_cpu = at::TensorOptions().dtype(at::kLong);
@@ -67,6 +86,48 @@ GenerationResult generate(const StepFunction& step, const std::vector<int64_t>& 
     next_ids = at::full({1, 1}, token, long_cpu);
   }
   return result;
+}
+
+std::optional<GenerationConfigFile> read_generation_config(const std::string& model_dir) {
+  using json = nlohmann::json;
+  const std::filesystem::path path = std::filesystem::path(model_dir) / "generation_config.json";
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  std::ifstream in(path);
+  ST_CHECK_T(ConfigError, in.good(), "cannot read ", path.string());
+  json j;
+  try {
+    j = parse_json_within_depth<ConfigError, json>(in, path.string());
+  } catch (const json::exception& e) {
+    ST_THROW(ConfigError, path.string(), ": invalid JSON: ", e.what());
+  }
+  ST_CHECK_T(ConfigError, j.is_object(), path.string(), ": must be a JSON object");
+  auto field = [&](const char* key, auto is_type, const char* expected) -> const json* {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return nullptr;
+    ST_CHECK_T(ConfigError, is_type(*it), path.string(), ": field '", key, "' must be ", expected, ", got ",
+               it->dump());
+    return &*it;
+  };
+  GenerationConfigFile file;
+  auto is_integer = [](const json& v) { return v.is_number_integer(); };
+  auto is_number = [](const json& v) { return v.is_number(); };
+  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
+    const bool list = it->is_array() && std::all_of(it->begin(), it->end(), is_integer);
+    ST_CHECK_T(ConfigError, it->is_number_integer() || list, path.string(),
+               ": field 'eos_token_id' must be an integer or a list of integers, got ", it->dump());
+    if (list) {
+      for (const json& id : *it) file.eos_token_ids.push_back(id.get<int64_t>());
+    } else {
+      file.eos_token_ids.push_back(it->get<int64_t>());
+    }
+  }
+  if (auto* v = field("do_sample", [](const json& x) { return x.is_boolean(); }, "true or false")) {
+    file.do_sample = v->get<bool>();
+  }
+  if (auto* v = field("temperature", is_number, "a number")) file.temperature = v->get<double>();
+  if (auto* v = field("top_k", is_integer, "an integer")) file.top_k = v->get<int64_t>();
+  if (auto* v = field("top_p", is_number, "a number")) file.top_p = v->get<double>();
+  return file;
 }
 
 StepFunction cached_step(LlamaForCausalLM model) {

@@ -79,14 +79,14 @@ void HfCheckpoint::read_slice(const std::string& name, int64_t begin, int64_t le
   out.copy_(slice.view(out.sizes()));
 }
 
-void HfCheckpoint::check_against(torch::nn::Module& model) const {
+void HfCheckpoint::check_against(torch::nn::Module& model, bool warn_unexpected) const {
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const safetensors::TensorInfo& tensor = info(item.key());
     ST_CHECK(at::IntArrayRef(tensor.shape) == item.value().sizes(), "parameter '", item.key(), "' in ",
              file_of(item.key()), " has shape ", at::IntArrayRef(tensor.shape), ", the model expects ",
              item.value().sizes());
   }
-  warn_of_unexpected_tensors(model);
+  if (warn_unexpected) warn_of_unexpected_tensors(model);
 }
 
 void HfCheckpoint::warn_of_unexpected_tensors(torch::nn::Module& model) const {
@@ -97,8 +97,9 @@ void HfCheckpoint::warn_of_unexpected_tensors(torch::nn::Module& model) const {
     // transformers ignores both as well: the rotary table is recomputed from
     // the config, and a tied model's head is its embedding.
     const std::string rotary_suffix = "rotary_emb.inv_freq";
-    const bool rotary_table = name.size() >= rotary_suffix.size() &&
-                              name.compare(name.size() - rotary_suffix.size(), rotary_suffix.size(), rotary_suffix) == 0;
+    const bool rotary_table =
+        name.size() >= rotary_suffix.size() &&
+        name.compare(name.size() - rotary_suffix.size(), rotary_suffix.size(), rotary_suffix) == 0;
     const bool tied_head = name == "lm_head.weight";
     if (expected.count(name) == 0 && !rotary_table && !tied_head) unexpected.push_back(name);
   }

@@ -125,23 +125,26 @@ void refuse_unimplemented_features(const json& j, const std::string& source) {
 void read_rotary_parameters(const json& j, const std::string& source, LlamaConfig& c) {
   c.rope_theta = get_or<double>(j, "rope_theta", c.rope_theta, source);
   const json* rotary = nullptr;
-  std::string field;
+  bool legacy = false;  // rope_scaling, which always named its type
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     auto it = j.find(key);
     if (it == j.end() || it->is_null()) continue;
     ST_CHECK_T(ConfigError, it->is_object(), source, ": field '", key, "' must be an object or null");
     if (it->empty()) continue;
     rotary = &*it;
-    field = key;
+    legacy = std::string(key) == "rope_scaling";
     break;
   }
-  if (rotary == nullptr) return;
-  const json& rs = *rotary;
-  c.rope_theta = get_or<double>(rs, "rope_theta", c.rope_theta, source);
-  const double partial = get_or<double>(rs, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0,
-                                                                                     source), source);
+  const json no_rotary_object = json::object();
+  const json& rs = rotary != nullptr ? *rotary : no_rotary_object;
+  const double partial =
+      get_or<double>(rs, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0, source), source);
   ST_CHECK_T(ConfigError, partial == 1.0, source, ": partial_rotary_factor ", partial,
              " (rotary embeddings on part of each head) is not implemented; Llama/Mistral rotate the whole head");
+  if (rotary == nullptr) return;
+  c.rope_theta = get_or<double>(rs, "rope_theta", c.rope_theta, source);
+  ST_CHECK_T(ConfigError, !legacy || rs.contains("rope_type") || rs.contains("type"), source,
+             ": rope_scaling needs 'type' or 'rope_type' (linear, llama3)");
   RopeScaling r;
   r.type = get_or<std::string>(rs, "rope_type", get_or<std::string>(rs, "type", "default", source), source);
   if (r.type == "default") return;

@@ -333,6 +333,53 @@ TEST(DistZeroUnmarked, ModelWithoutUnitsRunsAsOneUnitAndMatchesPlainTraining) {
   });
 }
 
+// The end of the data inside an accumulation window: end_accumulation_early()
+// makes the next backward the window's last, as Accelerate syncs at the end
+// of a dataloader, each loss still divided by the configured steps. A window
+// of 2 of 4 micro-batches then updates exactly as a window of 2 of 2 whose
+// losses are halved: the same gradients (every scaling a power of two), so
+// the same bits, at ZeRO-1 (gradients held unreduced until the boundary) and
+// ZeRO-3.
+TEST(DistAccumulation, EndingAWindowEarlyAppliesTheShortWindowsUpdate) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    for (int stage : {1, 3}) {
+      auto batch = [&](int micro) {
+        return at::arange(8, at::kFloat).view({2, 4}) / (micro + 1) + ctx.rank();
+      };
+      torch::manual_seed(3);
+      Pair early_model;
+      auto early = accelerator_for(shardtrain::testing::zero_test_config(stage, shardtrain::MixedPrecision::kNo, 4),
+                                   ctx);
+      auto early_prepared = early->prepare(early_model, {}, micro_batch(2));
+      early->backward(early_prepared(batch(0)).pow(2).mean());
+      EXPECT_FALSE(early->sync_gradients());
+      early->end_accumulation_early();
+      early->backward(early_prepared(batch(1)).pow(2).mean());
+      EXPECT_TRUE(early->sync_gradients()) << "stage " << stage;
+      early->step();
+      EXPECT_EQ(early->last_step().step, 1) << "stage " << stage;
+      // The next window is a full one again.
+      for (int micro = 0; micro < 3; ++micro) early->backward(early_prepared(batch(micro)).pow(2).mean());
+      EXPECT_FALSE(early->sync_gradients()) << "stage " << stage;
+
+      torch::manual_seed(3);
+      Pair halved_model;
+      auto halved = accelerator_for(shardtrain::testing::zero_test_config(stage, shardtrain::MixedPrecision::kNo, 2),
+                                    ctx);
+      auto halved_prepared = halved->prepare(halved_model, {}, micro_batch(2));
+      for (int micro = 0; micro < 2; ++micro) halved->backward(halved_prepared(batch(micro)).pow(2).mean() * 0.5);
+      halved->step();
+
+      auto expected = halved->full_state_dict();
+      auto got = early->full_state_dict();
+      ASSERT_EQ(got.size(), expected.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(at::equal(got[i].second, expected[i].second)) << "stage " << stage << ", " << got[i].first;
+      }
+    }
+  });
+}
+
 TEST(DistCustomOptimizer, AnyTorchOptimizerStepsTheMasterShards) {
   run_on_ranks(2, [](RankContext& ctx) {
     std::vector<std::pair<std::string, at::Tensor>> results[2];

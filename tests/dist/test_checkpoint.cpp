@@ -506,10 +506,11 @@ TEST(DistCheckpoint, SamplerPositionAndKeepLastN) {
 
 namespace {
 
-/// save_model's "auto" writes what each peer's save writes from the same run:
-/// DeepSpeed's fp32 master (zero_to_fp32), or its 16-bit model with
-/// stage3_gather_16bit_weights_on_model_save; FSDP's parameters in their own
-/// dtype, fp32 in standard mixed precision and bf16 in pure mode.
+/// save_model's "auto" writes what Accelerate's save_model writes from each
+/// peer: DeepSpeed's 16-bit module at stage 2, and at stage 3 with
+/// stage3_gather_16bit_weights_on_model_save (without it, the fp32 master, as
+/// zero_to_fp32 gives); FSDP's parameters in their own dtype, fp32 in
+/// standard mixed precision and bf16 in pure mode.
 TEST(DistCheckpoint, SaveModelAutoWritesTheDtypeThePeersSaveWrites) {
   MultiRankOptions harness;
   const fs::path dir = test_scratch_subdir("export_auto");
@@ -523,6 +524,7 @@ TEST(DistCheckpoint, SaveModelAutoWritesTheDtypeThePeersSaveWrites) {
       return config;
     };
     const std::vector<std::tuple<std::string, shardtrain::TrainingConfig, bool, at::ScalarType>> cases = {
+        {"zero2", shardtrain::testing::zero_test_config(2, MixedPrecision::kBf16), false, at::kBFloat16},
         {"zero3", zero_gathering(false), false, at::kFloat},
         {"zero3_16bit", zero_gathering(true), false, at::kBFloat16},
         {"fsdp_standard", fsdp_precision(false), false, at::kFloat},

@@ -291,6 +291,23 @@ TEST(UnitConfigErrors, EveryMalformedConfigFailsWithItsMessage) {
   }
 }
 
+TEST(UnitConfigErrors, AnotherSchedulersKeyIsRefusedUnlessItIsNull) {
+  // null sets nothing (the unused keys of an older dump); a value would be read and never used.
+  const TrainingConfig dumped = shardtrain::parse_config(
+      R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "total_num_steps": null,
+                                                       "cos_min_ratio": null}}})",
+      "json");
+  EXPECT_EQ(dumped.scheduler.warmup_num_steps, std::optional<int64_t>(5));
+  const std::string message = config_error_of([] {
+    (void)shardtrain::parse_config(
+        R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}}})", "json");
+  });
+  EXPECT_NE(message.find("scheduler.params.cos_min_ratio is not a parameter of WarmupLR, which takes warmup_min_lr, "
+                         "warmup_max_lr, warmup_num_steps, warmup_type"),
+            std::string::npos)
+      << message;
+}
+
 TEST(UnitConfigErrors, BatchTripleMismatchNamesAllValuesAndWorldSize) {
   const TrainingConfig config = shardtrain::parse_config(
       R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})", "json");

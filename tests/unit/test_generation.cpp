@@ -215,7 +215,7 @@ TEST(UnitGeneration, TopPKeepsTheSmallestNucleus) {
   // probabilities 0.5, 0.3, 0.15, 0.05 (token order shuffled)
   at::Tensor logits = at::log(at::tensor({0.15, 0.5, 0.05, 0.3}, at::kFloat));
   auto draw = [&](double top_p) {
-    sm::Sampler sampler(1.0, top_p, 7);
+    sm::Sampler sampler(1.0, /*top_k=*/0, top_p, 7);
     std::set<int64_t> seen;
     for (int i = 0; i < 400; ++i) seen.insert(sampler.next(logits));
     return seen;
@@ -225,11 +225,35 @@ TEST(UnitGeneration, TopPKeepsTheSmallestNucleus) {
   EXPECT_EQ(draw(0.85), (std::set<int64_t>{0, 1, 3}));   // 0.5 + 0.3 + 0.15 (0.8 < 0.85)
   EXPECT_EQ(draw(0.97), (std::set<int64_t>{0, 1, 2, 3}));  // 0.95 < 0.97: the last one too
   EXPECT_EQ(draw(1.0), (std::set<int64_t>{0, 1, 2, 3}));
-  sm::Sampler greedy(0.0, 1.0, 0);
+  sm::Sampler greedy(0.0, 50, 1.0, 0);
   EXPECT_EQ(greedy.next(logits), 1);
-  EXPECT_THROW(sm::Sampler(-1.0, 1.0, 0), shardtrain::ConfigError);
-  EXPECT_THROW(sm::Sampler(1.0, 0.0, 0), shardtrain::ConfigError);
-  EXPECT_THROW(sm::Sampler(1.0, 1.5, 0), shardtrain::ConfigError);
+  EXPECT_THROW(sm::Sampler(-1.0, 50, 1.0, 0), shardtrain::ConfigError);
+  EXPECT_THROW(sm::Sampler(1.0, 50, 0.0, 0), shardtrain::ConfigError);
+  EXPECT_THROW(sm::Sampler(1.0, 50, 1.5, 0), shardtrain::ConfigError);
+  EXPECT_THROW(sm::Sampler(1.0, -1, 1.0, 0), shardtrain::ConfigError);
+}
+
+TEST(UnitGeneration, TopKComesBeforeTopPAsInTransformers) {
+  // probabilities 0.5, 0.3, 0.15, 0.05 (token order shuffled)
+  at::Tensor logits = at::log(at::tensor({0.15, 0.5, 0.05, 0.3}, at::kFloat));
+  auto draw = [&](int64_t top_k, double top_p) {
+    sm::Sampler sampler(1.0, top_k, top_p, 11);
+    std::set<int64_t> seen;
+    for (int i = 0; i < 400; ++i) seen.insert(sampler.next(logits));
+    return seen;
+  };
+  EXPECT_EQ(draw(2, 1.0), (std::set<int64_t>{1, 3}));     // the two most probable
+  EXPECT_EQ(draw(3, 1.0), (std::set<int64_t>{0, 1, 3}));
+  EXPECT_EQ(draw(1, 1.0), (std::set<int64_t>{1}));        // top_k 1 is greedy
+  EXPECT_EQ(draw(0, 1.0), (std::set<int64_t>{0, 1, 2, 3}));  // 0: no top-k
+  // Top-p over the renormalised top 2 (0.625, 0.375): 0.6 keeps the first alone,
+  // where over all four (0.5 + 0.3) it keeps two.
+  EXPECT_EQ(draw(2, 0.6), (std::set<int64_t>{1}));
+  EXPECT_EQ(draw(0, 0.6), (std::set<int64_t>{1, 3}));
+  // transformers' default top_k of 50 on a flat 1000-token vocabulary: no draw outside the 50 most probable.
+  const at::Tensor flat = at::linspace(0.0, 1.0, 1000);
+  sm::Sampler sampler(1.0, 50, 1.0, 3);
+  for (int i = 0; i < 400; ++i) EXPECT_GE(sampler.next(flat), 950);
 }
 
 // A step that returns fixed logits, counting its calls.
@@ -326,6 +350,69 @@ TEST(UnitGenerateProgram, PrintIdsMatchTransformersGenerate) {
     ASSERT_EQ(run.exit_code, 0) << command << "\n" << run.output;
     EXPECT_EQ(last_line(run.output), join_ids(golden.ids)) << name;
   }
+}
+
+TEST(UnitGeneration, GenerationConfigJsonIsReadAsTransformersWritesIt) {
+  const shardtrain::testing::ScratchDir scratch;
+  const fs::path dir = scratch.path();
+  EXPECT_FALSE(sm::read_generation_config(dir.string()).has_value());
+  std::ofstream(dir / "generation_config.json")
+      << R"({"bos_token_id": 1, "eos_token_id": [128001, 128009], "do_sample": true, "temperature": 0.6,
+            "top_p": 0.9, "transformers_version": "4.40.0"})";
+  const auto read = sm::read_generation_config(dir.string());
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(read->eos_token_ids, (std::vector<int64_t>{128001, 128009}));
+  EXPECT_TRUE(read->do_sample);
+  EXPECT_EQ(read->temperature, std::optional<double>(0.6));
+  EXPECT_EQ(read->top_p, std::optional<double>(0.9));
+  EXPECT_FALSE(read->top_k.has_value());
+  std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": 2, "top_k": "fifty"})";
+  try {
+    (void)sm::read_generation_config(dir.string());
+    ADD_FAILURE() << "a top_k of \"fifty\" was accepted";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("generation_config.json: field 'top_k' must be an integer"), std::string::npos)
+        << e.what();
+  }
+}
+
+// generation_config.json beside config.json: its eos ids stop the generation
+// (config.json's are not used then), and when it samples its values are the
+// defaults, as transformers' generate() reads it.
+TEST(UnitGenerateProgram, GenerationConfigJsonSetsTheStopIdsAndSamplingDefaults) {
+  const GreedyGolden golden = read_greedy("llama");
+  const shardtrain::testing::ScratchDir scratch;
+  const fs::path dir = scratch.path();
+  for (const char* file : {"config.json", "model.safetensors"}) {
+    fs::copy_file(fs::path(golden_dir("llama")) / file, dir / file);
+  }
+  // The first greedy id not seen before it, from the second on: the run must stop right after it.
+  std::size_t stop_at = 1;
+  while (stop_at < golden.ids.size() &&
+         std::find(golden.ids.begin(), golden.ids.begin() + stop_at, golden.ids[stop_at]) !=
+             golden.ids.begin() + stop_at) {
+    ++stop_at;
+  }
+  ASSERT_LT(stop_at, golden.ids.size());
+  const std::string command = generate_bin() + " --model-dir " + dir.string() + " --prompt-ids " +
+                              join_ids(golden.prompt) + " --max-new-tokens " +
+                              std::to_string(golden.max_new_tokens) + " --print-ids 2>" +
+                              (dir / "stderr.txt").string();
+  std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": [)" << golden.ids[stop_at] << "]}";
+  auto run = shardtrain::testing::run_command(command, std::chrono::seconds(120));
+  ASSERT_EQ(run.exit_code, 0) << command << "\n" << run.output;
+  EXPECT_EQ(last_line(run.output),
+            join_ids(std::vector<int64_t>(golden.ids.begin(), golden.ids.begin() + stop_at + 1)));
+  // A file that samples, with top_k 1: sampling, yet only the most probable token can come.
+  std::ofstream(dir / "generation_config.json") << R"({"do_sample": true, "temperature": 1.5, "top_k": 1})";
+  run = shardtrain::testing::run_command(command, std::chrono::seconds(120));
+  ASSERT_EQ(run.exit_code, 0) << command << "\n" << run.output;
+  std::stringstream said;
+  said << std::ifstream(dir / "stderr.txt").rdbuf();
+  EXPECT_NE(said.str().find("generation_config.json's defaults under the flags given: temperature 1.5, top_k 1"),
+            std::string::npos)
+      << said.str();
+  EXPECT_EQ(last_line(run.output), join_ids(golden.ids));
 }
 
 // --prompt: tokenized with the directory's tokenizer.model, BOS prepended,

@@ -139,6 +139,8 @@ TEST(UnitLlama, ArchitectureVariantsThisModelDoesNotBuildAreRefusedByName) {
       {R"("rope_parameters": {"rope_type": "yarn", "factor": 4.0})", "rope type 'yarn'"},
       {R"("rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5})", "partial_rotary_factor 0.5"},
       {R"("rope_parameters": 10000)", "field 'rope_parameters' must be an object or null"},
+      {R"("partial_rotary_factor": 0.5)", "partial_rotary_factor 0.5"},  // top-level, no rope object
+      {R"("rope_scaling": {"factor": 8.0})", "rope_scaling needs 'type' or 'rope_type'"},
   };
   for (const auto& [field, expected] : cases) {
     try {

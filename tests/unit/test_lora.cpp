@@ -24,7 +24,6 @@
 #include "shardtrain/safetensors.h"
 #include "shardtrain/weight_loading.h"
 #include "support/llama_golden.h"
-#include "support/log_capture.h"
 #include "support/scratch_dir.h"
 
 namespace {
@@ -240,11 +239,13 @@ TEST(UnitLora, BadTargetsAreRefusedNamingWhatThereIs) {
     LlamaForCausalLM model = golden_llama();
     LoraConfig config = attention_lora();
     config.target_modules = {"q_proj", "c_attn"};
-    shardtrain::testing::LogCapture log;
-    EXPECT_EQ(shardtrain::apply_lora(*model, config).adapted_modules.size(), 2u);
-    EXPECT_NE(log.text().find("LoRA target module(s) c_attn match no Linear layer of this model and are passed over"),
+    const auto summary = shardtrain::apply_lora(*model, config);
+    EXPECT_EQ(summary.adapted_modules.size(), 2u);
+    EXPECT_EQ(summary.unmatched_targets, std::vector<std::string>{"c_attn"});
+    EXPECT_NE(summary.describe_unmatched().find("LoRA target module(s) c_attn match no Linear layer of this model and "
+                                                "are passed over"),
               std::string::npos)
-        << log.text();
+        << summary.describe_unmatched();
   }
   {
     // PEFT full-matches a pattern against every module and refuses one that is not a Linear layer.

@@ -27,6 +27,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Generator.h>
@@ -42,9 +44,12 @@ struct GenerationOptions {
   /// 0: greedy (argmax, the first of equal maxima). Otherwise the logits are
   /// divided by it before sampling.
   double temperature = 0.0;
+  /// Sampling draws among the top_k most probable tokens only (0: all), as
+  /// transformers' generate() does with its default of 50. Ignored when greedy.
+  int64_t top_k = 50;
   /// Nucleus sampling: sample among the most probable tokens whose
-  /// probabilities add up to top_p (at least one token). (0, 1]; 1: all.
-  /// Ignored when greedy.
+  /// probabilities (renormalised over the top_k) add up to top_p (at least
+  /// one token). (0, 1]; 1: all. Ignored when greedy.
   double top_p = 1.0;
   /// Seed of the sampler's own generator (the global torch seed is untouched).
   uint64_t seed = 0;
@@ -78,17 +83,36 @@ struct GenerationResult {
 /// (only the last row is used).
 using StepFunction = std::function<at::Tensor(const at::Tensor& new_ids, KVCache& cache)>;
 
-/// Picks tokens from logits: greedy or temperature/top-p sampling. Throws
-/// shardtrain::ConfigError on temperature < 0 or top_p outside (0, 1].
+/// What a model directory's generation_config.json (transformers'
+/// GenerationConfig, saved beside config.json) sets for generation: its stop
+/// ids and sampling defaults, which transformers' generate() applies unless
+/// the call overrides them. Fields the file leaves out stay unset.
+struct GenerationConfigFile {
+  std::vector<int64_t> eos_token_ids;  ///< empty: the file names none
+  bool do_sample = false;
+  std::optional<double> temperature;
+  std::optional<int64_t> top_k;
+  std::optional<double> top_p;
+};
+/// Reads MODEL_DIR/generation_config.json; nullopt when there is none.
+/// Throws shardtrain::ConfigError naming the file and the field when a value
+/// has the wrong type.
+std::optional<GenerationConfigFile> read_generation_config(const std::string& model_dir);
+
+/// Picks the next token from logits: greedy, or sampled as transformers'
+/// logits warpers in their order (temperature, then top-k, then top-p).
+/// Throws shardtrain::ConfigError for a temperature below 0, a top_k below 0
+/// or a top_p outside (0, 1].
 class Sampler {
  public:
-  Sampler(double temperature, double top_p, uint64_t seed);
+  Sampler(double temperature, int64_t top_k, double top_p, uint64_t seed);
   /// logits [V] (any floating dtype and device; sampled on the CPU in fp32).
   int64_t next(const at::Tensor& logits);
   bool greedy() const { return temperature_ == 0.0; }
 
  private:
   double temperature_;
+  int64_t top_k_;
   double top_p_;
   at::Generator generator_;
 };

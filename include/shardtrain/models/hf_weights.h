@@ -57,8 +57,9 @@ class HfCheckpoint {
   /// Every parameter of `model` is present with its shape (else shardtrain::Error
   /// naming the parameter, the shapes and the file). Reads headers only. Call
   /// it before prepare(): a missing tensor then fails on every rank at once.
-  /// Tensors the model has no parameter for are named in a warning.
-  void check_against(torch::nn::Module& model) const;
+  /// Tensors the model has no parameter for are named in a warning when
+  /// `warn_unexpected` (pass false on all ranks but one).
+  void check_against(torch::nn::Module& model, bool warn_unexpected = true) const;
 
   /// Bytes of tensor data read so far (all read_slice calls).
   int64_t bytes_read() const { return bytes_read_.load(); }
