@@ -17,8 +17,9 @@ weight decay 0.01, gradients clipped to norm 1.0), what users run; plain SGD
 gradient summed instead of averaged over the ranks shows in the losses
 (Adam's step and a clipped gradient are both blind to that scale).
 
+--optimizers picks which of the two run (default both; with --lora, AdamW).
 With --lora R the model trains LoRA adapters instead (Hugging Face PEFT:
-r R, lora_alpha 2R, q/k/v/o, no dropout), AdamW only: the adapters start
+r R, lora_alpha 2R, q/k/v/o, no dropout): the adapters start
 from PEFT's own initialisation, saved to OUT_DIR/lora_init (a PEFT adapter
 directory) so shardtrain starts from the same values (DistPeerPeft). With
 --make-base CONFIG the base is a random model of that config.json (seeded),
@@ -45,7 +46,7 @@ ranks. The full model only (no --lora).
 
 Usage: scripts/peer_train.py MODEL_DIR OUT_DIR [--steps 20] [--world 2]
        [--micro-batch 2] [--seq-len 16] [--seed 5] [--lora R [--qlora]] [--make-base CONFIG]
-       [--engine fsdp2|deepspeed]
+       [--engine fsdp2|deepspeed] [--optimizers adamw,sgd]
 Offline: nothing is downloaded. Threads: 1 per rank.
 """
 import argparse
@@ -204,7 +205,7 @@ def run(rank, args, store_file):
         check_against_ddp(args, rank, batches[0, rank])
     result = {"engine": args.engine, "world": args.world, "micro_batch": args.micro_batch,
               "seq_len": args.seq_len, "torch": torch.__version__}
-    for name in (["adamw"] if args.lora else OPTIMIZERS):
+    for name in args.optimizers.split(","):
         result[name] = train(args, rank, batches, name)
     if rank == 0:
         with open(os.path.join(args.out_dir, "peer.json"), "w") as f:
@@ -226,7 +227,13 @@ def main():
     parser.add_argument("--make-base")
     parser.add_argument("--engine", choices=["fsdp2", "deepspeed"], default="fsdp2")
     parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3, help="with --engine deepspeed")
+    parser.add_argument("--optimizers", help="comma-separated, of " + ", ".join(OPTIMIZERS))
     args = parser.parse_args()
+    if args.optimizers is None:
+        args.optimizers = "adamw" if args.lora else ",".join(OPTIMIZERS)
+    unknown = set(args.optimizers.split(",")) - set(OPTIMIZERS)
+    if unknown:
+        parser.error(f"--optimizers: {', '.join(sorted(unknown))} not among {', '.join(OPTIMIZERS)}")
     if args.engine == "deepspeed":
         if args.lora:
             parser.error("--engine deepspeed trains the full model (no --lora)")
