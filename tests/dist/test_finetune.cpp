@@ -228,6 +228,47 @@ finetune::FinetuneOptions three_row_options(RankContext& ctx, const std::string&
   return o;
 }
 
+// fp16 steps skipped for overflow are steps of the loop, as the Trainer's
+// global_step counts them: a run resumed after them continues at the same
+// loop step (the checkpoint's step counts applied updates only), so no step
+// runs twice and the metrics file gets each step once.
+TEST(DistFinetune, AResumeAfterSkippedFp16StepsContinuesAtTheSameStep) {
+  const fs::path dir = test_scratch_dir();
+  if (!shardtrain::testing::is_rank_process()) {
+    nlohmann::json config = nlohmann::json::parse(std::ifstream(kSource + "/configs/zero3_fp16.json"));
+    config["fp16"]["initial_scale_power"] = 30;  // the first steps overflow, each halving the scale
+    config["fp16"]["hysteresis"] = 1;
+    std::ofstream(dir / "fp16_overflowing.json") << config.dump(2);
+  }
+  for (const int max_steps : {4, 8}) {
+    MultiRankOptions harness = long_run();
+    harness.env["FT_MAX_STEPS"] = std::to_string(max_steps);
+    run_on_ranks(
+        2,
+        [](RankContext& ctx) {
+          const std::string dir = test_scratch_dir().string();
+          finetune::FinetuneOptions o = bundled_options(ctx, dir + "/fp16_overflowing.json", dir + "/run");
+          o.max_steps = std::atoi(std::getenv("FT_MAX_STEPS"));
+          o.metrics_out = dir + "/metrics.jsonl";
+          o.no_export = true;
+          o.eval_data.clear();
+          if (o.max_steps == 8) o.resume = dir + "/run";
+          const finetune::FinetuneSummary s = finetune::run_finetune(o);
+          if (o.max_steps == 8) EXPECT_EQ(s.first_step, 4);
+        },
+        harness);
+  }
+  std::vector<int64_t> steps;
+  int skipped = 0;
+  for (const std::string& line : read_lines(dir / "metrics.jsonl")) {
+    const nlohmann::json metrics = nlohmann::json::parse(line);
+    steps.push_back(metrics.at("step").get<int64_t>());
+    skipped += metrics.at("skipped").get<bool>() ? 1 : 0;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_GT(skipped, 0) << "no step overflowed: the test no longer covers a resume after skipped steps";
+}
+
 TEST(DistFinetune, ATrainingSetSmallerThanAStepWarnsAndResumesAtAnotherWorldSizeAfterItsEpoch) {
   const fs::path dir = test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
