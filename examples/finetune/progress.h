@@ -46,7 +46,9 @@ inline std::string format_bytes(double bytes) {
 /// One line: `step 40/300 [#####.....] loss 1.234 lr 1.0e-03 2500 tok/s ETA 01:23`.
 /// On a terminal the line is redrawn in place; otherwise (a log file, the
 /// launcher's pipe) a full line is printed every `every` steps and at the end,
-/// so logs stay readable.
+/// so logs stay readable. The loss shown is the mean over the steps since the
+/// line before, as the Trainer logs the mean over its logging_steps (a single
+/// step's loss says little about a noisy run); the metrics file has each step's.
 class ProgressBar {
  public:
   /// `interactive` unset: whether stdout is a terminal. `out`: where it prints (tests pass a stream).
@@ -58,8 +60,13 @@ class ProgressBar {
 
   void update(int64_t step, double loss, double lr, double tokens_per_s) {
     if (!enabled_) return;
+    loss_sum_ += loss;
+    ++losses_;
     const bool last = step == total_;
     if (!interactive_ && !last && step != first_ + 1 && step % every_ != 0) return;
+    loss = loss_sum_ / static_cast<double>(losses_);
+    loss_sum_ = 0;
+    losses_ = 0;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     const int64_t done = step - first_;
     const double eta = done > 0 ? elapsed / done * static_cast<double>(total_ - step) : -1;
@@ -91,6 +98,8 @@ class ProgressBar {
   bool interactive_;
   std::ostream& out_;
   std::chrono::steady_clock::time_point start_;
+  double loss_sum_ = 0;  // over the steps since the last line printed
+  int64_t losses_ = 0;
 };
 
 /// Two aligned columns with a title rule.

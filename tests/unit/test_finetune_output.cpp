@@ -36,6 +36,13 @@ TEST(UnitFinetuneOutput, ProgressRedrawsOneLineOnATerminalAndPrintsPlainLinesOth
   std::istringstream in(lines);
   for (std::string line; std::getline(in, line);) printed.push_back(line.substr(0, line.find(' ', 5)));
   EXPECT_EQ(printed, (std::vector<std::string>{"step 1/10", "step 4/10", "step 8/10", "step 10/10"}));
+
+  // A logged line shows the mean loss of the steps since the line before (steps 2-4: 2, 3 and 4).
+  std::ostringstream averaged;
+  finetune::ProgressBar mean_of_steps(10, 0, true, 4, /*interactive=*/false, averaged);
+  for (int64_t step = 1; step <= 4; ++step) mean_of_steps.update(step, static_cast<double>(step), 1e-3, 100);
+  EXPECT_NE(averaged.str().find("step 4/10 [#########...............] loss 3.0000 "), std::string::npos)
+      << averaged.str();
 }
 
 TEST(UnitFinetuneOutput, ReportToChoosesTheMetricsFileAndFallsBackToJsonlForTrackersNotBuiltIn) {
