@@ -413,6 +413,7 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                              {"scheduler_step", s.last.step},
                              {"samples_seen", (s.last.step + s.last.skipped_total) * global_batch},
                              {"skipped_total", s.last.skipped_total},
+                             {"non_finite_total", s.last.non_finite_total},
                              {"world_size", num_processes()},
                              {"train_batch_size", global_batch},
                              {"micro_batch_size", s.config.train_micro_batch_size_per_gpu.value_or(0)},
@@ -428,7 +429,10 @@ std::string Accelerator::save_state(const std::string& dir, const std::string& t
                            {"dataset_size", sampler.dataset_size}};
   }
   try {
-    return checkpoint::save(running, *s.comm, dir, tag.empty() ? "step_" + std::to_string(s.last.step) : tag,
+    // Named by the steps taken, skipped ones too (DeepSpeed's global_step{N},
+    // the Trainer's checkpoint-{global_step}): two saves apart never share a name.
+    const std::string default_tag = "step_" + std::to_string(s.last.step + s.last.skipped_total);
+    return checkpoint::save(running, *s.comm, dir, tag.empty() ? default_tag : tag,
                             training, to_yaml(s.config), s.plan.to_string(), s.options.checkpoint_total_limit);
   } catch (const CheckpointSaveError& failure) {
     if (s.config.checkpoint_on_error == CheckpointErrorPolicy::kStop) throw;
@@ -515,6 +519,7 @@ void Accelerator::load_state(const std::string& dir, const std::string& tag) {
   s.last = StepInfo();
   s.last.step = training.at("step").get<int64_t>();
   s.last.skipped_total = training.at("skipped_total").get<int64_t>();
+  s.last.non_finite_total = training.value("non_finite_total", int64_t{0});  // absent before this field existed
   running.set_optimizer_steps(training.at("optimizer_steps").get<int64_t>());
   running.load_loss_scaler_state(training.at("loss_scaler").get<std::vector<double>>());
   s.extras = training.at("extras").get<std::map<std::string, int64_t>>();

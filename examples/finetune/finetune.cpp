@@ -66,6 +66,26 @@ struct ModelSpec {
 
 /// The run's LoRA config, when it trains one: --lora-adapter's own config,
 /// else --lora-config's, else PEFT's defaults, with the --lora-* flags on top.
+/// A run resumed from an earlier checkpoint than its last drops the metric
+/// lines after that checkpoint's step before it appends its own, so each step
+/// is in the file once (the Trainer restores its log_history to the
+/// checkpoint's the same way). Lines that are not a step's JSON are kept.
+void keep_metrics_up_to(const std::string& file, int64_t last_step) {
+  std::ifstream in(file);
+  if (!in.good()) return;
+  std::string kept;
+  for (std::string line; std::getline(in, line);) {
+    const json parsed = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const bool later = parsed.is_object() && parsed.contains("step") && parsed["step"].is_number_integer() &&
+                       parsed["step"].get<int64_t>() > last_step;
+    if (!later) kept += line + "\n";
+  }
+  in.close();
+  std::ofstream out(file, std::ios::trunc);
+  out << kept;
+  ST_CHECK(out.good(), "cannot rewrite the metrics file '", file, "'");
+}
+
 std::optional<shardtrain::LoraConfig> lora_config_of(const FinetuneOptions& options) {
   const bool flags = options.lora_r || options.lora_alpha || options.lora_dropout || !options.lora_target_modules.empty();
   if (!flags && options.lora_config.empty() && options.lora_adapter.empty()) return std::nullopt;
@@ -558,6 +578,7 @@ FinetuneSummary run_finetune(const FinetuneOptions& options) {
   }
   if (!summary.metrics_file.empty() && main_process) {
     fs::create_directories(fs::absolute(summary.metrics_file).parent_path());
+    if (summary.first_step > 0) keep_metrics_up_to(summary.metrics_file, summary.first_step);
     metrics.open(summary.metrics_file, summary.first_step > 0 ? std::ios::app : std::ios::trunc);
     ST_CHECK(metrics.good(), "cannot write the metrics file '", summary.metrics_file, "'");
   }

@@ -268,7 +268,8 @@ class Accelerator {
   void print(const std::string& text) const;
 
   // ---- checkpoints (both engines, any world size; docs/checkpoints.md)
-  /// Saves the run's whole state under DIR/TAG (TAG empty: "step_<N>") and
+  /// Saves the run's whole state under DIR/TAG (TAG empty: "step_<N>", N the
+  /// steps taken, fp16-skipped ones included, as DeepSpeed's global_step) and
   /// points DIR/latest at it once it is complete. Collective. Returns DIR/TAG.
   /// Call it after step() (not inside an accumulation window: that throws).
   /// A save that fails on any rank (disk full, EACCES, a write error) fails

@@ -108,6 +108,11 @@ void refuse_unimplemented_features(const json& j, const std::string& source) {
     ST_CHECK_T(ConfigError, !get_or<bool>(j, key, false, source), source, ": '", key,
                "': true (biased projections) is not implemented; shardtrain builds Llama/Mistral without biases");
   }
+  // transformers' Llama and Mistral apply attention_dropout while training; shardtrain's attention has none.
+  const double attention_dropout = get_or<double>(j, "attention_dropout", 0.0, source);
+  ST_CHECK_T(ConfigError, attention_dropout == 0.0, source, ": 'attention_dropout': ", attention_dropout,
+             " is not implemented (shardtrain's attention has no dropout); set it to 0.0, as released Llama and "
+             "Mistral configs have it");
   for (const char* key : {"hidden_act", "hidden_activation"}) {
     const std::string act = get_or<std::string>(j, key, "silu", source);
     ST_CHECK_T(ConfigError, act == "silu" || act == "swish", source, ": '", key, "': \"", act,

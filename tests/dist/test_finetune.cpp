@@ -229,9 +229,12 @@ finetune::FinetuneOptions three_row_options(RankContext& ctx, const std::string&
 }
 
 // fp16 steps skipped for overflow are steps of the loop, as the Trainer's
-// global_step counts them: a run resumed after them continues at the same
-// loop step (the checkpoint's step counts applied updates only), so no step
-// runs twice and the metrics file gets each step once.
+// global_step and DeepSpeed's global_steps count them: checkpoints are named
+// by them (two saves never share a name), a run resumed after them continues
+// at the same loop step (the applied updates alone are fewer), and the
+// metrics file holds each step once, also after a resume from an earlier
+// checkpoint than the last (the lines after it are dropped, as the Trainer
+// restores its log_history).
 TEST(DistFinetune, AResumeAfterSkippedFp16StepsContinuesAtTheSameStep) {
   const fs::path dir = test_scratch_dir();
   if (!shardtrain::testing::is_rank_process()) {
@@ -240,9 +243,11 @@ TEST(DistFinetune, AResumeAfterSkippedFp16StepsContinuesAtTheSameStep) {
     config["fp16"]["hysteresis"] = 1;
     std::ofstream(dir / "fp16_overflowing.json") << config.dump(2);
   }
-  for (const int max_steps : {4, 8}) {
+  // 4 steps; resumed to 8 from the last checkpoint; then again to 8 from the one at step 4.
+  for (const std::string resume : {"", "run", "run/checkpoints/step_4"}) {
     MultiRankOptions harness = long_run();
-    harness.env["FT_MAX_STEPS"] = std::to_string(max_steps);
+    harness.env["FT_MAX_STEPS"] = resume.empty() ? "4" : "8";
+    harness.env["FT_RESUME"] = resume;
     run_on_ranks(
         2,
         [](RankContext& ctx) {
@@ -252,12 +257,15 @@ TEST(DistFinetune, AResumeAfterSkippedFp16StepsContinuesAtTheSameStep) {
           o.metrics_out = dir + "/metrics.jsonl";
           o.no_export = true;
           o.eval_data.clear();
-          if (o.max_steps == 8) o.resume = dir + "/run";
+          const std::string resume = std::getenv("FT_RESUME");
+          if (!resume.empty()) o.resume = dir + "/" + resume;
           const finetune::FinetuneSummary s = finetune::run_finetune(o);
-          if (o.max_steps == 8) EXPECT_EQ(s.first_step, 4);
+          if (!resume.empty()) EXPECT_EQ(s.first_step, 4);
         },
         harness);
   }
+  EXPECT_TRUE(fs::exists(dir / "run/checkpoints/step_4/index.json"));
+  EXPECT_TRUE(fs::exists(dir / "run/checkpoints/step_8/index.json"));
   std::vector<int64_t> steps;
   int skipped = 0;
   for (const std::string& line : read_lines(dir / "metrics.jsonl")) {

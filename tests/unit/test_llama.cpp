@@ -140,6 +140,7 @@ TEST(UnitLlama, ArchitectureVariantsThisModelDoesNotBuildAreRefusedByName) {
       {R"("rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5})", "partial_rotary_factor 0.5"},
       {R"("rope_parameters": 10000)", "field 'rope_parameters' must be an object or null"},
       {R"("partial_rotary_factor": 0.5)", "partial_rotary_factor 0.5"},  // top-level, no rope object
+      {R"("attention_dropout": 0.1)", "'attention_dropout': 0.1 is not implemented"},
       {R"("rope_scaling": {"factor": 8.0})", "rope_scaling needs 'type' or 'rope_type'"},
   };
   for (const auto& [field, expected] : cases) {
@@ -153,6 +154,7 @@ TEST(UnitLlama, ArchitectureVariantsThisModelDoesNotBuildAreRefusedByName) {
   // What the plain model is, said explicitly, is accepted.
   const auto plain = sm::LlamaConfig::from_json_string(
       "{" + sizes + R"(, "attention_bias": false, "mlp_bias": false, "hidden_act": "silu", "rope_scaling": null,
+         "attention_dropout": 0.0,
          "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}, "rope_theta": 30000.0})");
   EXPECT_DOUBLE_EQ(plain.rope_theta, 20000.0);  // rope_parameters' own value wins, as in transformers
   // A non-empty rope_scaling wins over rope_parameters (transformers' convert_rope_params_to_dict).
