@@ -72,7 +72,7 @@ LRScheduler::LRScheduler(const SchedulerConfig& config, double base_lr)
     }
     // WarmupDecayLR with total_num_steps below the warmup runs as DeepSpeed
     // runs it (the lr drops to warmup_min_lr when the warmup ends); the
-    // config's resolution warns that the run ends during its warmup.
+    // config's resolution warns about it (resolve_scheduler).
     // DeepSpeed clamps to 2 so that log(warmup) is not 0.
     warmup_ = std::max<int64_t>(2, warmup);
     inverse_log_warmup_ = 1.0 / std::log(static_cast<double>(warmup_));

@@ -64,8 +64,6 @@ struct ModelSpec {
   std::string config_json;
 };
 
-/// The run's LoRA config, when it trains one: --lora-adapter's own config,
-/// else --lora-config's, else PEFT's defaults, with the --lora-* flags on top.
 /// A run resumed from an earlier checkpoint than its last drops the metric
 /// lines after that checkpoint's step before it appends its own, so each step
 /// is in the file once (the Trainer restores its log_history to the
@@ -86,6 +84,8 @@ void keep_metrics_up_to(const std::string& file, int64_t last_step) {
   ST_CHECK(out.good(), "cannot rewrite the metrics file '", file, "'");
 }
 
+/// The run's LoRA config, when it trains one: --lora-adapter's own config,
+/// else --lora-config's, else PEFT's defaults, with the --lora-* flags on top.
 std::optional<shardtrain::LoraConfig> lora_config_of(const FinetuneOptions& options) {
   const bool flags = options.lora_r || options.lora_alpha || options.lora_dropout || !options.lora_target_modules.empty();
   if (!flags && options.lora_config.empty() && options.lora_adapter.empty()) return std::nullopt;

@@ -135,10 +135,6 @@ const std::vector<std::string>& scheduler_types() {
   return kTypes;
 }
 
-bool scheduler_needs_total_steps(const std::string& type) {
-  return type == "WarmupDecayLR" || type == "WarmupCosineLR" || type == "linear" || type == "cosine";
-}
-
 bool is_deepspeed_scheduler(const std::string& type) {
   return type == "WarmupLR" || type == "WarmupDecayLR" || type == "WarmupCosineLR";
 }
@@ -162,6 +158,11 @@ const std::vector<std::string>& scheduler_params(const std::string& type) {
   static const std::vector<std::string> kNone;
   auto it = kParams.find(type);
   return it == kParams.end() ? kNone : it->second;
+}
+
+bool scheduler_needs_total_steps(const std::string& type) {
+  const auto& params = scheduler_params(type);
+  return std::find(params.begin(), params.end(), "total_num_steps") != params.end();
 }
 
 bool is_scheduler_param(const std::string& key) {

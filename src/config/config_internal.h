@@ -29,6 +29,7 @@ inline const std::string kWarmupStepsKey = "scheduler.params.warmup_num_steps";
 std::optional<DType> dtype_from_name(const std::string& name);
 const std::vector<std::string>& optimizer_types();           ///< AdamW, Adam, SGD
 const std::vector<std::string>& scheduler_types();           ///< WarmupLR, ..., constant
+/// The type takes total_num_steps (scheduler_params): WarmupDecayLR, WarmupCosineLR, linear, cosine.
 bool scheduler_needs_total_steps(const std::string& type);
 /// WarmupLR, WarmupDecayLR, WarmupCosineLR (as against transformers' linear, cosine, constant).
 bool is_deepspeed_scheduler(const std::string& type);

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "json_depth.h"
+#include "models/token_ids_field.h"
 #include "shardtrain/error.h"
 
 namespace shardtrain::models {
@@ -111,16 +112,7 @@ std::optional<GenerationConfigFile> read_generation_config(const std::string& mo
   GenerationConfigFile file;
   auto is_integer = [](const json& v) { return v.is_number_integer(); };
   auto is_number = [](const json& v) { return v.is_number(); };
-  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
-    const bool list = it->is_array() && std::all_of(it->begin(), it->end(), is_integer);
-    ST_CHECK_T(ConfigError, it->is_number_integer() || list, path.string(),
-               ": field 'eos_token_id' must be an integer or a list of integers, got ", it->dump());
-    if (list) {
-      for (const json& id : *it) file.eos_token_ids.push_back(id.get<int64_t>());
-    } else {
-      file.eos_token_ids.push_back(it->get<int64_t>());
-    }
-  }
+  if (auto ids = token_ids_field(j, "eos_token_id", path.string())) file.eos_token_ids = *ids;
   if (auto* v = field("do_sample", [](const json& x) { return x.is_boolean(); }, "true or false")) {
     file.do_sample = v->get<bool>();
   }

@@ -93,10 +93,10 @@ void HfCheckpoint::warn_of_unexpected_tensors(torch::nn::Module& model) const {
   std::set<std::string> expected;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) expected.insert(item.key());
   std::vector<std::string> unexpected;
+  // transformers ignores both as well: the rotary table is recomputed from
+  // the config, and a tied model's head is its embedding.
+  const std::string rotary_suffix = "rotary_emb.inv_freq";
   for (const auto& [name, reader] : by_tensor_) {
-    // transformers ignores both as well: the rotary table is recomputed from
-    // the config, and a tied model's head is its embedding.
-    const std::string rotary_suffix = "rotary_emb.inv_freq";
     const bool rotary_table =
         name.size() >= rotary_suffix.size() &&
         name.compare(name.size() - rotary_suffix.size(), rotary_suffix.size(), rotary_suffix) == 0;

@@ -28,6 +28,7 @@
 #include "json_depth.h"
 #include "kernels/packed_attention.h"
 #include "kernels/recompute.h"
+#include "models/token_ids_field.h"
 #include "shardtrain/device.h"
 #include "shardtrain/error.h"
 #include "shardtrain/logging.h"
@@ -42,22 +43,26 @@ using json = nlohmann::json;
 
 namespace {
 
+/// nlohmann converts a float or an oversized unsigned to an integer with a
+/// plain cast, undefined when it does not fit (found by tests/fuzz): an
+/// integer value is one in range, or a float with an exact integral value in range.
+template <typename T>
+bool is_integer_in_range(const json& value) {
+  return (value.is_number_integer() && !value.is_number_unsigned()) ||
+         (value.is_number_unsigned() &&
+          value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())) ||
+         (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>() &&
+          value.get<double>() >= static_cast<double>(std::numeric_limits<T>::min()) &&
+          value.get<double>() < static_cast<double>(std::numeric_limits<T>::max()));
+}
+
 template <typename T>
 T get_or(const json& j, const char* key, T fallback, const std::string& source) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    // nlohmann converts a float or an oversized unsigned to an integer with a
-    // plain cast, undefined when it does not fit (found by tests/fuzz): accept
-    // integers in range and floats with an exact integral value in range only.
-    const bool fits =
-        (it->is_number_integer() && !it->is_number_unsigned()) ||
-        (it->is_number_unsigned() && it->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())) ||
-        (it->is_number_float() && std::trunc(it->get<double>()) == it->get<double>() &&
-         it->get<double>() >= static_cast<double>(std::numeric_limits<T>::min()) &&
-         it->get<double>() < static_cast<double>(std::numeric_limits<T>::max()));
-    ST_CHECK_T(ConfigError, fits || !it->is_number(), source, ": field '", key, "' must be an integer in range, got ",
-               it->dump());
+    ST_CHECK_T(ConfigError, is_integer_in_range<T>(*it) || !it->is_number(), source, ": field '", key,
+               "' must be an integer in range, got ", it->dump());
   }
   try {
     return it->get<T>();
@@ -67,6 +72,19 @@ T get_or(const json& j, const char* key, T fallback, const std::string& source) 
 }
 
 }  // namespace
+
+std::optional<std::vector<int64_t>> token_ids_field(const json& j, const char* key, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  const json items = it->is_array() ? *it : json::array({*it});
+  std::vector<int64_t> ids;
+  for (const json& item : items) {
+    ST_CHECK_T(ConfigError, is_integer_in_range<int64_t>(item), source, ": field '", key,
+               "' must be an integer or a list of integers (in range), got ", it->dump());
+    ids.push_back(item.get<int64_t>());
+  }
+  return ids;
+}
 
 std::string LlamaConfig::decoder_layer_class_name() const {
   return model_type == "mistral" ? "MistralDecoderLayer" : "LlamaDecoderLayer";
@@ -196,19 +214,11 @@ LlamaConfig LlamaConfig::from_json_string(const std::string& text, const std::st
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);
   c.initializer_range = get_or<double>(j, "initializer_range", c.initializer_range, source);
   c.bos_token_id = get_or<int64_t>(j, "bos_token_id", c.bos_token_id, source);
-  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
-    if (it->is_array()) {
-      ST_CHECK_T(ConfigError, !it->empty() && (*it)[0].is_number_integer(), source,
-                 ": field 'eos_token_id' must be an integer or a non-empty list of integers");
-      c.eos_token_id = (*it)[0].get<int64_t>();
-      for (size_t i = 1; i < it->size(); ++i) {
-        ST_CHECK_T(ConfigError, (*it)[i].is_number_integer(), source,
-                   ": field 'eos_token_id' must be an integer or a non-empty list of integers");
-        c.other_eos_token_ids.push_back((*it)[i].get<int64_t>());
-      }
-    } else {
-      c.eos_token_id = get_or<int64_t>(j, "eos_token_id", c.eos_token_id, source);
-    }
+  if (auto ids = token_ids_field(j, "eos_token_id", source)) {
+    ST_CHECK_T(ConfigError, !ids->empty(), source,
+               ": field 'eos_token_id' must be an integer or a non-empty list of integers");
+    c.eos_token_id = ids->front();
+    c.other_eos_token_ids.assign(ids->begin() + 1, ids->end());
   }
   // transformers' MistralConfig defaults sliding_window to 4096; null disables it.
   if (auto it = j.find("sliding_window"); it != j.end()) {

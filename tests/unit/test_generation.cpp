@@ -366,6 +366,16 @@ TEST(UnitGeneration, GenerationConfigJsonIsReadAsTransformersWritesIt) {
   EXPECT_EQ(read->temperature, std::optional<double>(0.6));
   EXPECT_EQ(read->top_p, std::optional<double>(0.9));
   EXPECT_FALSE(read->top_k.has_value());
+  // eos_token_id follows config.json's rule (LlamaConfig's): an id past int64 is refused, not wrapped.
+  std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": [2, 18446744073709551615]})";
+  try {
+    (void)sm::read_generation_config(dir.string());
+    ADD_FAILURE() << "an eos id past int64 was accepted";
+  } catch (const shardtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("field 'eos_token_id' must be an integer or a list of integers (in range)"),
+              std::string::npos)
+        << e.what();
+  }
   std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": 2, "top_k": "fifty"})";
   try {
     (void)sm::read_generation_config(dir.string());
