@@ -1,6 +1,7 @@
-// bench_optimizer: the engines' fused CPU AdamW against torch::optim::AdamW
-// and against this machine's measured copy bandwidth, side by side in one
-// run (interleaved round by round).
+// bench_optimizer: the engines' fused CPU AdamW against torch's fused CPU
+// AdamW (at::_fused_adamw_, what `torch.optim.AdamW(fused=True)` runs), against
+// torch::optim::AdamW (per tensor) and against this machine's measured copy
+// bandwidth, side by side in one run (interleaved round by round).
 //
 //   OMP_NUM_THREADS=1 build/bin/bench_optimizer [--numel 50000000] [--rounds 5] [--threads 1]
 //
@@ -41,7 +42,7 @@ double seconds_of(Fn&& fn) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"bench_optimizer: fused AdamW vs torch::optim::AdamW vs copy bandwidth"};
+  CLI::App app{"bench_optimizer: fused AdamW vs torch's fused AdamW, torch::optim::AdamW and copy bandwidth"};
   int64_t numel = 50'000'000;
   int rounds = 5;
   int threads = 1;
@@ -64,6 +65,12 @@ int main(int argc, char** argv) {
     at::Tensor torch_param = master.clone().set_requires_grad(true);
     torch_param.mutable_grad() = grad.clone();
     torch::optim::AdamW torch_adamw({torch_param}, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+    // torch's fused kernel on its own copy of the same flat buffer, as the
+    // Python peers of scripts/bench-vs-pytorch step it (one tensor per
+    // parameter there; one flat tensor here, as the engines hold it).
+    at::Tensor fused_param = master.clone(), fused_grad = grad.clone();
+    at::Tensor fused_m = at::zeros({numel}), fused_v = at::zeros({numel});
+    at::Tensor fused_step = at::zeros({}, at::kFloat);
     shardtrain::kernels::cpu::AdamParams p;
     p.lr = 1e-4;
     p.weight_decay = 0.01;
@@ -86,7 +93,13 @@ int main(int argc, char** argv) {
       const double pure_audit = seconds_of(
           [&] { shardtrain::kernels::cpu::fused_adam_low_precision(pure_p, pure_m, pure_v, pure_g, p, audit); });
       const double reference = seconds_of([&] { torch_adamw.step(); });
+      fused_step.add_(1);  // the kernel reads the step count; torch.optim increments it before the call
+      const double torch_fused = seconds_of([&] {
+        at::_fused_adamw_({fused_param}, {fused_grad}, {fused_m}, {fused_v}, {}, {fused_step}, p.lr, 0.9, 0.999,
+                          p.weight_decay, 1e-8, /*amsgrad=*/false, /*maximize=*/false);
+      });
       if (round == 0) continue;
+      times["torch_fused"].push_back(torch_fused);
       times["fused_bf16_audit"].push_back(fused_bf16_audit);
       times["pure"].push_back(pure);
       times["pure_audit"].push_back(pure_audit);
@@ -114,7 +127,10 @@ int main(int argc, char** argv) {
     row("shardtrain fused AdamW + bf16 copy + lost-update audit", "fused_bf16_audit", 30.0);
     row("shardtrain pure bf16 AdamW", "pure", 14.0);
     row("shardtrain pure bf16 AdamW + lost-update audit", "pure_audit", 14.0);
+    row("torch fused AdamW (at::_fused_adamw_)", "torch_fused", 28.0);
     std::printf("| torch::optim::AdamW | %.1f | 1.00x | - | - |\n", 1e3 * torch_time);
+    std::printf("shardtrain fused AdamW / torch fused AdamW, time: %.3f\n",
+                bench::median(times["fused"]) / bench::median(times["torch_fused"]));
     std::printf("lost-update audit, time with / without: fused AdamW + bf16 copy %.3f; pure bf16 AdamW %.3f\n",
                 bench::median(times["fused_bf16_audit"]) / bench::median(times["fused_bf16"]),
                 bench::median(times["pure_audit"]) / bench::median(times["pure"]));
