@@ -23,6 +23,13 @@
 ///    the lr of update k+1 is base_lr * lambda(k): lr_at(k) = base_lr * lambda(k).
 /// Skipped (fp16 overflow) updates do not advance the counter: DeepSpeed and
 /// Accelerate do not step the scheduler for them either.
+///
+/// One scheduler step per optimizer update, whatever the world size, as
+/// DeepSpeed's engine and the Trainer step theirs. Accelerate's
+/// prepare(scheduler) differs: with split_batches=False (its default) it steps
+/// a torch scheduler num_processes times per update, so a schedule written
+/// for such a script runs num_processes times faster than here; divide its
+/// warmup and total steps by num_processes to get the same lr sequence.
 
 #include <cstdint>
 #include <string>

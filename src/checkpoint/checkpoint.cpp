@@ -512,6 +512,13 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
       ST_THROW(Error, "checkpoint ", ckpt.string(), ": a random-number state cannot be restored (", *failed,
                "); nothing was loaded");
     }
+  } else if (comm.rank() == 0) {
+    // Rank r's stream has no counterpart at another world size; Accelerate's
+    // load_state likewise skips a process's missing random_states file.
+    ST_LOG_WARN("checkpoint {}: random-number states are kept per rank and restored only at the world size that "
+                "saved them ({}); at world {} each rank goes on with its own stream, so dropout and any other "
+                "random draw differ from an uninterrupted run",
+                ckpt.string(), index.world_size, comm.world_size());
   }
   load_custom_optimizer(engine, comm, index, ckpt, reader);
   auto slice_source = [&](const std::string& name, const std::string& kind, int64_t begin, int64_t length) {

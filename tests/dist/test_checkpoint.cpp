@@ -155,7 +155,7 @@ TEST(DistCheckpoint, ResumesAcrossEnginesAndWorldSizes) {
   }
 }
 
-TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatch) {
+TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatchAndTheRandomStreams) {
   const fs::path dir = test_scratch_subdir("batch_change");
   run(zero(3, 2, 4), 4, (dir / "ckpt").string(), 2, 2, "", dir / "first.txt");  // global batch 8
   MultiRankOptions harness;
@@ -176,7 +176,9 @@ TEST(DistCheckpoint, ResumingAtAnotherWorldSaysWhatChangedInTheBatch) {
   for (const std::string needle :
        {"the checkpoint was saved at world 2 with global batch 8 (micro-batch 4 x accumulation 1 x world 2)",
         "this run has world 1 and global batch 4 (micro-batch 4 x accumulation 1 x world 1)",
-        "each step now averages 4 samples instead of 8", "the learning-rate schedule continues at step 2"}) {
+        "each step now averages 4 samples instead of 8", "the learning-rate schedule continues at step 2",
+        "random-number states are kept per rank and restored only at the world size that saved them (2); at "
+        "world 1 each rank goes on with its own stream"}) {
     EXPECT_NE(log.find(needle), std::string::npos) << "missing '" << needle << "' in:\n" << log;
   }
 }
