@@ -205,6 +205,11 @@ bool GatherScheduler::gathered_or_pending(const Unit& unit) const {
 }
 
 void GatherScheduler::prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements) {
+  prefetch_from(order, pos + 1, window_elements);
+}
+
+void GatherScheduler::prefetch_from(const std::vector<const Unit*>& order, std::size_t first,
+                                    int64_t window_elements) {
   if (plan_.reshard != Reshard::kAfterForward && plan_.reshard != Reshard::kAfterBackward) return;
   if (window_elements <= 0 || !units_.trace_valid()) return;
   int64_t live = 0;
@@ -214,7 +219,7 @@ void GatherScheduler::prefetch_after(const std::vector<const Unit*>& order, std:
   }
   int64_t window = 0;
   int units_ahead = 0;
-  for (std::size_t k = pos + 1; k < order.size() && units_ahead < plan_.max_prefetch_units; ++k) {
+  for (std::size_t k = first; k < order.size() && units_ahead < plan_.max_prefetch_units; ++k) {
     const int64_t n = units_.unit_numel(*order[k]);
     if (window + n > window_elements || live + n > plan_.max_live_parameters) break;
     window += n;
@@ -225,20 +230,24 @@ void GatherScheduler::prefetch_after(const std::vector<const Unit*>& order, std:
   }
 }
 
-void GatherScheduler::prefetch_for_backward(const Unit& current) {
+void GatherScheduler::prefetch_for_backward(const Unit* current) {
   // Backward runs the forward's units in reverse, except those whose output
   // needed no gradient: a frozen unit fed by no gradient (the embeddings under
   // LoRA) has no backward, and gathering it would be traffic for nothing.
   const auto& order = units_.forward_order();
   std::vector<const Unit*> reversed;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    if (*it == &current || awaiting_backward_.count(*it) != 0) reversed.push_back(*it);
+    if (*it == current || awaiting_backward_.count(*it) != 0) reversed.push_back(*it);
   }
-  auto where = std::find(reversed.begin(), reversed.end(), &current);
-  if (where == reversed.end()) return;
+  std::size_t next = 0;  // no unit's backward yet: the first one backward runs
+  if (current != nullptr) {
+    auto where = std::find(reversed.begin(), reversed.end(), current);
+    if (where == reversed.end()) return;
+    next = static_cast<std::size_t>(where - reversed.begin()) + 1;
+  }
+  if (next >= reversed.size()) return;
   // Backward prefetch gathers exactly the next unit, as FSDP does.
-  const int64_t next_numel = where + 1 < reversed.end() ? units_.unit_numel(**(where + 1)) : 0;
-  prefetch_after(reversed, static_cast<std::size_t>(where - reversed.begin()), next_numel);
+  prefetch_from(reversed, next, units_.unit_numel(*reversed[next]));
 }
 
 void GatherScheduler::regather_after_step() {

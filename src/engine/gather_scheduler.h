@@ -71,11 +71,14 @@ class GatherScheduler {
   /// Issues gathers for the units after position `pos` of `order` while they
   /// fit in the prefetch window (elements, units) and the live-parameter budget.
   void prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements);
+  /// The same from position `first` on (inclusive).
+  void prefetch_from(const std::vector<const Unit*>& order, std::size_t first, int64_t window_elements);
   /// A unit's forward produced an output that needs a gradient: its backward
   /// will run in this step's backward, so backward prefetch may gather it.
   void expect_backward(const Unit& unit) { awaiting_backward_.insert(&unit); }
-  /// Gathers the unit whose backward comes after `current`'s.
-  void prefetch_for_backward(const Unit& current);
+  /// Gathers the unit whose backward comes after `current`'s; with nullptr,
+  /// the unit whose backward comes first (backward has reached no unit yet).
+  void prefetch_for_backward(const Unit* current);
   /// After the optimizer step: frees the stepped entries' stale values and
   /// issues the gathers of the ones kept gathered, in the next forward's
   /// order, without waiting: each unit's forward waits for its own.

@@ -206,7 +206,7 @@ void GradientReducer::unit_grads_ready(int i) {
     } else {
       gather_.release_unit(*u.unit, /*after_forward=*/false);
     }
-    if (plan_.backward_prefetch == BackwardPrefetchMode::kPost) gather_.prefetch_for_backward(*u.unit);
+    if (plan_.backward_prefetch == BackwardPrefetchMode::kPost) gather_.prefetch_for_backward(u.unit);
   }
 }
 

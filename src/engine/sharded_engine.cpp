@@ -175,7 +175,7 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
     // backward runs: gather its parameters then (FSDP's pre-backward hook).
     output.register_hook([gather, prefetch, key](const at::Tensor&) {
       gather->gather_unit(*key);
-      if (prefetch) gather->prefetch_for_backward(*key);
+      if (prefetch) gather->prefetch_for_backward(key);
     });
   }
   return output;
@@ -201,7 +201,17 @@ at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(co
 }
 
 at::Tensor ShardedEngine::end_forward(at::Tensor output) {
-  state_->units.end_forward();
+  State& s = *state_;
+  s.units.end_forward();
+  if (s.plan.backward_prefetch == BackwardPrefetchMode::kPre && output.defined() && output.requires_grad() &&
+      at::GradMode::is_enabled()) {
+    // The model output's gradient arrives before the backward of whatever
+    // the root computes after the last unit (the final norm, the head): the
+    // first unit's gather overlaps that instead of waiting in the unit's own
+    // pre-backward hook, as FSDP's root pre-backward hook prefetches it.
+    GatherScheduler* gather = &s.gather;
+    output.register_hook([gather](const at::Tensor&) { gather->prefetch_for_backward(nullptr); });
+  }
   return output;
 }
 

@@ -232,6 +232,37 @@ TEST(DistFsdpDtypes, AllGatherInParamDtypeReduceScatterInReduceDtype) {
   });
 }
 
+TEST(DistFsdpPrefetch, BackwardPreGathersTheLastBlockBeforeTheHeadsBackwardAsTheRootsPreBackwardHookDoes) {
+  run_on_ranks(2, [](RankContext& ctx) {
+    // The op of the first collective backward issues, with and without
+    // backward prefetch. The head (in the root, reduced as its gradient
+    // arrives) runs its backward before the last block's.
+    auto first_backward_collective = [&](shardtrain::BackwardPrefetch mode) {
+      auto config = fsdp_config(ShardingStrategy::kFullShard, MixedPrecision::kNo);
+      config.fsdp.backward_prefetch = mode;
+      auto accelerator_holder = accelerator_for(config, ctx);
+      shardtrain::Accelerator& accelerator = *accelerator_holder;
+      torch::manual_seed(0);
+      tiny::TinyConfig model_config;
+      tiny::TinyModel model(model_config);
+      auto prepared = accelerator.prepare(model, {}, micro_batch(2));
+      at::Tensor tokens =
+          at::stack({tiny::synthetic_sample(0, 0, model_config), tiny::synthetic_sample(0, 1, model_config)});
+      at::Tensor logits = prepared(tokens);
+      std::vector<shardtrain::comm::CollectiveEvent> events;
+      ctx.comm->set_observer([&](const shardtrain::comm::CollectiveEvent& e) { events.push_back(e); });
+      accelerator.backward(logits.mean());
+      ctx.comm->set_observer(nullptr);
+      accelerator.step();
+      return events.empty() ? std::string("none") : events.front().op;
+    };
+    EXPECT_EQ(first_backward_collective(shardtrain::BackwardPrefetch::kBackwardPre), "all_gather")
+        << "the last block's gather must go out when the output's gradient arrives";
+    EXPECT_EQ(first_backward_collective(shardtrain::BackwardPrefetch::kNoPrefetch), "reduce_scatter")
+        << "without prefetch the head's gradient goes out before the last block is gathered";
+  });
+}
+
 TEST(DistFsdpReshard, ShardGradOpKeepsUnitsGatheredUntilBackwardFullShardDoesNot) {
   run_on_ranks(2, [](RankContext& ctx) {
     int64_t gathered_after_forward[2] = {0, 0};
