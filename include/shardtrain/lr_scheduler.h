@@ -25,11 +25,14 @@
 /// Accelerate do not step the scheduler for them either.
 ///
 /// One scheduler step per optimizer update, whatever the world size, as
-/// DeepSpeed's engine and the Trainer step theirs. Accelerate's
-/// prepare(scheduler) differs: with split_batches=False (its default) it steps
-/// a torch scheduler num_processes times per update, so a schedule written
-/// for such a script runs num_processes times faster than here; divide its
-/// warmup and total steps by num_processes to get the same lr sequence.
+/// DeepSpeed's engine and the Trainer step theirs (and Accelerate with a
+/// DeepSpeed scheduler, whose wrapper leaves the stepping to DeepSpeed).
+/// Accelerate's prepare() of a torch scheduler differs: with
+/// split_batches=False (its default) it steps it num_processes times per
+/// update, so a schedule written for such a script runs num_processes times
+/// faster than here. Dividing its warmup and total steps by num_processes
+/// gives the same lr sequence for the linear, cosine and constant schedules
+/// where they divide evenly (rounded otherwise; not for a log warmup).
 
 #include <cstdint>
 #include <string>

@@ -513,8 +513,9 @@ nlohmann::json load(engine::Engine& engine, comm::Communicator& comm, const std:
                "); nothing was loaded");
     }
   } else if (comm.rank() == 0) {
-    // Rank r's stream has no counterpart at another world size; Accelerate's
-    // load_state likewise skips a process's missing random_states file.
+    // Rank r's stream has no counterpart at another world size, so none is
+    // restored. (Accelerate's load_state restores rank r's file where one
+    // exists and skips the rest.)
     ST_LOG_WARN("checkpoint {}: random-number states are kept per rank and restored only at the world size that "
                 "saved them ({}); at world {} each rank goes on with its own stream, so dropout and any other "
                 "random draw differ from an uninterrupted run",

@@ -112,6 +112,10 @@ struct EnginePlan {
   /// false lets the host run ahead.
   bool limit_all_gathers = true;
   BackwardPrefetchMode backward_prefetch = BackwardPrefetchMode::kPre;
+  /// The model output's gradient gathers the unit backward runs first, so it
+  /// overlaps the root's backward (the head): FSDP's root pre-backward
+  /// prefetch under BACKWARD_PRE. DeepSpeed has none.
+  bool prefetch_first_backward_unit = false;
   int64_t param_persistence_threshold = 0;  ///< units smaller than this stay gathered
   /// kAfterForward: a unit whose backward use comes within this many gathered
   /// elements of its forward (per the recorded order) is not freed in between

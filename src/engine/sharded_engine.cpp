@@ -8,6 +8,7 @@
 
 #include "engine/sharded_engine.h"
 
+#include <memory>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -69,6 +70,10 @@ struct ShardedEngine::State {
   ShardLoader loader;
   ShardedOptimizer optimizer;
   CheckpointView checkpoint;
+  /// Expires with the engine: the hooks it leaves on output tensors (a graph
+  /// the user may keep and run backward on later) check it before they
+  /// touch the engine.
+  const std::shared_ptr<const bool> alive = std::make_shared<const bool>(true);
 };
 
 ShardedEngine::ShardedEngine(std::shared_ptr<torch::nn::Module> model, EngineGroups groups, EnginePlan plan)
@@ -173,7 +178,8 @@ at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input
     const Unit* key = &unit;
     // The gradient of the unit's output arrives just before the unit's own
     // backward runs: gather its parameters then (FSDP's pre-backward hook).
-    output.register_hook([gather, prefetch, key](const at::Tensor&) {
+    output.register_hook([gather, prefetch, key, alive = std::weak_ptr<const bool>(s.alive)](const at::Tensor&) {
+      if (alive.expired()) return;
       gather->gather_unit(*key);
       if (prefetch) gather->prefetch_for_backward(key);
     });
@@ -203,14 +209,16 @@ at::Tensor ShardedEngine::run_recomputed(Unit& unit, std::function<at::Tensor(co
 at::Tensor ShardedEngine::end_forward(at::Tensor output) {
   State& s = *state_;
   s.units.end_forward();
-  if (s.plan.backward_prefetch == BackwardPrefetchMode::kPre && output.defined() && output.requires_grad() &&
+  if (s.plan.prefetch_first_backward_unit && output.defined() && output.requires_grad() && !output.is_leaf() &&
       at::GradMode::is_enabled()) {
     // The model output's gradient arrives before the backward of whatever
     // the root computes after the last unit (the final norm, the head): the
     // first unit's gather overlaps that instead of waiting in the unit's own
     // pre-backward hook, as FSDP's root pre-backward hook prefetches it.
     GatherScheduler* gather = &s.gather;
-    output.register_hook([gather](const at::Tensor&) { gather->prefetch_for_backward(nullptr); });
+    output.register_hook([gather, alive = std::weak_ptr<const bool>(s.alive)](const at::Tensor&) {
+      if (!alive.expired()) gather->prefetch_for_backward(nullptr);
+    });
   }
   return output;
 }

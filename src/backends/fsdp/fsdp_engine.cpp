@@ -80,6 +80,7 @@ engine::EnginePlan plan(const TrainingConfig& config, const engine::PlanContext&
   o.backward_prefetch = c.backward_prefetch == BackwardPrefetch::kBackwardPre    ? engine::BackwardPrefetchMode::kPre
                         : c.backward_prefetch == BackwardPrefetch::kBackwardPost ? engine::BackwardPrefetchMode::kPost
                                                                                  : engine::BackwardPrefetchMode::kNone;
+  o.prefetch_first_backward_unit = c.backward_prefetch == BackwardPrefetch::kBackwardPre;
   switch (c.auto_wrap_policy) {
     case AutoWrapPolicy::kTransformerBased:
       o.unit_classes = c.transformer_layer_cls_to_wrap;
