@@ -204,10 +204,6 @@ bool GatherScheduler::gathered_or_pending(const Unit& unit) const {
   return true;
 }
 
-void GatherScheduler::prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements) {
-  prefetch_from(order, pos + 1, window_elements);
-}
-
 void GatherScheduler::prefetch_from(const std::vector<const Unit*>& order, std::size_t first,
                                     int64_t window_elements) {
   if (plan_.reshard != Reshard::kAfterForward && plan_.reshard != Reshard::kAfterBackward) return;

@@ -68,10 +68,8 @@ class GatherScheduler {
   void gather_root();
   /// After backward: frees what the reshard policy frees then.
   void release_after_backward();
-  /// Issues gathers for the units after position `pos` of `order` while they
-  /// fit in the prefetch window (elements, units) and the live-parameter budget.
-  void prefetch_after(const std::vector<const Unit*>& order, std::size_t pos, int64_t window_elements);
-  /// The same from position `first` on (inclusive).
+  /// Issues gathers for the units of `order` from position `first` on while
+  /// they fit in the prefetch window (elements, units) and the live-parameter budget.
   void prefetch_from(const std::vector<const Unit*>& order, std::size_t first, int64_t window_elements);
   /// A unit's forward produced an output that needs a gradient: its backward
   /// will run in this step's backward, so backward prefetch may gather it.

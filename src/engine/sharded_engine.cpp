@@ -136,7 +136,7 @@ void ShardedEngine::before_unit_forward(Unit& unit) {
   ST_CHECK(s.units.manages(unit), "unit '", unit.unit_class_name(), "' is not managed by this engine");
   const std::size_t pos = s.units.record(unit, s.plan.name);
   s.gather.gather_unit(unit);
-  s.gather.prefetch_after(s.units.trace(), pos, s.plan.prefetch_bucket_size);
+  s.gather.prefetch_from(s.units.trace(), pos + 1, s.plan.prefetch_bucket_size);
 }
 
 at::Tensor ShardedEngine::after_unit_forward(Unit& unit, const at::Tensor& input, at::Tensor output) {
